@@ -1,0 +1,65 @@
+"""Frozen configuration dataclasses, validated on construction, loadable from YAML.
+
+One dataclass per concern; tiers (later) compose these rather than redefine fields.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+MiB = 1024 * 1024
+C = TypeVar("C")
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The LLM engine: paged KV cache, continuous batching, chunked prefill, prefix caching."""
+
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * MiB
+    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    attention_backend: str = "sdpa"
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+
+    def resolve_num_blocks(self, bytes_per_token: int) -> int:
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        return max(1, self.kv_cache_bytes // (bytes_per_token * self.block_size))
+
+
+def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:
+    """Build a config dataclass from a mapping, rejecting unknown keys by name."""
+    data = dict(data or {})
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; expected some of {sorted(known)}")
+    return cls(**data)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data

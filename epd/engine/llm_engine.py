@@ -1,0 +1,73 @@
+"""The in-process engine loop: schedule -> execute -> sample -> update."""
+from __future__ import annotations
+
+import torch
+
+from epd.config import EngineConfig
+from epd.engine.block_manager import BlockManager
+from epd.engine.mm_inputs import SequenceMultimodal
+from epd.engine.model_runner import ModelRunner
+from epd.engine.sampler import Sampler
+from epd.engine.sampling_params import SamplingParams
+from epd.engine.scheduler import Scheduler, SchedulerConfig
+from epd.engine.sequence import MultimodalItemSpan, Sequence
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLMEngine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...]) -> None:
+        cfg = model.config
+        dtype = _TORCH_DTYPES[config.dtype]
+        bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        num_blocks = config.resolve_num_blocks(bytes_per_token)
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.max_model_len), self.block_manager)
+        self.runner = ModelRunner(model.to(device=config.device, dtype=dtype), num_blocks=num_blocks,
+                                  block_size=config.block_size, device=config.device, dtype=dtype,
+                                  attention_backend=config.attention_backend)
+        self.sampler = Sampler()
+        self.num_steps = 0
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+                    mm: SequenceMultimodal | None = None,
+                    mm_items: list[MultimodalItemSpan] | None = None) -> Sequence:
+        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items,
+                       eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+        self.sampler.release(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Sequence]:
+        """One engine iteration; returns the sequences that finished in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
+            return []
+        logits, chunks = self.runner.execute(out)
+        seqs = [c.seq for c in chunks]
+        sampled = dict(zip((s.seq_id for s in seqs), self.sampler(logits, seqs)))
+        finished = self.scheduler.update(out, sampled)
+        for seq in finished:
+            self.sampler.release(seq)
+        self.num_steps += 1
+        return finished
+
+    def run_until_done(self, seqs: list[Sequence], max_steps: int = 1_000_000) -> list[Sequence]:
+        for _ in range(max_steps):
+            if all(s.is_finished for s in seqs):
+                return seqs
+            self.step()
+        raise RuntimeError(f"requests did not finish within {max_steps} engine steps")

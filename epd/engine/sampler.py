@@ -1,0 +1,73 @@
+"""Sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
+temperature/top-k/top-p), which is what OpenAI-compatible servers report.
+"""
+from __future__ import annotations
+
+import torch
+
+from epd.engine.sequence import Sequence, TokenLogprobs
+
+
+class Sampler:
+    def __init__(self) -> None:
+        # one generator per seeded request so its draws do not depend on who shares the batch
+        self._generators: dict[int, torch.Generator] = {}
+
+    def release(self, seq: Sequence) -> None:
+        self._generators.pop(seq.seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
+        """logits: [B, V] (one row per sequence that samples this step)."""
+        logits = logits.float()
+        tokens = [self._sample_one(row, seq) for row, seq in zip(logits, seqs, strict=True)]
+        return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
+
+    def _sample_one(self, row: torch.Tensor, seq: Sequence) -> int:
+        params = seq.sampling_params
+        if params.is_greedy:
+            return int(row.argmax())
+        scaled = row / params.temperature
+        if params.top_k > 0:
+            scaled = _keep_top_k(scaled, params.top_k)
+        if params.top_p < 1.0:
+            scaled = _keep_top_p(scaled, params.top_p)
+        probs = torch.softmax(scaled, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq)))
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        seed = seq.sampling_params.seed
+        if seed is None:
+            return None
+        if seq.seq_id not in self._generators:
+            self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
+        return self._generators[seq.seq_id]
+
+    @staticmethod
+    def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> TokenLogprobs | None:
+        k = seq.sampling_params.logprobs
+        if k is None:
+            return None
+        logp = torch.log_softmax(row, dim=-1)
+        top = {}
+        if k > 0:
+            values, ids = logp.topk(k)
+            top = {int(i): float(v) for i, v in zip(ids, values)}
+        return TokenLogprobs(token_id=token, logprob=float(logp[token]), top=top)
+
+
+def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k >= logits.shape[-1]:
+        return logits
+    threshold = logits.topk(k).values[-1]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _keep_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+    sorted_logits, order = logits.sort(descending=True)
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+    # drop a token when the mass before it already reaches p; the top token always stays
+    drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= p
+    drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

@@ -1,0 +1,161 @@
+"""Continuous batching with chunked prefill and preemption by recompute (plain Python, no torch).
+
+One step is a token budget shared by every running sequence: decodes (one token each) first,
+then prefill chunks of partly-prefilled sequences, then newly admitted ones. A prompt longer
+than the budget is cut into chunks across steps; a chunk may cut through an image.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epd.engine.block_manager import BlockManager
+from epd.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for ``seq.token_ids[start:start + num_tokens]`` this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """A chunk that reaches the last token produces logits for the next token."""
+        return self.end == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        limit = self.config.max_model_len
+        if len(seq) + seq.sampling_params.max_tokens > limit:
+            raise ValueError(f"request {seq.request_id}: prompt ({len(seq)} tokens) + max_tokens "
+                             f"({seq.sampling_params.max_tokens}) exceeds max_model_len={limit}")
+        needed = seq.num_blocks_needed(self.block_manager.block_size, len(seq) + 1)
+        if needed > self.block_manager.num_total_blocks:
+            raise ValueError(f"request {seq.request_id}: prompt needs {needed} KV blocks, the cache has "
+                             f"{self.block_manager.num_total_blocks} in all")
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # decodes first: they are latency-bound and cost one token each
+        ordered = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        for seq in ordered:
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier iteration of this loop
+                continue
+            if not self._make_room(seq, out):
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """Ensure ``seq`` has blocks for all its tokens, preempting the newest others if needed."""
+        bm = self.block_manager
+        while not bm.can_append(seq):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        bm.append_slots(seq)
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        out.chunks[:] = [c for c in out.chunks if c.seq is not seq]
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    def update(self, out: SchedulerOutput,
+               sampled: dict[int, tuple[int, TokenLogprobs | None]]) -> list[Sequence]:
+        """Advance computed counts; append sampled tokens (seq_id -> (token id, logprobs));
+        return the sequences that finished."""
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens = chunk.end
+            self.block_manager.mark_computed(seq)
+            if chunk.samples and seq.seq_id in sampled:
+                seq.append_token(*sampled[seq.seq_id])
+                if seq.check_stop():
+                    finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        return finished

@@ -1,0 +1,121 @@
+"""A request as the engine sees it: token ids, KV bookkeeping, sampling state (no torch)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+from epd.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class MultimodalItemSpan:
+    """Where one multimodal item sits in the prompt, and what identifies its content."""
+
+    offset: int  # first placeholder position in the prompt
+    length: int  # placeholder span (== embedding rows for Qwen-VL: no special tokens inside)
+    mm_hash: str
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token plus the top-k alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One request inside the engine.
+
+    ``num_computed_tokens`` counts positions whose KV is in the cache; prefill chunks and
+    prefix-cache hits advance it, preemption resets it. Multimodal payloads (embeddings,
+    positions) ride in ``mm`` so the scheduler never has to know their types.
+    """
+
+    def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                 request_id: str | None = None, mm_items: list[MultimodalItemSpan] | None = None,
+                 mm: Any = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token, got an empty prompt")
+        self.seq_id = next(_seq_counter)
+        self.request_id = request_id or f"req-{self.seq_id}"
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.mm_items = mm_items or []
+        self.mm = mm
+        self.eos_token_ids = eos_token_ids
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
+        self.block_table: list[int] = []
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not yet cached: the prompt (or, after preemption, prompt+outputs)
+        during prefill, exactly one during decode."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
+        n = len(self) if num_tokens is None else num_tokens
+        return (n + block_size - 1) // block_size
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self) -> bool:
+        """Mark the sequence finished if its last token ends it; return whether it did."""
+        params = self.sampling_params
+        last = self.token_ids[-1]
+        if self.num_output_tokens >= params.max_tokens:
+            self.finish_reason = "length"
+        elif self.num_output_tokens < params.min_tokens:
+            return False
+        elif last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finish_reason = "stop"
+        else:
+            return False
+        self.status = SequenceStatus.FINISHED
+        return True
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute: drop all KV; the outputs so far become part of the prompt work."""
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_table = []

@@ -1,0 +1,60 @@
+"""Reading a Hugging Face checkpoint directory: config, safetensors shards, chat template."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def read_json(path: Path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a checkpoint directory: config.json not found")
+    return read_json(path)
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return sorted({model_dir / name for name in read_json(index)["weight_map"].values()})
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    return files
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) over every shard; tensors are loaded one at a time (no pickle)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def read_chat_template(model_dir: Path) -> str | None:
+    """``chat_template.jinja`` wins, then ``chat_template.json``, then tokenizer_config.json."""
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            template = read_json(path).get("chat_template")
+            if isinstance(template, str):
+                return template
+    return None
+
+
+def read_preprocessor_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "preprocessor_config.json"
+    return read_json(path) if path.is_file() else {}

@@ -1,0 +1,100 @@
+"""LLM building blocks shared by model families. Packed layers load their checkpoint shards
+themselves, so tensors stored separately (q/k/v, gate/up) land in one matmul."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, parameter expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class PackedLinear(nn.Linear):
+    """One matmul over several checkpoint projections stacked on the output dim
+    (q|k|v or gate|up): fewer, larger GEMMs are what make small-batch decode fast."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_offsets = [sum(shard_sizes[:i]) for i in range(len(shard_sizes))]
+        self.shard_sizes = shard_sizes
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shard_sizes)
+
+    def load_shard(self, param_name: str, loaded: torch.Tensor, shard_id: int) -> None:
+        """Copy one checkpoint projection (``param_name`` is "weight" or "bias") into its rows."""
+        offset, size = self.shard_offsets[shard_id], self.shard_sizes[shard_id]
+        target = getattr(self, param_name).data.narrow(0, offset, size)
+        if target.shape != loaded.shape:
+            raise ValueError(f"shard {shard_id}: checkpoint tensor {tuple(loaded.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # computed in fp32 like the reference, then cast back, so bf16 runs match transformers too
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class MRotaryEmbedding(nn.Module):
+    """Multimodal RoPE (Qwen2-VL): positions are (temporal, height, width) triples; the rotary
+    frequency bands are split by ``mrope_section`` and band i reads component i % 3.
+    Text tokens carry three equal components, which reduces to ordinary 1-D RoPE."""
+
+    def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int]) -> None:
+        super().__init__()
+        if sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {mrope_section} must sum to head_dim/2={head_dim // 2}")
+        self.head_dim, self.rope_theta = head_dim, rope_theta
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        self.mrope_section = list(mrope_section)
+
+    def _inv_freq(self) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+        return 1.0 / (self.rope_theta ** exponents)
+
+    def reset_buffers(self) -> None:
+        """Recompute after materialising a model built on the meta device."""
+        self.inv_freq = self._inv_freq().to(self.inv_freq.device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [3, T] int64 -> cos, sin: [T, head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq  # [3, T, head_dim/2]
+        cos, sin = self._recompose(freqs.cos()), self._recompose(freqs.sin())
+        return cos.to(dtype), sin.to(dtype)
+
+    def _recompose(self, freq: torch.Tensor) -> torch.Tensor:
+        bands = freq.split(self.mrope_section, dim=-1)
+        half = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+        return torch.cat((half, half), dim=-1)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin

@@ -1,0 +1,125 @@
+"""Qwen2-VL and Qwen2.5-VL: identical LLM (Qwen2 decoder), different vision towers."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from epd.models.checkpoint import iter_weights, read_config
+from epd.models.layers import PackedLinear, default_weight_loader
+from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
+from epd.models.registry import MODEL_FAMILIES
+
+# checkpoints name the LLM weights in two layouts: transformers 4.x/5.x saves
+# "model.layers.*"/"lm_head.*"; some exports use "model.language_model.layers.*"
+_LLM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+_SKIP_PREFIXES = ("visual.", "model.visual.")
+
+
+@dataclass(frozen=True)
+class MultimodalSpec:
+    """What the data layer needs to know about a checkpoint's multimodal tokens."""
+
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    vocab_size: int
+
+
+def text_config_from_hf(hf: dict) -> Qwen2TextConfig:
+    """Accept both the nested (``text_config``) and the older flat config layouts."""
+    text = {**hf, **hf.get("text_config", {})}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    section = rope.get("mrope_section") or hf.get("rope_scaling", {}).get("mrope_section")
+    if not section:
+        raise ValueError("config has no mrope_section (rope_parameters / rope_scaling)")
+    tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return Qwen2TextConfig(
+        vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"], num_hidden_layers=text["num_hidden_layers"],
+        num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", text.get("rope_theta", 1_000_000.0)),
+        mrope_section=tuple(section), tie_word_embeddings=bool(tie),
+        max_position_embeddings=text.get("max_position_embeddings", 32768))
+
+
+def _canonical_llm_name(name: str) -> str | None:
+    if name.startswith(_SKIP_PREFIXES):
+        return None
+    if name.startswith("lm_head."):
+        return name
+    for prefix in _LLM_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return None
+
+
+def load_llm_weights(model: Qwen2ForCausalLM, model_dir: Path) -> None:
+    params = dict(model.named_parameters())
+    loaded = set()
+    for ckpt_name, tensor in iter_weights(model_dir):
+        name = _canonical_llm_name(ckpt_name)
+        if name is None or (name == "lm_head.weight" and model.config.tie_word_embeddings):
+            continue
+        for ckpt_part, (packed, shard) in model.packed_modules_mapping.items():
+            if f".{ckpt_part}." in name:
+                target = name.replace(f".{ckpt_part}.", f".{packed}.")
+                module_name, param_name = target.rsplit(".", 1)
+                model.get_submodule(module_name).load_shard(param_name, tensor, shard)
+                loaded.add(f"{target}#{shard}")
+                break
+        else:
+            if name not in params:
+                raise ValueError(f"checkpoint weight {ckpt_name!r} has no place in the LLM")
+            default_weight_loader(params[name], tensor)
+            loaded.add(name)
+    _check_all_loaded(model, loaded, model_dir)
+
+
+def _check_all_loaded(model: Qwen2ForCausalLM, loaded: set[str], model_dir: Path) -> None:
+    expected = set()
+    for name, _ in model.named_parameters():
+        module = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if isinstance(module, PackedLinear):
+            expected |= {f"{name}#{i}" for i in range(module.num_shards)}
+        else:
+            expected.add(name)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"{model_dir}: checkpoint lacks LLM weights {missing[:8]}")
+
+
+class QwenVLFamily:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def load_llm(self, model_dir: Path) -> Qwen2ForCausalLM:
+        cfg = text_config_from_hf(read_config(model_dir))
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+        model = model.to_empty(device="cpu")
+        model.rotary.reset_buffers()
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        load_llm_weights(model, Path(model_dir))
+        return model.eval()
+
+    def load_vision(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        from epd.models.qwen2_vl.vision import QwenVisionEncoder
+        return QwenVisionEncoder(model_dir, dtype=dtype, device=device)
+
+    def mm_spec(self, model_dir: Path) -> MultimodalSpec:
+        hf = read_config(model_dir)
+        return MultimodalSpec(
+            image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
+            vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
+            spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2),
+            vocab_size=text_config_from_hf(hf).vocab_size)
+
+
+for _name in ("qwen2_vl", "qwen2_5_vl"):
+    MODEL_FAMILIES.register(_name)(QwenVLFamily(_name))

@@ -1,0 +1,84 @@
+"""The vision half of Qwen2-VL / Qwen2.5-VL: transformers' own vision tower and image processor,
+loaded with the checkpoint's weights. The encoder tier runs this and nothing else of the model."""
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from PIL import Image
+from transformers import AutoConfig
+
+from epd.models.checkpoint import iter_weights, read_preprocessor_config
+
+_VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def _tower_class(model_type: str) -> type:
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+        return Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    return Qwen2VisionTransformerPretrainedModel
+
+
+def _image_processor(model_dir: Path):
+    # the PIL processor needs no torchvision; its output equals the fast one's on the same image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    cfg = {k: v for k, v in read_preprocessor_config(model_dir).items()
+           if k not in ("image_processor_type", "processor_class")}
+    return Qwen2VLImageProcessorPil(**cfg)
+
+
+class QwenVisionEncoder:
+    """images (encoded bytes) -> pixel patches -> per-item embedding rows ``[rows_i, out_hidden]``."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        model_dir = Path(model_dir)
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.model_type = hf_config.model_type
+        self.vision_config = hf_config.vision_config
+        self.spatial_merge_size = self.vision_config.spatial_merge_size
+        self.tower = _tower_class(self.model_type)._from_config(self.vision_config)
+        self._load_weights(model_dir)
+        self.tower.to(device=device, dtype=dtype).eval()
+        self.dtype, self.device = dtype, torch.device(device)
+        self.image_processor = _image_processor(model_dir)
+
+    @property
+    def embedding_dim(self) -> int:
+        """Width of one output row (seed §4.5: the declared dim of a cached embedding row)."""
+        cfg = self.vision_config
+        return getattr(cfg, "out_hidden_size", None) or cfg.hidden_size
+
+    @property
+    def embedding_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    def _load_weights(self, model_dir: Path) -> None:
+        state = {}
+        for name, tensor in iter_weights(model_dir):
+            for prefix in _VISION_PREFIXES:
+                if name.startswith(prefix):
+                    state[name[len(prefix):]] = tensor
+        missing, unexpected = self.tower.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision weights in {model_dir} do not match the tower: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+    def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> pixel_values [sum patches, C*T*P*P], grid_thw [N, 3] (CPU)."""
+        pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        out = self.image_processor(images=pil, return_tensors="pt")
+        return out["pixel_values"], out["image_grid_thw"]
+
+    @torch.inference_mode()
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """One batched tower forward over several items -> rows per item, in order."""
+        pixel_values = pixel_values.to(self.device, self.dtype)
+        merged = self.tower(pixel_values, grid_thw=grid_thw.to(self.device)).pooler_output
+        split = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
+        return list(torch.split(merged, split))
+
+    def encode_images(self, images: list[bytes]) -> list[torch.Tensor]:
+        return self.encode(*self.preprocess(images)) if images else []

@@ -1,0 +1,146 @@
+"""``epd.LLM``: the whole model in one process (encoder + engine), the reference the tiers are
+checked against and the engine behind ``epd generate``."""
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from epd.config import EngineConfig
+from epd.engine.llm_engine import LLMEngine
+from epd.engine.mm_inputs import SequenceMultimodal
+from epd.engine.sampling_params import SamplingParams
+from epd.engine.sequence import MultimodalItemSpan, Sequence, TokenLogprobs
+from epd.models.registry import family_for
+from epd.models.tokenizer_loading import load_tokenizer
+from epd.models.qwen2_vl.processor import ProcessedPrompt, QwenVLInputProcessor
+from epd.multimodal.media import load_media_bytes
+
+_IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLM:
+    """``LLM(model="tiny-qwen2-vl").chat(messages)``; ``model`` is a preset name or a HF directory."""
+
+    def __init__(self, model: str = "tiny-qwen2-vl", *, engine_config: EngineConfig | None = None,
+                 allowed_local_media_path: str | os.PathLike | None = "/") -> None:
+        from epd.models.presets import resolve_model
+        self.model_dir = resolve_model(model)
+        family = family_for(self.model_dir)
+        self.engine_config = engine_config or EngineConfig()
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.mm_spec = family.mm_spec(self.model_dir)
+        self.processor = QwenVLInputProcessor(self.model_dir, self.tokenizer, self.mm_spec,
+                                              model_id=str(self.model_dir))
+        self.vision = family.load_vision(self.model_dir, dtype=_dtype(self.engine_config),
+                                         device=self.engine_config.device)
+        eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        self.engine = LLMEngine(family.load_llm(self.model_dir), self.engine_config, eos_token_ids=eos)
+        self.allowed_local_media_path = allowed_local_media_path
+
+    # ---- public API ----------------------------------------------------------------------------
+    def chat(self, conversations: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a batch of them, run concurrently."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        params = _per_request(sampling_params, len(conversations))
+        seqs = [self.add_conversation(conv, p) for conv, p in zip(conversations, params)]
+        self.engine.run_until_done(seqs)
+        return [self._output(s) for s in seqs]
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling_params=None,
+                 images: list[list[bytes]] | None = None) -> list[RequestOutput]:
+        """Token-level entry: each prompt holds one ``<|image_pad|>`` per image (expanded here)."""
+        params = _per_request(sampling_params, len(prompt_token_ids))
+        images = images or [[] for _ in prompt_token_ids]
+        seqs = [self.add_processed(self.processor.process_token_ids(ids, imgs), p)
+                for ids, imgs, p in zip(prompt_token_ids, images, params)]
+        self.engine.run_until_done(seqs)
+        return [self._output(s) for s in seqs]
+
+    def add_conversation(self, messages: list[dict], params: SamplingParams) -> Sequence:
+        messages, images = self.extract_images(messages)
+        return self.add_processed(self.processor.process_messages(messages, images), params)
+
+    def add_processed(self, prompt: ProcessedPrompt, params: SamplingParams) -> Sequence:
+        mm = None
+        if prompt.items:
+            rows = self._encode(prompt)
+            mm = SequenceMultimodal(torch.cat(rows), prompt.embed_positions, prompt.embed_mask_cumsum,
+                                    prompt.mrope_positions, prompt.mrope_delta)
+        spans = [MultimodalItemSpan(i.offset, i.num_rows, i.mm_hash) for i in prompt.items]
+        return self.engine.add_request(prompt.prompt_token_ids, params, mm=mm, mm_items=spans)
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def extract_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:
+        """Pull image parts out as bytes (in order) and leave ``{"type": "image"}`` markers that
+        the chat template renders as one placeholder each."""
+        images, out = [], []
+        for message in messages:
+            content = message.get("content")
+            if not isinstance(content, list):
+                out.append(message)
+                continue
+            parts = []
+            for part in content:
+                if part.get("type") in _IMAGE_PART_TYPES:
+                    images.append(self._image_bytes(part))
+                    parts.append({"type": "image"})
+                else:
+                    parts.append(part)
+            out.append({**message, "content": parts})
+        return out, images
+
+    def _image_bytes(self, part: dict) -> bytes:
+        source = part.get("image") or part.get("image_url")
+        if isinstance(source, dict):
+            source = source.get("url")
+        if isinstance(source, Image.Image):
+            buf = io.BytesIO()
+            source.save(buf, format="PNG")
+            return buf.getvalue()
+        if source is None:
+            raise ValueError(f"image part has no image data: {sorted(part)}")
+        return load_media_bytes(source, allowed_local_root=self.allowed_local_media_path)
+
+    def _encode(self, prompt: ProcessedPrompt) -> list[torch.Tensor]:
+        rows = self.vision.encode_images([item.data for item in prompt.items])
+        for i, (item, r) in enumerate(zip(prompt.items, rows)):
+            if r.shape[0] != item.num_rows:
+                raise ValueError(f"image {i}: the encoder produced {r.shape[0]} rows but the prompt has "
+                                 f"{item.num_rows} placeholders (grid {item.geometry.grid_thw})")
+        return rows
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.request_id, seq.token_ids[:seq.num_prompt_tokens], seq.output_token_ids,
+                             self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True),
+                             seq.finish_reason, seq.output_logprobs)
+
+
+def _per_request(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} requests")
+    return list(params)
+
+
+def _dtype(cfg: EngineConfig) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]

@@ -1,0 +1,114 @@
+"""Prompt preprocessing for Qwen2-VL / Qwen2.5-VL, from the image headers alone (no pixels):
+chat template -> token ids -> each image's placeholder expanded to its embedding-row count ->
+content hashes, masks, embed-mask cumsum, item metadata and M-RoPE positions.
+
+This is the router's half of the work; the encoder turns the same bytes into pixels and rows,
+and the two must agree (the placeholder-count invariant, seed §3.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from epd.models.checkpoint import read_preprocessor_config
+from epd.models.qwen2_vl.family import MultimodalSpec
+from epd.models.qwen2_vl.mrope import compute_mrope_positions
+from epd.multimodal.geometry import ImageGeometry, VisionGeometryConfig, image_geometry_from_bytes
+from epd.multimodal.hashing import hash_encoded_media
+from epd.multimodal.masks import (
+    MultimodalEncoderItemMetadata,
+    compute_mm_masks,
+    embed_mask_cumsum,
+    find_mm_embedding_lengths_from_masks,
+)
+
+
+@dataclass(frozen=True)
+class ProcessedItem:
+    modality: str
+    data: bytes  # encoded media, as the user sent it; the encoder decodes it
+    mm_hash: str
+    offset: int  # first placeholder position in the prompt
+    geometry: ImageGeometry
+
+    @property
+    def num_rows(self) -> int:
+        return self.geometry.num_embedding_rows
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    prompt_token_ids: list[int]
+    items: list[ProcessedItem]
+    item_metadata: MultimodalEncoderItemMetadata
+    embed_mask_cumsum: torch.Tensor  # [L] int64 CPU
+    embed_positions: torch.Tensor  # [rows] int64 CPU
+    mrope_positions: torch.Tensor  # [3, L] int64 CPU
+    mrope_delta: int
+
+
+class QwenVLInputProcessor:
+    def __init__(self, model_dir: str | Path, tokenizer, spec: MultimodalSpec, *, model_id: str) -> None:
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.model_id = model_id
+        self.processor_config = read_preprocessor_config(Path(model_dir))
+        self.geometry_config = VisionGeometryConfig.from_preprocessor_config(self.processor_config)
+        self.processor_kwargs = {"min_pixels": self.geometry_config.min_pixels,
+                                 "max_pixels": self.geometry_config.max_pixels}
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def process_messages(self, messages: list[dict], images: list[bytes]) -> ProcessedPrompt:
+        """``images`` are the encoded images in the order their parts appear in ``messages``."""
+        token_ids = self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        return self.process_token_ids(token_ids, images)
+
+    def process_token_ids(self, token_ids: list[int], images: list[bytes]) -> ProcessedPrompt:
+        """Expand the single ``<|image_pad|>`` of each image to its row count and build metadata."""
+        pad = self.spec.image_token_id
+        num_pads = sum(1 for t in token_ids if t == pad)
+        if num_pads != len(images):
+            raise ValueError(f"prompt has {num_pads} image placeholders but {len(images)} images were given")
+        geometries = [image_geometry_from_bytes(data, self.geometry_config) for data in images]
+        expanded, offsets = _expand_placeholders(token_ids, pad, [g.num_embedding_rows for g in geometries])
+        items = [ProcessedItem("image", data, self._hash(data), offset, geo)
+                 for data, offset, geo in zip(images, offsets, geometries)]
+        return self._build(expanded, items)
+
+    def _hash(self, data: bytes) -> str:
+        return hash_encoded_media(data, modality="image", processor_kwargs=self.processor_kwargs,
+                                  model_id=self.model_id)
+
+    def _build(self, token_ids: list[int], items: list[ProcessedItem]) -> ProcessedPrompt:
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        masks = compute_mm_masks(ids, mm_token_ids=torch.tensor([self.spec.image_token_id,
+                                                                 self.spec.video_token_id]))
+        rows = [item.num_rows for item in items]
+        # the invariant: placeholders in the prompt == rows the encoder will produce, per item
+        find_mm_embedding_lengths_from_masks(masks.mm_mask, masks.embed_mask, rows)
+        metadata = MultimodalEncoderItemMetadata(
+            item_refs=[("image", i) for i in range(len(items))],
+            encoder_token_lengths=[item.geometry.num_patches for item in items],
+            output_embedding_lengths=rows)
+        metadata.validate()
+        positions, delta = compute_mrope_positions(
+            len(token_ids), [(item.offset, item.geometry.grid_thw) for item in items],
+            self.spec.spatial_merge_size)
+        return ProcessedPrompt(token_ids, items, metadata, embed_mask_cumsum(masks.embed_mask),
+                               masks.embed_mask.nonzero().squeeze(1), positions, delta)
+
+
+def _expand_placeholders(token_ids: list[int], pad: int, rows: list[int]) -> tuple[list[int], list[int]]:
+    out, offsets, item = [], [], 0
+    for tok in token_ids:
+        if tok == pad:
+            offsets.append(len(out))
+            out.extend([pad] * rows[item])
+            item += 1
+        else:
+            out.append(tok)
+    return out, offsets

@@ -1,0 +1,31 @@
+"""Shared fixtures: a private EPD cache dir for the whole session, and synthetic images."""
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache_dir(tmp_path_factory):
+    # presets and the built tokenizer are cached here, never in the user's home
+    path = os.environ.get("EPD_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("epd-cache"))
+    old = os.environ.get("EPD_CACHE_DIR")
+    os.environ["EPD_CACHE_DIR"] = path
+    yield path
+    if old is None:
+        os.environ.pop("EPD_CACHE_DIR", None)
+    else:
+        os.environ["EPD_CACHE_DIR"] = old
+
+
+def make_image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
+    """A noise image (noise, so every patch differs and the vision tower sees real content)."""
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()

@@ -1,0 +1,5 @@
+import sys
+
+from epd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,66 @@
+"""``epd`` command line: thin wrappers over the library."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from epd.engine.sampling_params import SamplingParams
+    from epd.llm import LLM
+
+    llm = LLM(args.model)
+    content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
+    content.append({"type": "text", "text": args.prompt})
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    out = llm.chat([{"role": "user", "content": content}], params)[0]
+    if args.json:
+        print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
+                          "text": out.text, "finish_reason": out.finish_reason}))
+    else:
+        print(out.text)
+    return 0
+
+
+def _export_preset(args: argparse.Namespace) -> int:
+    from epd.models.presets import write_preset_checkpoint
+
+    path = write_preset_checkpoint(args.name, Path(args.out_dir))
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="epd", description="Encode/Prefill/Decode serving for VLMs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="one-shot offline generation on the in-process engine")
+    gen.add_argument("--model", default="tiny-qwen2-vl", help="preset name or HF checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--image", action="append", default=[], help="image path (repeatable, in order)")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
+    gen.set_defaults(func=_generate)
+
+    exp = sub.add_parser("export-preset", help="write a preset model as a HF checkpoint directory")
+    exp.add_argument("name")
+    exp.add_argument("out_dir")
+    exp.set_defaults(func=_export_preset)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"epd {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

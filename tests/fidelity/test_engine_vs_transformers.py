@@ -1,0 +1,110 @@
+"""Greedy output of our engine == transformers' generate, token for token (fp32), for Qwen2-VL
+(tied embeddings) and Qwen2.5-VL (untied, window attention in the vision tower)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epd.config import EngineConfig
+from epd.engine.sampling_params import SamplingParams
+from epd.llm import LLM
+from epd.models.presets import write_preset_checkpoint
+from tests.conftest import make_image_bytes
+from tests.fidelity.reference import ReferenceModel, user_message
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 32
+GREEDY = SamplingParams(max_tokens=MAX_NEW)
+IMG_A = make_image_bytes(333, 517, seed=1)
+IMG_B = make_image_bytes(200, 90, seed=2)
+IMG_TINY = make_image_bytes(13, 21, seed=3)
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def model_dir(request, tmp_path_factory):
+    # a checkpoint the test writes itself, with a seed no preset uses
+    return write_preset_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=1234)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    return ReferenceModel(model_dir)
+
+
+def make_llm(model_dir, **engine) -> LLM:
+    cfg = dict(block_size=4, num_kv_blocks=2048, max_num_batched_tokens=4096)
+    return LLM(str(model_dir), engine_config=EngineConfig(**{**cfg, **engine}))
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return make_llm(model_dir)
+
+
+def check_same(ref, out):
+    assert out.prompt_token_ids == ref.prompt_token_ids
+    assert out.token_ids == ref.token_ids
+    assert len(out.token_ids) == MAX_NEW or out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("images", [[], [IMG_A], [IMG_A, IMG_B, IMG_TINY]], ids=["0img", "1img", "3img"])
+def test_greedy_matches_transformers(llm, reference, images):
+    messages = user_message("Describe what you see in detail.", images)
+    out = llm.chat(messages, GREEDY)[0]
+    check_same(reference.generate(messages, images), out)
+    assert len(set(out.token_ids)) > 4, "degenerate model output makes the comparison meaningless"
+
+
+@pytest.mark.parametrize("chunk_tokens", [7, 13])
+def test_chunked_prefill_cutting_through_images(model_dir, reference, chunk_tokens):
+    images = [IMG_B, IMG_A]
+    messages = user_message("Compare the two pictures.", images)
+    llm = make_llm(model_dir, max_num_batched_tokens=chunk_tokens)
+    seq = llm.add_conversation(messages, GREEDY)
+    spans = [(i.offset, i.offset + i.length) for i in seq.mm_items]
+    assert any(lo < k * chunk_tokens < hi for lo, hi in spans for k in range(1, 200)), "no chunk cut an image"
+    llm.engine.run_until_done([seq])
+    check_same(reference.generate(messages, images), llm._output(seq))
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(model_dir, reference):
+    llm = make_llm(model_dir)
+    messages = user_message("What colour dominates?", [IMG_A])
+    first = llm.add_conversation(messages, GREEDY)
+    llm.engine.run_until_done([first])
+    second = llm.add_conversation(messages, GREEDY)
+    llm.engine.run_until_done([second])
+    block = llm.engine_config.block_size
+    # every full block but the one holding the last prompt token comes from the cache
+    assert second.num_cached_tokens == (second.num_prompt_tokens - 1) // block * block > 0
+    ref = reference.generate(messages, [IMG_A])
+    check_same(ref, llm._output(first))
+    check_same(ref, llm._output(second))
+    # same text, other image: the image's blocks must not be served from cache
+    other = llm.add_conversation(user_message("What colour dominates?", [IMG_B]), GREEDY)
+    assert other.num_cached_tokens <= other.mm_items[0].offset
+
+
+def test_eight_concurrent_requests_each_match_their_solo_run(llm, reference):
+    cases = [("Hi.", []), ("Tell me a long story about a lighthouse keeper and the sea.", []),
+             ("What is this?", [IMG_TINY]), ("Describe.", [IMG_A]), ("Two images:", [IMG_A, IMG_B]),
+             ("Count the shapes in the picture please.", [IMG_B]), ("一张图片", [IMG_TINY, IMG_A]),
+             ("def f(x): return x * 2  # explain", [])]
+    conversations = [user_message(text, imgs) for text, imgs in cases]
+    batch = llm.chat(conversations, GREEDY)
+    for (text, imgs), conv, out in zip(cases, conversations, batch):
+        check_same(reference.generate(conv, imgs), out)
+
+
+def test_logprobs_match_transformers(llm, reference):
+    messages = user_message("Name three animals.", [IMG_B])
+    out = llm.chat(messages, SamplingParams(max_tokens=MAX_NEW, logprobs=5))[0]
+    ref = reference.generate(messages, [IMG_B])
+    check_same(ref, out)
+    for step, (ours, theirs) in enumerate(zip(out.logprobs, ref.logprobs)):
+        assert abs(ours.logprob - float(theirs[ours.token_id])) < 1e-4, f"step {step}"
+        top_ids = theirs.topk(5).indices.tolist()
+        assert list(ours.top) == top_ids, f"step {step}: top-5 differ"
+        for tok, lp in ours.top.items():
+            assert abs(lp - float(theirs[tok])) < 1e-4

@@ -12,7 +12,7 @@ from PIL import Image
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
     # presets and the built tokenizer are cached here, never in the user's home
-    path = os.environ.get("EPD_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("epd-cache"))
+    path = os.environ.get("EPD_CACHE_DIR_FOR_TESTS") or str(tmp_path_factory.mktemp("epd-cache"))
     old = os.environ.get("EPD_CACHE_DIR")
     os.environ["EPD_CACHE_DIR"] = path
     yield path

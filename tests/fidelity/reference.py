@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 from PIL import Image
-from transformers import AutoModelForImageTextToText, AutoTokenizer
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers import AutoModelForImageTextToText
+
+from epd.models.presets import load_processor
 
 
 @dataclass
@@ -21,7 +21,7 @@ class Reference:
 class ReferenceModel:
     def __init__(self, model_dir) -> None:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.processor = _processor(model_dir)
+        self.processor = load_processor(model_dir)
         self.eos_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @torch.inference_mode()
@@ -36,24 +36,6 @@ class ReferenceModel:
         prompt = inputs["input_ids"][0].tolist()
         generated = out.sequences[0, len(prompt):].tolist()
         return Reference(prompt, generated, [torch.log_softmax(l[0].float(), -1) for l in out.logits])
-
-
-class _ImageOnlyProcessor(Qwen2VLProcessor):
-    """transformers' Qwen2-VL processor without its video processor, which needs torchvision
-    (not installable beside the CPU torch wheel); image handling is the unmodified original."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def _processor(model_dir) -> Qwen2VLProcessor:
-    # Qwen2.5-VL uses the same image processor and placeholder expansion
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return _ImageOnlyProcessor(image_processor=Qwen2VLImageProcessorPil.from_pretrained(model_dir),
-                               tokenizer=tokenizer, video_processor=None,
-                               chat_template=tokenizer.chat_template)
 
 
 def _markers_only(messages: list[dict]) -> list[dict]:

@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from epd.engine.sampler import Sampler, _keep_top_k, _keep_top_p
+from epd.engine.sampling_params import SamplingParams
+from epd.engine.sequence import Sequence
+
+
+def seq(**params):
+    return Sequence([1, 2, 3], SamplingParams(max_tokens=8, **params))
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9]])
+    assert Sampler()(logits, [seq()])[0][0] == 1
+
+
+def test_top_k_keeps_exactly_k_candidates():
+    kept = _keep_top_k(torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0]), 2)
+    assert torch.isfinite(kept).tolist() == [False, True, False, True, False]
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(_keep_top_p(logits, 0.7)).tolist() == [True, True, False, False]
+    assert torch.isfinite(_keep_top_p(logits, 0.1)).tolist() == [True, False, False, False]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 1000)
+    a = [Sampler()(logits[:1], [seq(temperature=1.0, seed=7)])[0][0] for _ in range(3)]
+    assert len(set(a)) == 1
+    sampler = Sampler()
+    batch = sampler(logits[[0, 1, 2]], [seq(temperature=1.0, seed=7), seq(temperature=1.0, seed=8),
+                                        seq(temperature=1.0)])
+    assert batch[0][0] == a[0]
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
+    sampler = Sampler()
+    s = seq(temperature=1.0, seed=1)
+    draws = [sampler(logits, [s])[0][0] for _ in range(2000)]
+    freq = [draws.count(i) / len(draws) for i in range(3)]
+    assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
+
+
+def test_logprobs_are_of_the_raw_distribution_with_top_k():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    token, lp = Sampler()(logits, [seq(temperature=0.5, seed=3, logprobs=2)])[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert lp.token_id == token and lp.logprob == pytest.approx(float(ref[token]))
+    assert list(lp.top) == [0, 1] and lp.top[0] == pytest.approx(float(ref[0]))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0),
+                                 dict(logprobs=21)])
+def test_invalid_sampling_params_name_the_field(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)

@@ -27,7 +27,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _export_preset(args: argparse.Namespace) -> int:
     from epd.models.presets import write_preset_checkpoint
 
-    path = write_preset_checkpoint(args.name, Path(args.out_dir))
+    path = write_preset_checkpoint(args.name, Path(args.out_dir), seed=args.seed)
     print(path)
     return 0
 
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp = sub.add_parser("export-preset", help="write a preset model as a HF checkpoint directory")
     exp.add_argument("name")
     exp.add_argument("out_dir")
+    exp.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's own)")
     exp.set_defaults(func=_export_preset)
     return parser
 

@@ -1,0 +1,48 @@
+"""The ``epd`` command as a user runs it: real subprocesses, a checkpoint directory on disk."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import make_image_bytes
+from tests.fidelity.reference import ReferenceModel, user_message
+
+
+def epd(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "epd", *args], capture_output=True, text=True,
+                          timeout=timeout_s, env={**os.environ})
+
+
+@pytest.mark.slow
+def test_generate_json_on_an_exported_checkpoint_gives_transformers_greedy_ids(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    done = epd("export-preset", "tiny-qwen2.5-vl", str(ckpt), "--seed", "77")
+    assert done.returncode == 0, done.stderr
+    image = make_image_bytes(150, 100, seed=5)
+    (tmp_path / "img.png").write_bytes(image)
+    done = epd("generate", "--model", str(ckpt), "--prompt", "What is shown?", "--image",
+               str(tmp_path / "img.png"), "--max-tokens", "24", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    ref = ReferenceModel(ckpt).generate(user_message("What is shown?", [image]), [image], max_new_tokens=24)
+    assert out["prompt_token_ids"] == ref.prompt_token_ids
+    assert out["token_ids"] == ref.token_ids
+    assert isinstance(out["text"], str) and out["text"]
+
+
+def test_generate_reports_a_missing_model_clearly(tmp_path):
+    done = epd("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
+    assert done.returncode == 2
+    assert "neither a directory nor a preset" in done.stderr
+
+
+def test_generate_refuses_a_non_image_file(tmp_path):
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    done = epd("generate", "--prompt", "hi", "--image", str(bad))
+    assert done.returncode == 2
+    assert "image" in done.stderr.lower()

@@ -41,6 +41,11 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
 
+    @property
+    def torch_dtype(self):
+        import torch  # keep config importable without paying for torch
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks

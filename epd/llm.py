@@ -46,10 +46,12 @@ class LLM:
         self.mm_spec = family.mm_spec(self.model_dir)
         self.processor = QwenVLInputProcessor(self.model_dir, self.tokenizer, self.mm_spec,
                                               model_id=str(self.model_dir))
-        self.vision = family.load_vision(self.model_dir, dtype=_dtype(self.engine_config),
+        self.vision = family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                          device=self.engine_config.device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        self.engine = LLMEngine(family.load_llm(self.model_dir), self.engine_config, eos_token_ids=eos)
+        mm_ids = (self.mm_spec.image_token_id, self.mm_spec.video_token_id)
+        self.engine = LLMEngine(family.load_llm(self.model_dir), self.engine_config, eos_token_ids=eos,
+                                mm_token_ids=mm_ids)
         self.allowed_local_media_path = allowed_local_media_path
 
     # ---- public API ----------------------------------------------------------------------------
@@ -140,7 +142,3 @@ def _per_request(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} requests")
     return list(params)
-
-
-def _dtype(cfg: EngineConfig) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]

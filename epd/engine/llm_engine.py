@@ -12,13 +12,12 @@ from epd.engine.sampling_params import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.sequence import MultimodalItemSpan, Sequence
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class LLMEngine:
-    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...],
+                 mm_token_ids: tuple[int, ...] = ()) -> None:
         cfg = model.config
-        dtype = _TORCH_DTYPES[config.dtype]
+        dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
         num_blocks = config.resolve_num_blocks(bytes_per_token)
         self.config = config
@@ -29,7 +28,7 @@ class LLMEngine:
                                                    config.max_model_len), self.block_manager)
         self.runner = ModelRunner(model.to(device=config.device, dtype=dtype), num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.device, dtype=dtype,
-                                  attention_backend=config.attention_backend)
+                                  attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
         self.sampler = Sampler()
         self.num_steps = 0
 

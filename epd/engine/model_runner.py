@@ -28,8 +28,10 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "sdpa") -> None:
+                 attention_backend: str = "sdpa", mm_token_ids: tuple[int, ...] = ()) -> None:
         cfg = model.config
+        # in-vocab placeholders allow the one-lookup fusion path (seed §6.2); empty -> OOV-safe path
+        self.mm_token_ids = torch.tensor(mm_token_ids, dtype=torch.long) if mm_token_ids else None
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -43,7 +45,7 @@ class ModelRunner:
         """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
         step = self.prepare(out)
         embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, step.mm_rows,
-                                      text_token_indices=step.text_token_indices,
+                                      mm_token_ids=self.mm_token_ids, text_token_indices=step.text_token_indices,
                                       mm_token_indices=step.mm_token_indices)
         hidden = self.model(embeds.to(self.dtype), step.positions, self.kv_cache, step.meta, self.backend)
         logits = self.model.compute_logits(hidden[step.logits_indices])

@@ -2,14 +2,13 @@
 loaded with the checkpoint's weights. The encoder tier runs this and nothing else of the model."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import torch
-from PIL import Image
 from transformers import AutoConfig
 
 from epd.models.checkpoint import iter_weights, read_preprocessor_config
+from epd.multimodal.media import decode_image
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -68,7 +67,7 @@ class QwenVisionEncoder:
 
     def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         """-> pixel_values [sum patches, C*T*P*P], grid_thw [N, 3] (CPU)."""
-        pil = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        pil = [decode_image(data) for data in images]  # size/bomb limits before any pixels decode
         out = self.image_processor(images=pil, return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 

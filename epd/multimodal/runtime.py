@@ -122,7 +122,9 @@ def _overlapping_slices(segments: list[torch.Tensor], start: int, end: int) -> l
 
 
 def find_input_mm_embeds(
-    mm_embeds: list[torch.Tensor], runtimes: list[MultimodalRuntimeData | None]
+    mm_embeds: list[torch.Tensor],
+    runtimes: list[MultimodalRuntimeData | None],
+    is_chunk: list[bool] | None = None,
 ) -> list[torch.Tensor]:
     """Keep only the rows this forward needs: per request [cached, cached + in_chunk).
 
@@ -132,7 +134,14 @@ def find_input_mm_embeds(
       * pre-concatenated batching: ``len(mm_embeds) == 1``, a global cursor
         advances by each request's ``total_embeds_in_request``.
     Example: 8 rows, 2 cached, 3 in this chunk -> rows [2:5].
+
+    ``is_chunk[i]`` marks a request whose tensor already holds only this chunk's rows
+    (``multimodal_embedding_is_chunk``). If any request in the batch is chunk-local, every other
+    request is cut to its chunk rows too, so the batch's row layout is consistent (seed §7.5);
+    their full payloads are left intact for later chunks.
     """
+    if is_chunk is not None and any(is_chunk):
+        return _mix_chunk_local(mm_embeds, runtimes, is_chunk)
     if all(runtime is None for runtime in runtimes):
         return mm_embeds  # full prefill, no reuse: the whole payload is used
     if len(mm_embeds) == len(runtimes):
@@ -160,6 +169,28 @@ def find_input_mm_embeds(
         _slice_request(embed, runtime, index)
         for index, (embed, runtime) in enumerate(zip(mm_embeds, runtimes))
     ]
+
+
+def _mix_chunk_local(
+    mm_embeds: list[torch.Tensor], runtimes: list[MultimodalRuntimeData | None], is_chunk: list[bool]
+) -> list[torch.Tensor]:
+    if not len(mm_embeds) == len(runtimes) == len(is_chunk):
+        raise ValueError(
+            f"chunk-local mixing needs one tensor, runtime and flag per request, got "
+            f"{len(mm_embeds)} tensors, {len(runtimes)} runtimes, {len(is_chunk)} flags"
+        )
+    out = []
+    for index, (embed, runtime, local) in enumerate(zip(mm_embeds, runtimes, is_chunk)):
+        if not local:
+            out.append(_slice_request(embed, runtime, index))  # a view: the payload stays whole
+            continue
+        if runtime is not None and embed.shape[0] != runtime.num_mm_tokens_in_chunk:
+            raise ValueError(
+                f"request {index} is chunk-local with {embed.shape[0]} rows but its chunk "
+                f"needs {runtime.num_mm_tokens_in_chunk}"
+            )
+        out.append(embed)
+    return out
 
 
 def _runtime_at(runtimes: list[MultimodalRuntimeData | None], index: int) -> MultimodalRuntimeData:

@@ -164,3 +164,23 @@ def test_find_input_mm_embeds_layout_errors():
         find_input_mm_embeds([torch.zeros(4, 2), torch.zeros(1, 2)], [runtime, None])
     with pytest.raises(ValueError, match=r"one embedding tensor per request \(3\)"):
         find_input_mm_embeds([torch.zeros(1, 2)] * 2, [runtime] * 3)
+
+
+def test_chunk_local_mixing_cuts_full_payloads_to_the_chunk():
+    # seed §7.5: A is already chunk-local (480 rows), B still holds its whole 576-row payload
+    # of which 480 are cached and 96 belong to this chunk
+    from epd.multimodal.runtime import MultimodalRuntimeData, find_input_mm_embeds
+
+    cs_a = torch.cumsum(torch.tensor([0] * 120 + [1] * 576 + [0] * 80), 0)
+    run_a = MultimodalRuntimeData(past_seen_token_num=0, chunk_end_pos=600, embed_mask_cumsum=cs_a)
+    run_b = MultimodalRuntimeData(past_seen_token_num=600, chunk_end_pos=776, embed_mask_cumsum=cs_a)
+    a = torch.randn(run_a.num_mm_tokens_in_chunk, 4)
+    b = torch.randn(576, 4)
+    b_before = b.clone()
+    out = find_input_mm_embeds([a, b], [run_a, run_b], is_chunk=[True, False])
+    assert out[0] is a
+    assert out[1].shape[0] == 96 and torch.equal(out[1], b[480:])
+    assert out[1].untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # a view, not a copy
+    assert torch.equal(b, b_before)
+    with pytest.raises(ValueError, match="chunk-local with 10 rows"):
+        find_input_mm_embeds([a[:10], b], [run_a, run_b], is_chunk=[True, False])

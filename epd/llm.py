@@ -12,7 +12,7 @@ from PIL import Image
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.engine.mm_inputs import SequenceMultimodal
+from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sampling_params import SamplingParams
 from epd.engine.sequence import MultimodalItemSpan, Sequence, TokenLogprobs
 from epd.models.registry import family_for
@@ -83,7 +83,7 @@ class LLM:
         mm = None
         if prompt.items:
             rows = self._encode(prompt)
-            mm = SequenceMultimodal(torch.cat(rows), prompt.embed_positions, prompt.embed_mask_cumsum,
+            mm = SequenceMultimodal(ItemRows.from_tensors(rows), prompt.embed_positions, prompt.embed_mask_cumsum,
                                     prompt.mrope_positions, prompt.mrope_delta)
         spans = [MultimodalItemSpan(i.offset, i.num_rows, i.mm_hash) for i in prompt.items]
         return self.engine.add_request(prompt.prompt_token_ids, params, mm=mm, mm_items=spans)

@@ -86,12 +86,13 @@ class BlockManager:
         return hits
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks.
-        Returns False (and changes nothing) if there are not enough free blocks."""
+    def allocate(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Give a waiting sequence blocks for all its tokens (or ``num_tokens`` if more, to reserve
+        room ahead), reusing cached prefix blocks. Returns False (and changes nothing) if there are
+        not enough free blocks."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         hits = self._lookup_prefix(seq)
-        num_needed = seq.num_blocks_needed(self.block_size)
+        num_needed = seq.num_blocks_needed(self.block_size, max(len(seq), num_tokens or 0))
         # a hit on a free block takes it out of the free list, so only in-use hits come for free
         num_free_needed = num_needed - sum(1 for b in hits if self.blocks[b].ref_count > 0)
         if num_free_needed > self.num_free_blocks:

@@ -15,7 +15,7 @@ from epd.engine.sequence import MultimodalItemSpan, Sequence
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...],
-                 mm_token_ids: tuple[int, ...] = ()) -> None:
+                 mm_token_ids: tuple[int, ...] = (), on_finish=None) -> None:
         cfg = model.config
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
@@ -25,7 +25,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                   config.max_model_len), self.block_manager)
+                                                   config.max_model_len), self.block_manager,
+                                   on_finish=on_finish)
         self.runner = ModelRunner(model.to(device=config.device, dtype=dtype), num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.device, dtype=dtype,
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
@@ -52,7 +53,7 @@ class LLMEngine:
         """One engine iteration; returns the sequences that finished in it."""
         out = self.scheduler.schedule()
         if out.is_empty:
-            if self.scheduler.has_unfinished:
+            if self.scheduler.has_unfinished and out.num_waiting_on_inputs == 0:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
             return []
         logits, chunks = self.runner.execute(out)

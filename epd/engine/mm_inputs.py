@@ -1,18 +1,86 @@
 """The multimodal state one sequence carries through the engine.
 
 Bookkeeping (positions, cumsum) stays on CPU: it is read by index in Python every step, and a
-CUDA tensor there would force a device->host sync per read (seed §2.1).
+CUDA tensor there would force a device->host sync per read (seed §2.1). Embedding rows live per
+item in ``ItemRows``; on a prefill worker they arrive later, pushed by encoders, and the scheduler
+only computes as far as the rows that have arrived.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 
+from epd.multimodal.runtime import join_embeddings
+
+
+class EmbeddingError(RuntimeError):
+    """An item's embedding could not be produced or delivered."""
+
+
+class ItemRows:
+    """Per-item embedding tensors ``[rows_i, hidden]`` in prompt order, possibly still pending."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = list(lengths)
+        self._tensors: list[torch.Tensor | None] = [None] * len(lengths)
+        self._errors: list[str | None] = [None] * len(lengths)
+        self._cond = threading.Condition()
+
+    @classmethod
+    def from_tensors(cls, tensors: list[torch.Tensor]) -> "ItemRows":
+        rows = cls([t.shape[0] for t in tensors])
+        for i, t in enumerate(tensors):
+            rows.set_item(i, t)
+        return rows
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.lengths)
+
+    def set_item(self, index: int, tensor: torch.Tensor) -> None:
+        if tensor.shape[0] != self.lengths[index]:
+            raise EmbeddingError(f"item {index}: expected {self.lengths[index]} embedding rows, "
+                                 f"got a tensor of shape {tuple(tensor.shape)}")
+        with self._cond:
+            self._tensors[index] = tensor
+            self._cond.notify_all()
+
+    def fail(self, index: int, error: str) -> None:
+        with self._cond:
+            self._errors[index] = error
+            self._cond.notify_all()
+
+    def first_error(self) -> str | None:
+        return next((f"item {i}: {e}" for i, e in enumerate(self._errors) if e is not None), None)
+
+    def num_ready_rows(self) -> int:
+        """Rows available contiguously from row 0 (items arrive in any order)."""
+        ready = 0
+        for length, tensor in zip(self.lengths, self._tensors):
+            if tensor is None:
+                break
+            ready += length
+        return ready
+
+    def is_complete(self) -> bool:
+        return all(t is not None for t in self._tensors)
+
+    def rows(self, first: int, last: int) -> torch.Tensor:
+        """Rows ``[first, last)`` across items: sliced before joining, so one item stays a view."""
+        if last > self.num_ready_rows():
+            raise EmbeddingError(f"rows [{first}, {last}) requested but only {self.num_ready_rows()} have arrived")
+        return join_embeddings([t for t in self._tensors], first, last)
+
+    def wait(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.is_complete() or self.first_error() is not None, timeout_s)
+
 
 @dataclass
 class SequenceMultimodal:
-    embeddings: torch.Tensor | None  # [rows, hidden] all items' rows in prompt order; None once stripped
+    embeddings: ItemRows | None  # None once stripped
     embed_positions: torch.Tensor | None  # [rows] int64 CPU: prompt position of each embedding row
     embed_mask_cumsum: torch.Tensor | None  # [prompt_len] int64 CPU
     mrope_positions: torch.Tensor | None  # [3, prompt_len] int64 CPU
@@ -21,7 +89,13 @@ class SequenceMultimodal:
     def __post_init__(self) -> None:
         for name in ("embed_positions", "embed_mask_cumsum", "mrope_positions"):
             t = getattr(self, name)
-            assert t is None or t.device.type == "cpu", f"{name} must stay on CPU, got {t.device}"
+            if t is not None and t.device.type != "cpu":
+                raise ValueError(f"{name} must stay on CPU, got {t.device}")
+
+    @classmethod
+    def delta_only(cls, mrope_delta: int) -> "SequenceMultimodal":
+        """What a decode worker holds: nothing multimodal but the position delta (seed §6.7)."""
+        return cls(None, None, None, None, mrope_delta)
 
     def strip_for_generation(self) -> None:
         """After prefill only the mrope delta is needed (seed §6.7)."""
@@ -30,6 +104,15 @@ class SequenceMultimodal:
     @property
     def is_stripped(self) -> bool:
         return self.embeddings is None and self.mrope_positions is None
+
+    def inputs_ready_until(self) -> int | None:
+        """Prompt position up to which every embedding row has arrived (None: all have)."""
+        if self.embeddings is None or self.embed_positions is None:
+            return None
+        ready = self.embeddings.num_ready_rows()
+        if ready >= self.embeddings.total_rows:
+            return None
+        return int(self.embed_positions[ready])
 
 
 def positions_for_range(mm: SequenceMultimodal | None, start: int, end: int, prompt_len: int) -> torch.Tensor:

@@ -51,6 +51,24 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[step.logits_indices])
         return logits, step.sampling_chunks
 
+    # ---- KV hand-off between workers ---------------------------------------------------------
+    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
+        """-> [num_layers, 2, num_tokens, num_kv_heads, head_dim], a contiguous copy."""
+        slots = self._to_device(self._slots(block_table, 0, num_tokens))
+        return torch.stack([torch.stack([k[slots], v[slots]])
+                            for k, v in zip(self.kv_cache.k, self.kv_cache.v)])
+
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        expected = (len(self.kv_cache.k), 2, kv.shape[2], *self.kv_cache.k[0].shape[1:])
+        if tuple(kv.shape) != expected or kv.dtype != self.dtype:
+            raise ValueError(f"imported KV has shape {tuple(kv.shape)} and dtype {kv.dtype}, expected "
+                             f"{expected} and {self.dtype}")
+        slots = self._to_device(self._slots(block_table, 0, kv.shape[2]))
+        kv = kv.to(self.device, non_blocking=True)
+        for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
+            k.index_copy_(0, slots, kv[layer, 0])
+            v.index_copy_(0, slots, kv[layer, 1])
+
     # ---- input preparation (CPU) -------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         ids, positions, slots, prefills, decodes, logits_idx, sampling = [], [], [], [], [], [], []
@@ -130,8 +148,8 @@ def _chunk_mm_rows(mm: SequenceMultimodal | None, chunk: ScheduledChunk,
     if mm.embeddings is None:
         raise RuntimeError("sequence needs embedding rows for a prefill chunk but its multimodal "
                            "data was already stripped")
-    # slice before use: a view, so a long request's rows are not copied for every chunk
-    return mm.embeddings[first:last], mm.embed_positions[first:last] - chunk.start
+    # slice before join: a view, so a long request's rows are not copied for every chunk
+    return mm.embeddings.rows(first, last), mm.embed_positions[first:last] - chunk.start
 
 
 def _complement(indices: torch.Tensor, total: int) -> torch.Tensor:

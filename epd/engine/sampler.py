@@ -12,11 +12,10 @@ from epd.engine.sequence import Sequence, TokenLogprobs
 
 class Sampler:
     def __init__(self) -> None:
-        # one generator per seeded request so its draws do not depend on who shares the batch
-        self._generators: dict[int, torch.Generator] = {}
+        self._seeded = torch.Generator()
 
     def release(self, seq: Sequence) -> None:
-        self._generators.pop(seq.seq_id, None)
+        """Nothing is kept per request (kept for symmetry with stateful samplers)."""
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [B, V] (one row per sequence that samples this step)."""
@@ -37,12 +36,13 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self._generator(seq)))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded request draws output token k from seed (seed, k): its draws depend neither on
+        the batch nor on which process samples it, so prefill (token 0) and decode (the rest) on
+        different workers reproduce the in-process result."""
         seed = seq.sampling_params.seed
         if seed is None:
             return None
-        if seq.seq_id not in self._generators:
-            self._generators[seq.seq_id] = torch.Generator().manual_seed(seed)
-        return self._generators[seq.seq_id]
+        return self._seeded.manual_seed((seed * 1_000_003 + seq.num_output_tokens) % (2**63))
 
     @staticmethod
     def _logprobs(row: torch.Tensor, token: int, seq: Sequence) -> TokenLogprobs | None:

@@ -7,6 +7,7 @@ than the budget is cut into chunks across steps; a chunk may cut through an imag
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
@@ -47,6 +48,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_waiting_on_inputs: int = 0  # sequences skipped because their next rows have not arrived
 
     @property
     def num_tokens(self) -> int:
@@ -58,9 +60,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 on_finish: Callable[[Sequence], None] | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        # called for each finished sequence before its blocks are freed (the prefill tier exports
+        # the KV here)
+        self.on_finish = on_finish
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -74,6 +80,14 @@ class Scheduler:
             raise ValueError(f"request {seq.request_id}: prompt needs {needed} KV blocks, the cache has "
                              f"{self.block_manager.num_total_blocks} in all")
         self.waiting.append(seq)
+
+    def admit_running(self, seq: Sequence) -> None:
+        """Take a sequence whose blocks and KV are already in place (imported from another
+        worker) straight into the running set."""
+        if not seq.block_table:
+            raise ValueError(f"{seq.request_id} has no KV blocks; allocate them before admitting")
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -104,9 +118,12 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted by an earlier iteration of this loop
                 continue
+            n = seq.schedulable_tokens(budget)
+            if n == 0:
+                out.num_waiting_on_inputs += 1
+                continue
             if not self._make_room(seq, out):
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return budget
@@ -138,7 +155,10 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = seq.schedulable_tokens(budget)
+            if n == 0:  # admitted (its prefix-cache hits are held) but waits for its inputs
+                out.num_waiting_on_inputs += 1
+                continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
 
@@ -156,6 +176,8 @@ class Scheduler:
                 if seq.check_stop():
                     finished.append(seq)
         for seq in finished:
+            if self.on_finish is not None:
+                self.on_finish(seq)
             self.running.remove(seq)
             self.block_manager.free(seq)
         return finished

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
@@ -36,6 +37,18 @@ class TokenLogprobs:
 _seq_counter = itertools.count()
 
 
+def stop_reason(params: SamplingParams, eos_token_ids: tuple[int, ...], num_output_tokens: int,
+                last_token: int) -> str | None:
+    """Why a request ends after emitting ``last_token`` as output number ``num_output_tokens``."""
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    if num_output_tokens < params.min_tokens:
+        return None
+    if last_token in params.stop_token_ids or (not params.ignore_eos and last_token in eos_token_ids):
+        return "stop"
+    return None
+
+
 class Sequence:
     """One request inside the engine.
 
@@ -63,6 +76,9 @@ class Sequence:
         self.block_table: list[int] = []
         self.output_logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
+        # set by a tier whose inputs arrive later (prefill waiting on encoder embeddings): returns
+        # how far the prompt can be computed now (None: no limit)
+        self.inputs_ready_until: Callable[[], int | None] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -89,6 +105,14 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def schedulable_tokens(self, budget: int) -> int:
+        """Tokens the next chunk may cover: within the budget and the inputs that have arrived."""
+        n = min(self.num_uncomputed_tokens, budget)
+        limit = self.inputs_ready_until() if self.inputs_ready_until is not None else None
+        if limit is not None:
+            n = min(n, limit - self.num_computed_tokens)
+        return max(n, 0)
+
     def num_blocks_needed(self, block_size: int, num_tokens: int | None = None) -> int:
         n = len(self) if num_tokens is None else num_tokens
         return (n + block_size - 1) // block_size
@@ -100,16 +124,10 @@ class Sequence:
 
     def check_stop(self) -> bool:
         """Mark the sequence finished if its last token ends it; return whether it did."""
-        params = self.sampling_params
-        last = self.token_ids[-1]
-        if self.num_output_tokens >= params.max_tokens:
-            self.finish_reason = "length"
-        elif self.num_output_tokens < params.min_tokens:
+        reason = stop_reason(self.sampling_params, self.eos_token_ids, self.num_output_tokens, self.token_ids[-1])
+        if reason is None:
             return False
-        elif last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
-            self.finish_reason = "stop"
-        else:
-            return False
+        self.finish_reason = reason
         self.status = SequenceStatus.FINISHED
         return True
 

@@ -40,8 +40,11 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]]))
     sampler = Sampler()
-    s = seq(temperature=1.0, seed=1)
-    draws = [sampler(logits, [s])[0][0] for _ in range(2000)]
+    s = Sequence([1], SamplingParams(max_tokens=4000, temperature=1.0, seed=1))
+    draws = []
+    for _ in range(2000):
+        draws.append(sampler(logits, [s])[0][0])
+        s.append_token(draws[-1])  # the next draw uses the next per-token seed
     freq = [draws.count(i) / len(draws) for i in range(3)]
     assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
 

@@ -121,5 +121,13 @@ class QwenVLFamily:
             vocab_size=text_config_from_hf(hf).vocab_size)
 
 
+    @staticmethod
+    def mrope_positions(spec: MultimodalSpec, prompt_len: int,
+                        items: list[tuple[int, tuple[int, int, int]]]) -> tuple[torch.Tensor, int]:
+        """(placeholder offset, grid_thw) per item -> positions [3, L] and the decode delta."""
+        from epd.models.qwen2_vl.mrope import compute_mrope_positions
+        return compute_mrope_positions(prompt_len, items, spec.spatial_merge_size)
+
+
 for _name in ("qwen2_vl", "qwen2_5_vl"):
     MODEL_FAMILIES.register(_name)(QwenVLFamily(_name))

@@ -1,0 +1,143 @@
+"""Runs an ``LLMEngine`` on one thread; gRPC handler threads submit work and read token streams.
+
+The engine is not thread-safe by design (one owner, like vLLM's EngineCore): every mutation runs on
+the loop thread, between steps, through ``call``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from epd.engine.llm_engine import LLMEngine
+from epd.engine.sequence import Sequence, TokenLogprobs
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_IDLE_WAIT_S = 0.005  # while requests wait on inputs from another tier
+
+
+@dataclass
+class TokenUpdate:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
+        self._watchers: dict[int, tuple[Sequence, queue.SimpleQueue, int]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    def wake(self) -> None:
+        """Inputs arrived (e.g. embeddings): retry scheduling now."""
+        self._wake.set()
+
+    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._calls.put((fn, future))
+        self._wake.set()
+        return future
+
+    def add_and_watch(self, make_seq: Callable[[LLMEngine], Sequence | None]
+                      ) -> tuple[Sequence | None, queue.SimpleQueue]:
+        """Add a request on the loop thread; its new tokens arrive as ``TokenUpdate``s on the queue.
+        ``make_seq`` may decline (return None), e.g. when there is no room yet."""
+        updates: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
+
+        def add(engine: LLMEngine) -> Sequence | None:
+            seq = make_seq(engine)
+            if seq is not None:
+                self._watchers[seq.seq_id] = (seq, updates, len(seq.output_token_ids))
+            return seq
+
+        return self.call(add).result(), updates
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        def do(engine: LLMEngine) -> None:
+            if not seq.is_finished:
+                seq.finish_reason = reason
+                engine.abort(seq)
+            self._publish(seq)
+
+        self.call(do)
+
+    # ---- loop thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_calls()
+            if not self.engine.has_unfinished:
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            progressed = self._step()
+            if not progressed:
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+
+    def _drain_calls(self) -> None:
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as err:  # noqa: BLE001 - the caller gets the error
+                    future.set_exception(err)
+
+    def _step(self) -> bool:
+        steps_before = self.engine.num_steps
+        try:
+            self.engine.step()
+        except Exception as err:  # noqa: BLE001 - fail the requests, keep the worker alive
+            log.exception("engine step failed; failing the running requests")
+            self._fail_all(f"engine step failed: {err}")
+            return False
+        for seq, _, _ in list(self._watchers.values()):
+            self._publish(seq)
+        return self.engine.num_steps > steps_before
+
+    def _publish(self, seq: Sequence) -> None:
+        entry = self._watchers.get(seq.seq_id)
+        if entry is None:
+            return
+        _, updates, sent = entry
+        outputs = seq.output_token_ids
+        if len(outputs) > sent or seq.is_finished:
+            updates.put(TokenUpdate(outputs[sent:], seq.output_logprobs[sent:],
+                                    seq.finish_reason if seq.is_finished else None))
+            self._watchers[seq.seq_id] = (seq, updates, len(outputs))
+        if seq.is_finished:
+            del self._watchers[seq.seq_id]
+
+    def _fail_all(self, error: str) -> None:
+        for seq, updates, _ in list(self._watchers.values()):
+            if not seq.is_finished:
+                self.engine.abort(seq)
+            updates.put(TokenUpdate([], error=error))
+        self._watchers.clear()

@@ -1,0 +1,107 @@
+"""Prefill and decode workers driven directly (no gRPC, no transport): the hand-off logic alone
+must reproduce the in-process engine token for token."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from epd.config import EngineConfig
+from epd.decode.worker import DecodeWorker
+from epd.engine.sampling_params import SamplingParams
+from epd.llm import LLM
+from epd.prefill.worker import PrefillWorker
+from epd.protocol import request_metadata
+from tests.conftest import make_image_bytes
+from tests.fidelity.reference import user_message
+
+pytestmark = pytest.mark.slow
+ENGINE = EngineConfig(block_size=4, num_kv_blocks=1024, max_num_batched_tokens=16)
+IMAGES = [make_image_bytes(120, 90, seed=11), make_image_bytes(60, 200, seed=12)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-qwen2-vl", engine_config=ENGINE)
+
+
+@pytest.fixture(scope="module")
+def workers(llm):
+    prefill, decode = PrefillWorker(llm.model_dir, ENGINE), DecodeWorker(llm.model_dir, ENGINE)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1"):
+    conv, images = llm.extract_images(messages)
+    prompt = llm.processor.process_messages(conv, images)
+    meta = request_metadata(request_id, prompt, params, (llm.tokenizer.eos_token_id,))
+    rows = llm.vision.encode_images(images) if images else []
+
+    def push():
+        time.sleep(push_delay_s)
+        for i, r in enumerate(rows):
+            prefill.inbox.push(request_id, i, r, None)
+
+    pusher = threading.Thread(target=push)
+    pusher.start()
+    result = prefill.prefill(meta, timeout_s=60)
+    pusher.join()
+    tokens = [result.first_token_id]
+    if result.finish_reason is None:
+        seq, updates = decode.start(request_id, list(meta.token_ids), result.first_token_id, result.first_logprobs,
+                                    result.kv, result.mrope_delta, params, (llm.tokenizer.eos_token_id,), 60)
+        assert seq.mm.is_stripped and seq.mm.mrope_delta == result.mrope_delta
+        while True:
+            update = updates.get(timeout=60)
+            tokens += update.token_ids
+            if update.is_last:
+                break
+    return prompt, tokens
+
+
+@pytest.mark.parametrize("images", [[], IMAGES[:1], IMAGES], ids=["0img", "1img", "2img"])
+def test_split_prefill_decode_equals_in_process(llm, workers, images):
+    params = SamplingParams(max_tokens=24)
+    messages = user_message("Describe.", images)
+    expected = llm.chat(messages, params)[0].token_ids
+    _, tokens = run_split(llm, *workers, messages, params)
+    assert tokens == expected
+
+
+def test_seeded_sampling_survives_the_tier_split(llm, workers):
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=5)
+    messages = user_message("A story.", IMAGES[:1])
+    expected = llm.chat(messages, params)[0].token_ids
+    _, tokens = run_split(llm, *workers, messages, params, request_id="seeded")
+    assert tokens == expected
+
+
+def test_text_before_the_image_is_prefilled_while_the_encoder_works(llm, workers):
+    prefill, decode = workers
+    params = SamplingParams(max_tokens=4)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "An unusual preamble, " * 8},
+                                             {"type": "image", "image": IMAGES[0]}]}]
+    computed_at_push = []
+    original_push = prefill.inbox.push
+
+    def spy(request_id, index, tensor, error, release=None):
+        seq = next(s for s in prefill.engine.scheduler.running if s.request_id == request_id)
+        assert seq.num_computed_tokens == seq.mm_items[0].offset  # stopped exactly at the image
+        computed_at_push.append((seq.num_computed_tokens - seq.num_cached_tokens, seq.mm_items[0].offset))
+        original_push(request_id, index, tensor, error, release)
+
+    prefill.inbox.push = spy
+    try:
+        _, tokens = run_split(llm, prefill, decode, messages, params, push_delay_s=1.0, request_id="slow-enc")
+    finally:
+        prefill.inbox.push = original_push
+    # every token before the image was computed (beyond any prefix-cache hit) before the slowed
+    # encoder pushed its rows, and not one past it
+    computed, image_offset = computed_at_push[0]
+    assert computed > 16
+    assert computed <= image_offset
+    assert tokens == llm.chat(messages, params)[0].token_ids

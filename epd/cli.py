@@ -51,10 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("out_dir")
     exp.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's own)")
     exp.set_defaults(func=_export_preset)
+
+    for tier in _TIER_MAINS:  # listed for --help; dispatched in main() before parsing
+        sub.add_parser(tier, help=f"run one {tier} worker (see: epd {tier} --help)", add_help=False)
     return parser
 
 
+_TIER_MAINS = {"encoder": "epd.encoder.server", "prefill": "epd.prefill.server", "decode": "epd.decode.server"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _TIER_MAINS:
+        # one tier process: its own parser (epd/tier_cli.py), started by launchers, Kubernetes, Ray
+        import importlib
+        importlib.import_module(_TIER_MAINS[argv[0]]).main(argv[1:])
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -52,6 +52,33 @@ class EngineConfig:
         return max(1, self.kv_cache_bytes // (bytes_per_token * self.block_size))
 
 
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One tier process: what it serves, where, and how it hands tensors on."""
+
+    model: str = "tiny-qwen2-vl"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: pick a free port and print it in the ready line
+    engine: EngineConfig = EngineConfig()
+    transport: str = ""  # "" = automatic (shm on one host); "inline", "shm", "cuda_ipc", "nccl"
+    lease_ttl_s: float = 60.0
+    request_timeout_s: float = 120.0
+    max_workers: int = 32  # gRPC handler threads
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"WorkerConfig.port must be in [0, 65535], got {self.port}")
+        for name in ("lease_ttl_s", "request_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if isinstance(self.engine, dict):
+            object.__setattr__(self, "engine", from_dict(EngineConfig, self.engine))
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
 def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:
     """Build a config dataclass from a mapping, rejecting unknown keys by name."""
     data = dict(data or {})

@@ -2,13 +2,11 @@
 checked against and the engine behind ``epd generate``."""
 from __future__ import annotations
 
-import io
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
@@ -18,9 +16,7 @@ from epd.engine.sequence import MultimodalItemSpan, Sequence, TokenLogprobs
 from epd.models.registry import family_for
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.models.qwen2_vl.processor import ProcessedPrompt, QwenVLInputProcessor
-from epd.multimodal.media import load_media_bytes
-
-_IMAGE_PART_TYPES = ("image", "image_url", "input_image")
+from epd.multimodal.messages import extract_images
 
 
 @dataclass
@@ -90,35 +86,7 @@ class LLM:
 
     # ---- helpers -------------------------------------------------------------------------------
     def extract_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:
-        """Pull image parts out as bytes (in order) and leave ``{"type": "image"}`` markers that
-        the chat template renders as one placeholder each."""
-        images, out = [], []
-        for message in messages:
-            content = message.get("content")
-            if not isinstance(content, list):
-                out.append(message)
-                continue
-            parts = []
-            for part in content:
-                if part.get("type") in _IMAGE_PART_TYPES:
-                    images.append(self._image_bytes(part))
-                    parts.append({"type": "image"})
-                else:
-                    parts.append(part)
-            out.append({**message, "content": parts})
-        return out, images
-
-    def _image_bytes(self, part: dict) -> bytes:
-        source = part.get("image") or part.get("image_url")
-        if isinstance(source, dict):
-            source = source.get("url")
-        if isinstance(source, Image.Image):
-            buf = io.BytesIO()
-            source.save(buf, format="PNG")
-            return buf.getvalue()
-        if source is None:
-            raise ValueError(f"image part has no image data: {sorted(part)}")
-        return load_media_bytes(source, allowed_local_root=self.allowed_local_media_path)
+        return extract_images(messages, allowed_local_root=self.allowed_local_media_path)
 
     def _encode(self, prompt: ProcessedPrompt) -> list[torch.Tensor]:
         rows = self.vision.encode_images([item.data for item in prompt.items])

@@ -36,6 +36,12 @@ class DecodeWorker:
     def close(self) -> None:
         self.loop.stop()
 
+    def abort(self, request_id: str) -> bool:
+        found = self.loop.call(lambda engine: engine.find(request_id)).result()
+        if found is not None:
+            self.loop.abort(found)
+        return found is not None
+
     def start(self, request_id: str, prompt_token_ids: list[int], first_token: int,
               first_logprobs: TokenLogprobs | None, kv: torch.Tensor, mrope_delta: int,
               params: SamplingParams, eos_token_ids: tuple[int, ...], timeout_s: float):

@@ -41,6 +41,10 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def find(self, request_id: str) -> Sequence | None:
+        sched = self.scheduler
+        return next((s for s in [*sched.running, *sched.waiting] if s.request_id == request_id), None)
+
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
         self.sampler.release(seq)

@@ -56,6 +56,14 @@ class PrefillWorker:
     def close(self) -> None:
         self.loop.stop()
 
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (the router's client went away); True if it was found."""
+        found = self.loop.call(lambda engine: engine.find(request_id)).result()
+        if found is not None:
+            self.loop.abort(found)
+        self.inbox.finish(request_id)
+        return found is not None
+
     def prefill(self, meta: common_pb2.RequestMetadata, timeout_s: float) -> PrefillResult:
         """Blocking: returns once the first token is sampled and the KV is gathered."""
         params = sampling_from_proto(meta.sampling)

@@ -1,0 +1,261 @@
+"""``EncoderEngine``: thread-safe front of one encoder worker.
+
+``submit`` admits a request and returns a future; one background loop runs
+``schedule → forward_items → complete`` until ``close``. A resolved request keeps its cache
+entries pinned (the server holds tensor handles to them) until ``release``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from epd.encoder.cache import CacheMetrics, EncoderCacheKey
+from epd.encoder.config import EncoderConfig
+from epd.encoder.errors import MultimodalEncoderRequestError
+from epd.encoder.item_scheduler import (
+    EncoderItem,
+    MultimodalEncoderRequestState,
+    MultimodalItemScheduler,
+    ScheduledBatch,
+    release_pins,
+)
+from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
+from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
+from epd.multimodal.geometry import VisionGeometryConfig, image_geometry_from_bytes, max_tokens_per_item
+from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EncoderResult:
+    """Per item, in the request's order: ``[rows, hidden]`` CPU embeddings (shared with the
+    cache: read-only) and whether the item came from the cache rather than this request's encode."""
+
+    embeddings: list[torch.Tensor]
+    cache_hits: list[bool]
+
+
+@dataclass(frozen=True)
+class EncoderEngineStats:
+    num_forwards: int
+    num_encoded_items: int
+    num_waiting_requests: int
+    num_held_requests: int
+    cache: CacheMetrics
+
+
+@dataclass(frozen=True)
+class _Pending:
+    future: Future
+    hold_until_release: bool
+
+
+class EncoderEngine:
+    def __init__(
+        self,
+        model: EncoderModel,
+        config: EncoderConfig,
+        *,
+        model_id: str,
+        model_max_atomic_item_tokens: int,
+        encoder_tokens_per_row: int = 1,
+        bytes_per_embedding: int | None = None,
+        geometry: VisionGeometryConfig | None = None,
+    ) -> None:
+        if bytes_per_embedding is None:
+            bytes_per_embedding = resolve_bytes_per_mm_encoder_embedding(model, None, config.torch_dtype)
+        self.config = config
+        self.model_id = model_id
+        self.geometry = geometry
+        self.scheduler = MultimodalItemScheduler.create(
+            config, model_id=model_id, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
+            bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
+        self.cache = self.scheduler.cache
+        self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.device)
+        self.num_forwards = 0
+        self.num_encoded_items = 0
+        self._lock = threading.Lock()  # _pending, _held, _closed
+        self._pending: dict[str, _Pending] = {}
+        self._held: dict[str, list[EncoderCacheKey]] = {}
+        self._closed = False
+        self._wakeup = threading.Condition()  # _has_work
+        self._has_work = False
+        self._thread = threading.Thread(target=self._loop, name="epd-encoder-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EncoderConfig | None = None, *,
+                       model_id: str | None = None) -> EncoderEngine:
+        """An engine over the checkpoint's own vision tower (``family_for(model_dir).load_vision``)."""
+        from epd.models.checkpoint import read_preprocessor_config
+        from epd.models.registry import family_for
+
+        model_dir = Path(model_dir)
+        config = config or EncoderConfig()
+        model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.device)
+        if config.cuda_graph_buckets:
+            enable = getattr(model, "enable_cuda_graphs", None)
+            if enable is None:
+                logger.warning("%s has no CUDA-graph block loop; cuda_graph_buckets ignored, running eager",
+                               type(model).__name__)
+            else:
+                enable(config.cuda_graph_buckets)
+        geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
+        return cls(model, config, model_id=model_id or str(model_dir.resolve()),
+                   model_max_atomic_item_tokens=max_tokens_per_item(geometry),
+                   encoder_tokens_per_row=geometry.merge_size ** 2, geometry=geometry)
+
+    def make_item(self, data: bytes, processor_kwargs: dict | None = None) -> EncoderItem:
+        """An item from encoded image bytes, as the router would describe it (needs ``geometry``)."""
+        if self.geometry is None:
+            raise ValueError("make_item needs the engine's vision geometry; build it with from_model_dir")
+        return image_item_from_bytes(data, geometry=self.geometry, model_id=self.model_id,
+                                     processor_kwargs=processor_kwargs)
+
+    # -- public API ------------------------------------------------------------------------
+    def submit(self, request_id: str, items: Sequence[object], *,
+               hold_until_release: bool = True) -> Future:
+        """-> Future[EncoderResult]. Raises at once for a request that can never fit the budgets.
+
+        With ``hold_until_release`` the request's cache entries stay pinned after the future
+        resolves, until ``release(request_id)``.
+        """
+        items = [EncoderItem.coerce(item) for item in items]
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("encoder engine is closed")
+            if request_id in self._pending or request_id in self._held:
+                raise ValueError(f"request {request_id!r} is already submitted to this encoder")
+            self._pending[request_id] = _Pending(future, hold_until_release)
+        try:
+            state = self.scheduler.add_request(request_id, items)
+        except BaseException:
+            with self._lock:
+                self._pending.pop(request_id, None)
+            raise
+        if state.is_ready:
+            self._complete([state])  # all hits; idempotent if the loop got there first
+        else:
+            self._notify()
+        return future
+
+    def release(self, request_id: str) -> None:
+        """Unpin a finished request's entries, or cancel one still waiting. Unknown ids: no-op."""
+        with self._lock:
+            keys = self._held.pop(request_id, None)
+            pending = self._pending.pop(request_id, None) if keys is None else None
+        for key in keys or ():
+            self.cache.unpin(key, request_id)
+        if pending is not None:
+            self.scheduler.abort_request(request_id)
+            pending.future.cancel()
+        self._notify()  # freed room may unblock a batch
+
+    def close(self, timeout_s: float | None = 30.0) -> None:
+        with self._lock:  # the lock submit checks under: no request slips in after the drain
+            if self._closed:
+                return
+            self._closed = True
+        with self._wakeup:
+            self._wakeup.notify_all()
+        self._thread.join(timeout_s)
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for request_id, entry in pending.items():
+            self.scheduler.abort_request(request_id)
+            entry.future.set_exception(RuntimeError(f"encoder engine closed before request {request_id!r} finished"))
+
+    def __enter__(self) -> EncoderEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> EncoderEngineStats:
+        with self._lock:
+            num_held = len(self._held)
+        return EncoderEngineStats(self.num_forwards, self.num_encoded_items,
+                                  self.scheduler.num_waiting_requests, num_held, self.cache.metrics)
+
+    # -- the loop --------------------------------------------------------------------------
+    def _notify(self) -> None:
+        with self._wakeup:
+            self._has_work = True
+            self._wakeup.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._has_work and not self._closed:
+                    self._wakeup.wait()
+                if self._closed:
+                    return
+                self._has_work = False
+            batch = self.scheduler.schedule()
+            if not batch.is_empty:
+                self._run_batch(batch)
+                self._notify()  # more may wait, and failed entries need a new producer
+
+    def _run_batch(self, batch: ScheduledBatch) -> None:
+        self.num_forwards += 1
+        self.num_encoded_items += len(batch)
+        try:
+            ready = self.runner.forward_items(batch)
+        except MultimodalEncoderRequestError as error:
+            self._fail_requests(error.request_ids, error)
+            return
+        except Exception as error:  # a bug past the runner's own handling must not kill the loop
+            logger.exception("encoder batch of %d items failed unexpectedly", len(batch))
+            wrapped = MultimodalEncoderRequestError(f"encoder batch failed: {error}",
+                                                    request_ids=batch.producer_request_ids)
+            for key in batch.cache_keys:
+                self.cache.fail(key, wrapped, producer_only=True)
+            self._fail_requests(wrapped.request_ids, wrapped)
+            return
+        self._complete(ready)
+
+    def _complete(self, states: list[MultimodalEncoderRequestState]) -> None:
+        for state in states:
+            with self._lock:
+                pending = self._pending.pop(state.request_id, None)
+                if pending is None:  # completed by the other path, released, or closed
+                    continue
+                result = EncoderResult(
+                    embeddings=[entry.tensor.cpu() for entry in state.entries],
+                    cache_hits=[entry.produced_by != state.request_id for entry in state.entries])
+                if pending.hold_until_release:
+                    self._held[state.request_id] = list(state.cache_keys)
+            if not pending.hold_until_release:
+                release_pins(self.cache, state)
+            pending.future.set_result(result)
+
+    def _fail_requests(self, request_ids, error: BaseException) -> None:
+        for request_id in request_ids:
+            self.scheduler.abort_request(request_id)
+            with self._lock:
+                pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                pending.future.set_exception(error)
+
+
+def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_id: str,
+                          processor_kwargs: dict | None = None) -> EncoderItem:
+    """Hashes and geometry of one encoded image, from its header (pixels are not decoded)."""
+    image = image_geometry_from_bytes(data, geometry)
+    return EncoderItem(
+        data=bytes(data),
+        content_hash=hash_encoded_media(data, modality="image", processor_kwargs=processor_kwargs,
+                                        model_id=model_id),
+        processor_kwargs_hash=hash_processor_kwargs(processor_kwargs),
+        expected_rows=image.num_embedding_rows,
+        encoder_tokens=image.num_patches,
+    )

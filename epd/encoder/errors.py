@@ -1,0 +1,23 @@
+"""Errors of the encoder tier (plain Python: the scheduler and cache raise them too)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class MultimodalEncoderRequestError(RuntimeError):
+    """An encoder failure that belongs to specific requests, named in ``request_ids``.
+
+    The encoder keeps serving everyone else: only these requests are failed (seed §5.4).
+    """
+
+    def __init__(self, message: str, *, request_ids: Iterable[str]) -> None:
+        super().__init__(message)
+        self.request_ids: frozenset[str] = frozenset(request_ids)
+
+
+class MultimodalEncoderAdmissionError(ValueError):
+    """A request that can never be encoded under the configured budgets; rejected on arrival."""
+
+
+class EncoderCacheFullError(RuntimeError):
+    """Room for an output could not be made: every resident entry is pinned by a consumer."""

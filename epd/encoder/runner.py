@@ -1,0 +1,144 @@
+"""``MultimodalEncoderRunner``: runs one scheduled encoder batch (seed §5.3, §9.3).
+
+A *NoKVCache runner*: no KV pool, no sampler; its only job is encoding. ``forward_items``
+collects, moves only model-declared paths to the device, encodes, validates the whole batch,
+then commits it all; a failure never leaves part of a batch published.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from epd.encoder.cache import EncoderCacheKey
+from epd.encoder.errors import MultimodalEncoderRequestError
+from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
+from epd.multimodal.params import MultimodalParams, strip_mm_encoder_inputs
+
+# Used when the model declares nothing: grid_thw stays on CPU, where the vision tower reads it
+# with Python loops; on the device every such read would be a device-to-host sync.
+DEFAULT_DEVICE_PATHS = ("image.pixel_values",)
+
+
+@runtime_checkable
+class EncoderModel(Protocol):
+    """What the runner needs of a vision encoder (``QwenVisionEncoder`` is one).
+
+    Optional: ``multimodal_data_device_paths`` (dotted paths into ``{"image": {"pixel_values",
+    "image_grid_thw"}}`` that ``encode`` reads on the device).
+    """
+
+    embedding_dim: int
+    embedding_dtype: torch.dtype
+
+    def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class _OutputTarget:
+    """Where one output goes: which request item, which cache key, how many rows."""
+
+    request_id: str
+    item_index: int
+    cache_key: EncoderCacheKey
+    expected_rows: int
+
+
+class MultimodalEncoderRunner:
+    def __init__(self, model: EncoderModel, scheduler: MultimodalItemScheduler, *, device: str = "cpu") -> None:
+        self.model = model
+        self.scheduler = scheduler
+        self.cache = scheduler.cache
+        self.device = torch.device(device)
+        self.expected_dtype: torch.dtype = model.embedding_dtype
+        bytes_per_embedding = scheduler.budgets.bytes_per_embedding
+        itemsize = self.expected_dtype.itemsize
+        if bytes_per_embedding % itemsize:
+            raise ValueError(f"bytes_per_embedding={bytes_per_embedding} is not a multiple of "
+                             f"{self.expected_dtype} itemsize {itemsize}")
+        self.expected_width = bytes_per_embedding // itemsize
+        self.device_paths = list(getattr(model, "multimodal_data_device_paths", None) or DEFAULT_DEVICE_PATHS)
+
+    def forward_items(self, batch: ScheduledBatch) -> list[MultimodalEncoderRequestState]:
+        """Encode ``batch``; -> the requests it made fully ready (their raw payloads stripped).
+
+        Raises ``MultimodalEncoderRequestError`` naming the failed requests: the producers for a
+        batch-level error, every request using the key for a wrong output.
+        """
+        if batch.is_empty:
+            return []
+        targets = [_OutputTarget(s.request_id, s.item_index, s.cache_key, s.item.expected_rows)
+                   for s in batch.items]
+        try:
+            outputs = self._encode([s.item.data for s in batch.items])
+            if not isinstance(outputs, (list, tuple)) or len(outputs) != len(targets):
+                count = len(outputs) if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+                raise ValueError(f"encoder returned {count} outputs for {len(targets)} items")
+        except Exception as error:
+            raise self._fail_producers(batch, error) from error
+        # Validate the entire batch before publishing any output: a bad later item must not
+        # leave earlier items READY and their requests sent on to prefill.
+        problems = {t.cache_key: msg for t, out in zip(targets, outputs) if (msg := self._check(t, out))}
+        if problems:
+            raise self._fail_users(batch, problems)
+        for target, output in zip(targets, outputs):
+            self.cache.commit(target.cache_key, _owned(output))
+        ready = self.scheduler.mark_cache_keys_ready(batch.cache_keys)
+        for state in ready:
+            strip_mm_encoder_inputs(state.multimodal_data)
+        return ready
+
+    def _encode(self, images: list[bytes]) -> list[torch.Tensor]:
+        pixel_values, grid_thw = self.model.preprocess(images)
+        params = MultimodalParams(multimodal_data={
+            "image": {"pixel_values": pixel_values, "image_grid_thw": grid_thw}})
+        params.to_device("multimodal_data", self.device, pin_memory=self.device.type == "cuda",
+                         target_keywords=self.device_paths)
+        image = params.multimodal_data["image"]
+        return self.model.encode(image["pixel_values"], image["image_grid_thw"])
+
+    def _check(self, target: _OutputTarget, output: object) -> str | None:
+        expected_shape = (target.expected_rows, self.expected_width)
+        if isinstance(output, torch.Tensor) and tuple(output.shape) == expected_shape \
+                and output.dtype == self.expected_dtype:
+            return None
+        actual = (f"shape {tuple(output.shape)} dtype {output.dtype}" if isinstance(output, torch.Tensor)
+                  else f"a {type(output).__name__}")
+        return (f"MM item {target.item_index} of request {target.request_id!r} (content hash "
+                f"{target.cache_key.content_hash[:16]}) must produce a {self.expected_dtype} tensor "
+                f"with shape {expected_shape}, got {actual}")
+
+    def _fail_producers(self, batch: ScheduledBatch, error: Exception) -> MultimodalEncoderRequestError:
+        # A batch-level error cannot be traced to one output, so fail only the scheduled
+        # producers. Requests that only share a scheduled entry keep their references, and
+        # the next scheduling pass picks a new producer.
+        failed = set()
+        for key in batch.cache_keys:
+            failed |= self.cache.fail(key, error, producer_only=True)
+        return MultimodalEncoderRequestError(
+            f"encoder batch of {len(batch)} items failed: {type(error).__name__}: {error}",
+            request_ids=failed | batch.producer_request_ids)
+
+    def _fail_users(self, batch: ScheduledBatch, problems: dict[EncoderCacheKey, str]) -> MultimodalEncoderRequestError:
+        # A wrong output is traced to its key: every request using that key fails. The rest of
+        # the batch is published by nobody and goes back to waiting under the same producers.
+        message = "; ".join(problems.values())
+        error = MultimodalEncoderRequestError(message, request_ids=())
+        failed = set()
+        for key in problems:
+            failed |= self.cache.fail(key, error, producer_only=False)
+        for key in batch.cache_keys:
+            if key not in problems:
+                self.cache.requeue(key)
+        error.request_ids = frozenset(failed)
+        return error
+
+
+def _owned(output: torch.Tensor) -> torch.Tensor:
+    # Per-item outputs are usually views of one merged tensor; caching a view would keep the
+    # whole batch's storage alive after its siblings are evicted, breaking the byte budget.
+    if not output.is_contiguous() or output.untyped_storage().nbytes() != output.nbytes:
+        return output.clone(memory_format=torch.contiguous_format)
+    return output

@@ -1,0 +1,114 @@
+"""Start tier processes on this machine and stop every one of them again.
+
+Each tier runs as ``python -m epd <tier> --port 0 ...`` and prints ``EPD_READY <tier> <address>``
+once serving; the launcher waits for those lines (bounded) and keeps draining the output so a
+chatty worker can never block on a full pipe.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from epd.serving import READY_PREFIX
+
+
+@dataclass
+class TierProcess:
+    tier: str
+    proc: subprocess.Popen
+    address: str | None = None
+    log_lines: list[str] = field(default_factory=list)
+    _ready: threading.Event = field(default_factory=threading.Event)
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith(READY_PREFIX) and self.address is None:
+                self.address = line.split()[-1]
+                self._ready.set()
+            self.log_lines.append(line)
+            del self.log_lines[:-200]  # keep the tail for error messages
+        self._ready.set()  # exited: wake the waiter
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(self.log_lines[-n:])
+
+
+class LocalCluster:
+    """``with LocalCluster("tiny-qwen2-vl", num_encoders=2) as c: c.encoders, c.prefills, c.decodes``."""
+
+    def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
+                 transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.model, self.transport = model, transport
+        self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
+        self.tier_args = tier_args or {}
+        self.env = {**os.environ, **(env or {})}
+        self.processes: list[TierProcess] = []
+
+    def addresses(self, tier: str) -> list[str]:
+        return [p.address for p in self.processes if p.tier == tier]
+
+    @property
+    def encoders(self) -> list[str]:
+        return self.addresses("encoder")
+
+    @property
+    def prefills(self) -> list[str]:
+        return self.addresses("prefill")
+
+    @property
+    def decodes(self) -> list[str]:
+        return self.addresses("decode")
+
+    def start(self, timeout_s: float = 180.0) -> "LocalCluster":
+        try:
+            for tier, count in self.counts.items():
+                for _ in range(count):
+                    self.processes.append(self._spawn(tier))
+            deadline = time.monotonic() + timeout_s
+            for p in self.processes:
+                p._ready.wait(max(0.0, deadline - time.monotonic()))
+                if p.address is None:
+                    raise RuntimeError(f"{p.tier} worker did not become ready within {timeout_s:.0f} s "
+                                       f"(exit code {p.proc.poll()}); its last output:\n{p.tail()}")
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, tier: str) -> TierProcess:
+        cmd = [sys.executable, "-m", "epd", tier, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
+               *self.tier_args.get(tier, ())]
+        if self.transport:
+            cmd += ["--transport", self.transport]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, env=self.env, start_new_session=True)
+        tp = TierProcess(tier, proc)
+        threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
+        return tp
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        for p in self.processes:
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.proc.pid, signal.SIGKILL)
+                p.proc.wait(5)
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,60 @@
+"""The transport protocol and its registry.
+
+A transport fills a handle's body on the producer side and turns a body back into a tensor on the
+consumer side. Adding one is a file that registers itself here; ``TensorStore``, ``import_tensor``
+and ``choose_transport`` never branch on transport names.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from epd.registry import Registry
+from epd.v1 import tensor_pb2
+
+if TYPE_CHECKING:
+    import grpc
+
+    from epd.transport.leases import TensorStore
+
+
+class Reclaimable(Protocol):
+    """Something a lease holds besides the tensor (a shm segment, a pending NCCL send)."""
+
+    def reclaim(self, reason: str) -> None:
+        """``reason`` is "released", "expired" or "closed"; only "released" proves the consumer is done."""
+
+
+@dataclass
+class Exported:
+    """What the store keeps alive under a lease until it is released or expires."""
+
+    payload: torch.Tensor | None  # Fetch streams it, NCCL sends it, CUDA IPC keeps its memory alive
+    resource: Reclaimable | None = None
+    keepalive: tuple = ()  # e.g. the interprocess CUDA event the consumer will open
+
+
+@dataclass(frozen=True)
+class ImportContext:
+    device: torch.device
+    channel_factory: Callable[[str], grpc.Channel]
+    timeout_s: float  # bounds every network wait of the import: no hang when the producer is gone
+
+
+class Transport(Protocol):
+    name: str
+    # "cpu" or "cuda": where the tensor must live for export without a device copy
+    source_device_type: str
+
+    def export(self, store: TensorStore, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
+        """Fill ``handle``'s body (and ready event); return what the lease must keep alive."""
+
+    def import_(self, handle: tensor_pb2.TensorHandle, dtype: torch.dtype, shape: tuple[int, ...],
+                ctx: ImportContext) -> torch.Tensor:
+        """Return the tensor the body describes (a view into shared memory where possible)."""
+
+
+TRANSPORTS: Registry[Transport] = Registry("transport")

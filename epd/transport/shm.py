@@ -1,0 +1,169 @@
+"""``shm`` transport: same host, CPU. The producer copies the tensor once into a POSIX shared-memory
+segment it owns; the consumer maps the segment and gets a zero-copy view.
+
+Segment layout: a 64-byte header (magic + the lease id it currently serves), then the tensor bytes.
+64 keeps the data aligned for every dtype.
+
+Why a pool: creating a segment means the kernel allocates and zeroes every page on first touch,
+which costs several times the copy itself. Released segments are therefore kept (up to
+``TensorStore.shm_pool_bytes``) and reused, already faulted in. Reuse is safe because only an
+explicit release returns a segment (the consumer said it is done) and the header names the lease,
+so a stale handle to a reused segment fails with LeaseExpiredError instead of reading new data. An
+*expired* segment is unlinked, never reused: its consumer may still be reading it.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from epd.transport.base import TRANSPORTS, Exported, ImportContext
+from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message
+from epd.transport.shm_segments import MappingCache, OwnerLock, Segment, is_segment_name, owner_alive
+from epd.v1 import tensor_pb2
+
+HEADER_BYTES = 64
+_MAGIC = b"EPDSHM1\0"
+_MIN_SEGMENT_BYTES = 64 * 1024
+_MAPPINGS = MappingCache()  # consumer side, one per process
+
+
+def segment_capacity_bytes(nbytes: int) -> int:
+    """Size classes a quarter-octave apart (<= 25% slack), so released segments fit later tensors.
+    Slack costs address space, not memory: tmpfs allocates only the pages written."""
+    nbytes = max(nbytes, _MIN_SEGMENT_BYTES)
+    step = (1 << (nbytes - 1).bit_length()) // 8
+    return -(-nbytes // step) * step
+
+
+def _header(lease_id: str) -> bytes:
+    return (_MAGIC + lease_id.encode("ascii")).ljust(HEADER_BYTES, b"\0")
+
+
+class ShmArena:
+    """One per TensorStore: its owner lock, every segment it created, and the pool of free ones."""
+
+    def __init__(self, store) -> None:
+        self.pool_bytes = store.shm_pool_bytes
+        self._owner = OwnerLock()
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Segment]] = {}  # capacity_bytes -> free segments
+        self._free_bytes = 0
+        self._segments: dict[str, Segment] = {}  # every live segment, free or leased
+        self._closed = False
+
+    def acquire(self, nbytes: int) -> Segment:
+        capacity = segment_capacity_bytes(HEADER_BYTES + nbytes)
+        with self._lock:
+            if self._closed:
+                raise TransportError("TensorStore is closed; can't create shared-memory segments")
+            free = self._free.get(capacity)
+            if free:
+                self._free_bytes -= capacity
+                return free.pop()
+        segment = Segment(self._owner.new_segment_name(), capacity)
+        with self._lock:
+            self._segments[segment.name] = segment
+        return segment
+
+    def give_back(self, segment: Segment, reason: str) -> None:
+        with self._lock:
+            keep = (reason == "released" and not self._closed
+                    and self._free_bytes + segment.capacity_bytes <= self.pool_bytes)
+            if keep:
+                segment.mm[:HEADER_BYTES] = bytes(HEADER_BYTES)  # stale handles now fail the header check
+                self._free.setdefault(segment.capacity_bytes, []).append(segment)
+                self._free_bytes += segment.capacity_bytes
+                return
+            self._segments.pop(segment.name, None)
+        segment.unlink()
+
+    @property
+    def pooled_bytes(self) -> int:
+        return self._free_bytes
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            segments, self._segments, self._free, self._free_bytes = list(self._segments.values()), {}, {}, 0
+        for segment in segments:
+            segment.unlink()
+        self._owner.close()
+
+
+class _SegmentLease:
+    def __init__(self, arena: ShmArena, segment: Segment) -> None:
+        self.arena, self.segment = arena, segment
+
+    def reclaim(self, reason: str) -> None:
+        self.arena.give_back(self.segment, reason)
+
+
+class ShmTransport:
+    name = "shm"
+    source_device_type = "cpu"
+
+    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
+        arena: ShmArena = store.transport_state(self.name, ShmArena)
+        segment = arena.acquire(handle.nbytes)
+        try:
+            if handle.nbytes:
+                data = segment.view[HEADER_BYTES:HEADER_BYTES + handle.nbytes]
+                data.view(tensor.dtype).view(tensor.shape).copy_(tensor)  # the one copy; strided input is fine
+            segment.mm[:HEADER_BYTES] = _header(handle.lease_id)  # last: the segment is complete
+        except BaseException:
+            arena.give_back(segment, "failed")
+            raise
+        handle.shm.segment_name = segment.name
+        handle.shm.offset_bytes = HEADER_BYTES
+        handle.shm.segment_bytes = segment.capacity_bytes
+        return Exported(payload=None, resource=_SegmentLease(arena, segment))
+
+    def import_(self, handle: tensor_pb2.TensorHandle, dtype: torch.dtype, shape: tuple[int, ...],
+                ctx: ImportContext) -> torch.Tensor:
+        body = handle.shm
+        name = body.segment_name
+        if not is_segment_name(name):  # also keeps "../x" and friends out of shm_open
+            raise TransportError(f"lease {handle.lease_id}: {name!r} is not an EPD shm segment name "
+                                 "(expected epd_<pid>_<owner hex16>_<token hex32>)")
+        end_bytes = body.offset_bytes + handle.nbytes
+        if end_bytes > body.segment_bytes:
+            raise TransportError(f"lease {handle.lease_id}: tensor of {handle.nbytes} bytes at offset "
+                                 f"{body.offset_bytes} does not fit segment_bytes={body.segment_bytes}")
+        if body.offset_bytes % dtype.itemsize:
+            raise TransportError(f"lease {handle.lease_id}: offset {body.offset_bytes} is not aligned to {dtype}")
+        try:
+            mm = _MAPPINGS.map(name)
+        except FileNotFoundError:
+            raise LeaseExpiredError(
+                f"{lease_gone_message(handle.lease_id, 'expired', None)} "
+                f"(shm segment {name} is gone: expired or released, or the producer reclaimed it)") from None
+        except PermissionError:
+            raise TransportError(f"lease {handle.lease_id}: shm segment {name} is mode 0600 and belongs to "
+                                 "another user; run producer and consumer as the same user") from None
+        if len(mm) < end_bytes:
+            raise TransportError(f"lease {handle.lease_id}: shm segment {name} holds {len(mm)} bytes, "
+                                 f"the handle needs {end_bytes}")
+        if not owner_alive(name):
+            raise TransportError(
+                f"lease {handle.lease_id}: the producer of shm segment {name} is gone (its owner lock is free); "
+                "the segment is stale and epd.transport.cleanup_stale_segments() will remove it")
+        if mm[:HEADER_BYTES] != _header(handle.lease_id):
+            raise LeaseExpiredError(f"{lease_gone_message(handle.lease_id, 'released', None)} "
+                                    f"(shm segment {name} no longer serves it)")
+        numel = math.prod(shape)
+        if numel == 0:
+            tensor = torch.empty(shape, dtype=dtype)
+        else:
+            # zero-copy: the tensor holds the mapping, which outlives a later unlink by the producer
+            tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=body.offset_bytes).view(shape)
+        return tensor if ctx.device.type == "cpu" else tensor.to(ctx.device)
+
+
+TRANSPORTS.register("shm")(ShmTransport())
+
+
+def clear_mapping_cache() -> None:
+    """Drop this process's cached segment mappings (tensors still using one keep it mapped)."""
+    _MAPPINGS.clear()

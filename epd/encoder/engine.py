@@ -51,10 +51,11 @@ class EncoderEngineStats:
     cache: CacheMetrics
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Pending:
     future: Future
     hold_until_release: bool
+    state: MultimodalEncoderRequestState | None = None  # set once admitted
 
 
 class EncoderEngine:
@@ -141,6 +142,7 @@ class EncoderEngine:
             with self._lock:
                 self._pending.pop(request_id, None)
             raise
+        self._pending_state(request_id, state)
         if state.is_ready:
             self._complete([state])  # all hits; idempotent if the loop got there first
         else:
@@ -155,7 +157,8 @@ class EncoderEngine:
         for key in keys or ():
             self.cache.unpin(key, request_id)
         if pending is not None:
-            self.scheduler.abort_request(request_id)
+            if self.scheduler.abort_request(request_id) is None and pending.state is not None:
+                release_pins(self.cache, pending.state)  # already off the queue, mid-completion
             pending.future.cancel()
         self._notify()  # freed room may unblock a batch
 
@@ -179,12 +182,17 @@ class EncoderEngine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
     def stats(self) -> EncoderEngineStats:
         with self._lock:
             num_held = len(self._held)
         return EncoderEngineStats(self.num_forwards, self.num_encoded_items,
                                   self.scheduler.num_waiting_requests, num_held, self.cache.metrics)
+
+    def _pending_state(self, request_id: str, state: MultimodalEncoderRequestState) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.state = state
 
     # -- the loop --------------------------------------------------------------------------
     def _notify(self) -> None:

@@ -7,7 +7,7 @@ then commits it all; a failure never leaves part of a batch published.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 
@@ -21,7 +21,6 @@ from epd.multimodal.params import MultimodalParams, strip_mm_encoder_inputs
 DEFAULT_DEVICE_PATHS = ("image.pixel_values",)
 
 
-@runtime_checkable
 class EncoderModel(Protocol):
     """What the runner needs of a vision encoder (``QwenVisionEncoder`` is one).
 

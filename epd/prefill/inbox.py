@@ -68,6 +68,16 @@ class EmbeddingInbox:
                 rows.fail(index, str(err))
         self.on_arrival()
 
+    def fail_request(self, request_id: str, reason: str) -> bool:
+        """Fail a registered request's pending rows (its prefill call raises ``reason``)."""
+        with self._lock:
+            rows = self._rows.get(request_id)
+        if rows is None:
+            return False
+        rows.fail(0, reason)
+        self.on_arrival()
+        return True
+
     def finish(self, request_id: str) -> None:
         """Forget the request and release every embedding lease it held."""
         with self._lock:

@@ -55,7 +55,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return response
 
     def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id, request.reason or "aborted"))
 
     def Health(self, request, context):
         sched = self.worker.engine.scheduler

@@ -56,13 +56,14 @@ class PrefillWorker:
     def close(self) -> None:
         self.loop.stop()
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is (the router's client went away); True if it was found."""
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Stop a request wherever it is (client gone, encoder failed); True if it was known.
+        A prefill call waiting on it fails at once with ``reason``."""
+        known = self.inbox.fail_request(request_id, reason)
         found = self.loop.call(lambda engine: engine.find(request_id)).result()
         if found is not None:
             self.loop.abort(found)
-        self.inbox.finish(request_id)
-        return found is not None
+        return known or found is not None
 
     def prefill(self, meta: common_pb2.RequestMetadata, timeout_s: float) -> PrefillResult:
         """Blocking: returns once the first token is sampled and the KV is gathered."""
@@ -104,7 +105,7 @@ class PrefillWorker:
             error = rows.first_error() if rows is not None else None
             if error is not None:
                 self.loop.abort(seq, reason="error")
-                raise PrefillError(f"request {seq.request_id}: encoder failed: {error}")
+                raise PrefillError(f"request {seq.request_id}: embeddings unavailable: {error}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.loop.abort(seq, reason="timeout")

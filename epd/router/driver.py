@@ -23,7 +23,7 @@ from epd.models.qwen2_vl.processor import ProcessedPrompt, QwenVLInputProcessor
 from epd.multimodal.messages import extract_images
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.transport import get_channel
-from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc
+from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, prefill_pb2_grpc
 
 
 class RequestFailed(RuntimeError):
@@ -64,6 +64,8 @@ class ClusterDriver:
         prompt = self.processor.process_messages(conv, images)
         prefill, decode = self._pick(self.prefills), self._pick(self.decodes)
         encodes = self._send_to_encoders(request_id, prompt, prefill)
+        for future in encodes:  # an encoder that fails must not leave prefill waiting for rows
+            future.add_done_callback(lambda f: self._abort_on_failure(f, request_id, prefill))
         meta = request_metadata(request_id, prompt, params, (self.tokenizer.eos_token_id,))
         stub = decode_pb2_grpc.DecodeStub(get_channel(decode))
         call = stub.Generate(decode_pb2.GenerateRequest(request=meta, prefill_address=prefill,
@@ -89,6 +91,17 @@ class ClusterDriver:
                 request_id=request_id, items=items, prefill_address=prefill, transport=self.transport),
                 timeout=self.timeout_s))
         return futures
+
+    def _abort_on_failure(self, future: Future, request_id: str, prefill: str) -> None:
+        err = future.exception()
+        if err is None:
+            return
+        reason = f"encoder failed: {err.details() if hasattr(err, 'details') else err}"
+        try:
+            prefill_pb2_grpc.PrefillStub(get_channel(prefill)).Abort(
+                common_pb2.AbortRequest(request_id=request_id, reason=reason), timeout=10)
+        except grpc.RpcError:
+            pass  # prefill is gone too; the decode call fails on its own
 
     @staticmethod
     def _explain(err: grpc.RpcError, encodes: list[Future]) -> str:

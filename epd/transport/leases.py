@@ -116,8 +116,9 @@ class TensorStore:
         """Reclaim every lease whose TTL has passed; returns how many."""
         now = self.clock() if now is None else now
         with self._lock:
-            ids = [lease.lease_id for lease in self._leases.values() if lease.expires_s <= now]
-            leases = [self._pop(lease_id, "expired", now) for lease_id in ids]
+            expired = [(lease.lease_id, lease.expires_s) for lease in self._leases.values() if lease.expires_s <= now]
+            # remembered as ending at its expiry time, so a late consumer hears how long ago that was
+            leases = [self._pop(lease_id, "expired", expires_s) for lease_id, expires_s in expired]
         self._reclaim(leases, "expired")
         return len(leases)
 
@@ -187,12 +188,12 @@ class TensorStore:
         return self._open_bytes
 
     # -- internals -------------------------------------------------------------------------------
-    def _pop(self, lease_id: str, reason: str, now: float | None = None) -> _Lease | None:
+    def _pop(self, lease_id: str, reason: str, ended_s: float | None = None) -> _Lease | None:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return None
         self._open_bytes -= lease.nbytes
-        self._ended[lease_id] = (reason, self.clock() if now is None else now)
+        self._ended[lease_id] = (reason, self.clock() if ended_s is None else ended_s)
         while len(self._ended) > _NUM_REMEMBERED_ENDED_LEASES:
             self._ended.popitem(last=False)
         return lease

@@ -164,6 +164,6 @@ class ShmTransport:
 TRANSPORTS.register("shm")(ShmTransport())
 
 
-def clear_mapping_cache() -> None:
-    """Drop this process's cached segment mappings (tensors still using one keep it mapped)."""
-    _MAPPINGS.clear()
+def clear_mapping_cache(segment_name: str | None = None) -> None:
+    """Drop this process's cached mapping of one segment, or of all (tensors using one keep it mapped)."""
+    _MAPPINGS.clear(segment_name)

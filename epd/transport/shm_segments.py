@@ -206,10 +206,11 @@ class MappingCache:
                     self._evict(next(iter(self._entries)))
         return mm
 
-    def clear(self) -> None:
+    def clear(self, name: str | None = None) -> None:
+        """Forget one segment's mapping, or all of them."""
         with self._lock:
-            for name in list(self._entries):
-                self._evict(name)
+            for cached in [name] if name is not None else list(self._entries):
+                self._evict(cached)
 
     def _evict(self, name: str) -> None:
         entry = self._entries.pop(name, None)

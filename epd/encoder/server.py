@@ -1,0 +1,98 @@
+"""gRPC face of the encoder tier: runs items through the EncoderEngine, exports each item's rows
+as a tensor handle and pushes the handles straight to the request's prefill worker."""
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+
+from epd.config import WorkerConfig
+from epd.encoder.engine import EncoderEngine
+from epd.encoder.item_scheduler import EncoderItem
+from epd.multimodal.hashing import hash_processor_kwargs
+from epd.serving import bind_server, configure_logging, run_until_signalled
+from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, get_channel
+from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("epd.encoder")
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig) -> None:
+        self.engine, self.store, self.config = engine, store, config
+
+    def Encode(self, request, context):
+        try:
+            items = [_item(msg) for msg in request.items]
+            result = self.engine.submit(request.request_id, items).result(timeout=self.config.request_timeout_s)
+        except Exception as err:  # noqa: BLE001 - tell prefill first so it does not wait out its timeout
+            self._push_errors(request, f"{type(err).__name__}: {err}")
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else grpc.StatusCode.INTERNAL
+            context.abort(code, f"request {request.request_id}: {err}")
+        try:
+            pushes = [self._export(request, msg.item_index, rows) for msg, rows in zip(request.items, result.embeddings)]
+        finally:
+            self.engine.release(request.request_id)  # rows are copied into the handles' storage
+        self._push(request, pushes, context)
+        return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
+                                          cache_hits=result.cache_hits)
+
+    def _export(self, request, item_index: int, rows) -> common_pb2.EmbeddingPush:
+        transport = choose_transport(rows.device.type, same_host=True,
+                                     override=request.transport or self.config.transport or None)
+        handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
+        return common_pb2.EmbeddingPush(request_id=request.request_id, item_index=item_index, embedding=handle)
+
+    def _push(self, request, pushes, context) -> None:
+        stub = prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address))
+        try:
+            stub.PushEmbeddings(prefill_pb2.PushEmbeddingsRequest(pushes=pushes), timeout=self.config.request_timeout_s)
+        except grpc.RpcError as err:
+            self.store.release([p.embedding.lease_id for p in pushes])
+            context.abort(grpc.StatusCode.UNAVAILABLE,
+                          f"request {request.request_id}: prefill at {request.prefill_address}: {err.details()}")
+
+    def _push_errors(self, request, error: str) -> None:
+        pushes = [common_pb2.EmbeddingPush(request_id=request.request_id, item_index=m.item_index, error=error)
+                  for m in request.items]
+        try:
+            prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address)).PushEmbeddings(
+                prefill_pb2.PushEmbeddingsRequest(pushes=pushes), timeout=10)
+        except grpc.RpcError:
+            log.warning("could not tell prefill %s that request %s failed", request.prefill_address,
+                        request.request_id)
+
+    def Health(self, request, context):
+        stats = self.engine.stats()
+        return common_pb2.HealthResponse(status="SERVING", tier="encoder", model=self.config.model,
+                                         num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
+                                         num_encoder_forwards=stats.num_forwards,
+                                         num_encoded_items=stats.num_encoded_items)
+
+
+def _item(msg: common_pb2.MultimodalItem) -> EncoderItem:
+    kwargs = json.loads(msg.processor_kwargs_json) if msg.processor_kwargs_json else None
+    return EncoderItem(data=msg.data, content_hash=msg.content_hash,
+                       processor_kwargs_hash=hash_processor_kwargs(kwargs),
+                       expected_rows=msg.expected_rows, encoder_tokens=msg.encoder_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from epd.models.presets import resolve_model
+    from epd.tier_cli import worker_config_from_args
+    configure_logging()
+    config = worker_config_from_args("encoder", argv)
+    cleanup_stale_segments()
+    engine = EncoderEngine.from_model_dir(resolve_model(config.model))
+    server, address = bind_server(config)
+    store = TensorStore(address=address)
+    store.start_sweeper()
+    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, store, config), server)
+    add_tensor_store(server, store)
+    server.start()
+    run_until_signalled("encoder", address, server, lambda: (engine.close(), store.close()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""A process-wide pool of gRPC channels, one per producer address.
+
+Channels are expensive to open (a TCP + HTTP/2 handshake) and safe to share between threads, so a
+consumer importing many handles from one producer reuses one channel.
+"""
+from __future__ import annotations
+
+import threading
+
+import grpc
+
+MiB = 1024 * 1024
+# Fetch chunks stay under 4 MiB, but other callers of these channels may carry bigger messages
+MAX_MESSAGE_BYTES = 64 * MiB
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+
+class ChannelPool:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def get(self, address: str) -> grpc.Channel:
+        if not address:
+            raise ValueError("empty gRPC address; expected host:port")
+        with self._lock:
+            channel = self._channels.get(address)
+            if channel is None:
+                # insecure: producer and consumer talk inside the cluster network; TLS belongs to deployment
+                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            return channel
+
+    def close_all(self) -> None:
+        with self._lock:
+            channels, self._channels = list(self._channels.values()), {}
+        for channel in channels:
+            channel.close()
+
+
+_POOL = ChannelPool()
+
+
+def get_channel(address: str) -> grpc.Channel:
+    return _POOL.get(address)
+
+
+def close_all() -> None:
+    _POOL.close_all()

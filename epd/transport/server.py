@@ -1,0 +1,60 @@
+"""The gRPC TensorStore service: translates proto <-> store calls, nothing more."""
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+
+from epd.transport.channels import CHANNEL_OPTIONS
+from epd.transport.handles import LeaseExpiredError, TransportError
+from epd.transport.inline import iter_chunks
+from epd.transport.leases import TensorStore
+from epd.transport.nccl import nccl_unique_id
+from epd.v1 import tensor_pb2, tensor_pb2_grpc
+
+
+class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
+    def __init__(self, store: TensorStore) -> None:
+        self.store = store
+
+    def Release(self, request, context):
+        return tensor_pb2.ReleaseResponse(num_released=self.store.release(request.lease_ids))
+
+    def Fetch(self, request, context):
+        try:
+            payload = self.store.payload(request.lease_id)
+        except TransportError as err:
+            _abort(context, err)
+        yield from iter_chunks(payload, request.chunk_bytes or self.store.fetch_chunk_bytes)
+
+    def NcclUniqueId(self, request, context):
+        try:
+            return tensor_pb2.NcclUniqueIdResponse(unique_id=nccl_unique_id(self.store, request.transfer_id))
+        except TransportError as err:
+            _abort(context, err)
+
+
+def _abort(context: grpc.ServicerContext, err: TransportError) -> None:
+    # NOT_FOUND means "this lease is gone": the consumer turns it back into LeaseExpiredError
+    code = grpc.StatusCode.NOT_FOUND if isinstance(err, LeaseExpiredError) else grpc.StatusCode.FAILED_PRECONDITION
+    context.abort(code, str(err))
+
+
+def add_tensor_store(server: grpc.Server, store: TensorStore) -> TensorStoreServicer:
+    servicer = TensorStoreServicer(store)
+    tensor_pb2_grpc.add_TensorStoreServicer_to_server(servicer, server)
+    return servicer
+
+
+def serve_tensor_store(store: TensorStore, host: str = "127.0.0.1", port: int = 0,
+                       max_workers: int = 8) -> grpc.Server:
+    """Start a server for ``store`` alone (tests, benchmarks, a bare producer) and set ``store.address``.
+    Tiers instead call ``add_tensor_store`` on the server they already run. Stop it with ``server.stop(0)``."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    add_tensor_store(server, store)
+    bound_port = server.add_insecure_port(f"{host}:{port}")
+    if bound_port == 0:
+        raise TransportError(f"could not bind a TensorStore server to {host}:{port}")
+    store.address = f"{host}:{bound_port}"
+    server.start()
+    return server

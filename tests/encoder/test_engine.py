@@ -1,0 +1,201 @@
+"""EncoderEngine over a fake encoder (fast) and over the real tiny-qwen2-vl vision tower (slow)."""
+import threading
+import pytest
+import torch
+
+from epd.encoder.config import EncoderConfig
+from epd.encoder.engine import EncoderEngine
+from epd.encoder.errors import MultimodalEncoderAdmissionError, MultimodalEncoderRequestError
+
+from ..conftest import make_image_bytes
+from .fakes import BYTES_PER_ROW, FakeEncoder, expected_output, make_item
+
+
+@pytest.fixture
+def fake_engine():
+    model = FakeEncoder()
+    engine = EncoderEngine(model, EncoderConfig(encoder_max_num_tokens=64), model_id="m",
+                           model_max_atomic_item_tokens=64, bytes_per_embedding=BYTES_PER_ROW,
+                           encoder_tokens_per_row=4)
+    yield engine, model
+    engine.close()
+
+
+def submit_concurrently(engine, requests: dict[str, list]) -> dict:
+    barrier = threading.Barrier(len(requests))
+    futures = {}
+
+    def go(request_id, items):
+        barrier.wait()
+        futures[request_id] = engine.submit(request_id, items)
+
+    threads = [threading.Thread(target=go, args=kv) for kv in requests.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return {request_id: future.result(timeout=30) for request_id, future in futures.items()}
+
+
+def test_same_item_in_concurrent_requests_is_encoded_once(fake_engine):
+    engine, model = fake_engine
+    results = submit_concurrently(engine, {f"r{i}": [make_item("same")] for i in range(10)})
+    assert model.encoded_names == ["same"]
+    stats = engine.stats()
+    assert (stats.num_forwards, stats.cache.misses, stats.cache.hits) == (1, 1, 9)
+    assert sorted(r.cache_hits for r in results.values()) == [[False]] + [[True]] * 9
+    assert all(torch.equal(r.embeddings[0], expected_output("same")) for r in results.values())
+
+
+def test_partial_hits_encode_only_misses_and_keep_item_order(fake_engine):
+    engine, model = fake_engine
+    engine.submit("first", [make_item("a"), make_item("b")]).result(timeout=10)
+    result = engine.submit("second", [make_item("c"), make_item("a"), make_item("d", 3), make_item("b")]).result(10)
+    assert model.batches[-1] == ["c", "d"]
+    assert result.cache_hits == [False, True, False, True]
+    expected = [expected_output("c"), expected_output("a"), expected_output("d", 3), expected_output("b")]
+    assert all(torch.equal(got, want) for got, want in zip(result.embeddings, expected, strict=True))
+
+
+def test_never_fitting_request_is_rejected_at_submit(fake_engine):
+    engine, _ = fake_engine
+    with pytest.raises(MultimodalEncoderAdmissionError, match="output_budget_bytes"):
+        engine.submit("big", [make_item("huge", rows=17, tokens=64)])  # 16 rows fit: 64 tokens / 4
+    engine.submit("big", [make_item("ok")]).result(timeout=10)  # the id was not taken
+
+
+def test_batch_failure_fails_the_producer_and_the_consumer_still_succeeds(fake_engine):
+    engine, model = fake_engine
+    model.fail_next_encodes = 1
+    gate, entered = gate_preprocess(model)  # hold the first batch until the consumer has joined
+    producer = engine.submit("producer", [make_item("x")])
+    assert entered.wait(10)
+    consumer = engine.submit("consumer", [make_item("x")])
+    gate.set()
+    with pytest.raises(MultimodalEncoderRequestError, match="CUDA out of memory"):
+        producer.result(timeout=10)
+    assert consumer.result(timeout=10).cache_hits == [False]  # it became the producer
+    assert model.encoded_names == ["x", "x"]
+
+
+def test_release_unpins_and_cancels(fake_engine):
+    engine, _ = fake_engine
+    engine.submit("held", [make_item("a")]).result(timeout=10)
+    (entry,) = [engine.cache.get(engine.scheduler.cache_key(make_item("a")))]
+    assert entry.pinned_by == {"held"}
+    engine.release("held")
+    assert not entry.is_pinned and engine.stats().num_held_requests == 0
+    engine.submit("auto", [make_item("a")], hold_until_release=False).result(timeout=10)
+    assert not entry.is_pinned
+    engine.submit("twice", [make_item("b")])
+    with pytest.raises(ValueError, match="'twice' is already submitted"):
+        engine.submit("twice", [make_item("b")])
+
+
+def gate_preprocess(model: FakeEncoder) -> tuple[threading.Event, threading.Event]:
+    """Hold every forward until ``gate`` is set; ``entered`` says a forward is being held."""
+    gate, entered, real_preprocess = threading.Event(), threading.Event(), model.preprocess
+
+    def gated(images):
+        entered.set()
+        gate.wait(10)
+        return real_preprocess(images)
+
+    model.preprocess = gated
+    return gate, entered
+
+
+def test_release_of_a_waiting_request_cancels_it(fake_engine):
+    engine, model = fake_engine
+    gate, entered = gate_preprocess(model)
+    running = engine.submit("running", [make_item("a")])
+    assert entered.wait(10)
+    waiting = engine.submit("waiting", [make_item("b")])
+    engine.release("waiting")
+    gate.set()
+    assert running.result(timeout=10).cache_hits == [False]
+    assert waiting.cancelled() and "b" not in model.encoded_names
+    assert engine.cache.get(engine.scheduler.cache_key(make_item("b"))) is None
+
+
+def test_close_finishes_the_running_batch_and_fails_the_rest(fake_engine):
+    engine, model = fake_engine
+    gate, entered = gate_preprocess(model)
+    running = engine.submit("running", [make_item("a")])
+    assert entered.wait(10)
+    waiting = engine.submit("waiting", [make_item("b")])
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    gate.set()
+    closer.join(10)
+    assert running.result(timeout=10).cache_hits == [False]
+    with pytest.raises(RuntimeError, match="closed before request 'waiting' finished"):
+        waiting.result(timeout=10)
+
+
+def test_close_rejects_new_work():
+    engine = EncoderEngine(FakeEncoder(), EncoderConfig(), model_id="m", model_max_atomic_item_tokens=8,
+                           bytes_per_embedding=BYTES_PER_ROW)
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit("r", [make_item("a")])
+
+
+# -- the real vision tower --------------------------------------------------------------------
+class RecordingEncoder:
+    """Passes through to QwenVisionEncoder, recording the images of every forward."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.batches = inner, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def preprocess(self, images):
+        self.batches.append(list(images))
+        return self.inner.preprocess(images)
+
+
+@pytest.fixture(scope="module")
+def qwen_engine():
+    from epd.models.presets import resolve_model
+    engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig())
+    engine.runner.model = RecordingEncoder(engine.runner.model)
+    yield engine
+    engine.close()
+
+
+def reference_outputs(engine) -> dict[bytes, torch.Tensor]:
+    """Each recorded batch re-encoded directly: same bytes, same batch, so bit-identical."""
+    reference = {}
+    for batch in engine.runner.model.batches:
+        reference.update(zip(batch, engine.runner.model.inner.encode_images(batch), strict=True))
+    return reference
+
+
+@pytest.mark.slow
+def test_real_encoder_same_image_in_ten_requests_one_forward(qwen_engine):
+    image = make_image_bytes(90, 70, seed=11)
+    item = qwen_engine.make_item(image)
+    results = submit_concurrently(qwen_engine, {f"same{i}": [item] for i in range(10)})
+    assert sum(batch.count(image) for batch in qwen_engine.runner.model.batches) == 1
+    reference = reference_outputs(qwen_engine)[image]
+    assert reference.shape == (item.expected_rows, 64)
+    assert all(torch.equal(r.embeddings[0], reference) for r in results.values())
+    assert sorted(r.cache_hits[0] for r in results.values()) == [False] + [True] * 9
+
+
+@pytest.mark.slow
+def test_real_encoder_partial_hits_keep_order_and_equal_direct_encode(qwen_engine):
+    images = [make_image_bytes(56 + 28 * i, 84 - 14 * i, seed=20 + i) for i in range(4)]
+    first = qwen_engine.submit("p1", [qwen_engine.make_item(images[0]), qwen_engine.make_item(images[2])])
+    first.result(timeout=60)
+    order = [images[1], images[0], images[3], images[2]]
+    result = qwen_engine.submit("p2", [qwen_engine.make_item(image) for image in order]).result(timeout=60)
+    assert result.cache_hits == [False, True, False, True]
+    assert qwen_engine.runner.model.batches[-1] == [images[1], images[3]]
+    reference = reference_outputs(qwen_engine)
+    for image, embedding in zip(order, result.embeddings, strict=True):
+        assert embedding.device.type == "cpu" and torch.equal(embedding, reference[image])
+    for image, embedding in zip(order, result.embeddings, strict=True):  # and per image, to fp tolerance
+        torch.testing.assert_close(embedding, qwen_engine.runner.model.inner.encode_images([image])[0])

@@ -1,0 +1,110 @@
+"""Real tier processes on 127.0.0.1: E -> P -> D over gRPC, tensors as handles (shm / inline).
+Output must be token-identical to the in-process engine (itself checked against transformers)."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from epd.config import EngineConfig
+from epd.engine.sampling_params import SamplingParams
+from epd.launch import LocalCluster
+from epd.llm import LLM
+from epd.models.presets import write_preset_checkpoint
+from epd.router.driver import ClusterDriver
+from epd.transport import get_channel
+from epd.v1 import common_pb2, encoder_pb2_grpc
+from tests.conftest import make_image_bytes
+from tests.fidelity.reference import ReferenceModel, user_message
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=24)
+IMG_A, IMG_B, IMG_C = (make_image_bytes(333, 517, seed=21), make_image_bytes(200, 90, seed=22),
+                       make_image_bytes(13, 21, seed=23))
+CASES = {"0img": [], "1img": [IMG_A], "3img": [IMG_A, IMG_B, IMG_C]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_preset_checkpoint("tiny-qwen2-vl", tmp_path_factory.mktemp("ckpt") / "m", seed=4321)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(str(model_dir), engine_config=EngineConfig(block_size=16))
+
+
+@pytest.fixture(scope="module", params=["1E1P1D-shm-chunked", "2E1P1D-inline"])
+def driver(request, model_dir):
+    two_encoders = request.param.startswith("2E")
+    tier_args = {} if two_encoders else {"prefill": ["--max-num-batched-tokens", "13"]}
+    with LocalCluster(str(model_dir), num_encoders=2 if two_encoders else 1,
+                      transport="inline" if two_encoders else "", tier_args=tier_args) as cluster:
+        yield ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                            decodes=cluster.decodes, transport="inline" if two_encoders else "")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cluster_equals_in_process_engine(driver, llm, case):
+    messages = user_message("Describe every detail.", CASES[case])
+    out = driver.chat(messages, GREEDY)
+    expected = llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == expected.prompt_token_ids
+    assert out.token_ids == expected.token_ids
+
+
+def test_cluster_equals_transformers(driver, model_dir):
+    images = CASES["3img"]
+    messages = user_message("Compare the pictures.", images)
+    ref = ReferenceModel(model_dir).generate(messages, images, max_new_tokens=24)
+    out = driver.chat(messages, GREEDY)
+    assert out.prompt_token_ids == ref.prompt_token_ids and out.token_ids == ref.token_ids
+
+
+def test_second_request_reuses_the_prefix_cache(driver, llm):
+    messages = user_message("What colour is most common?", [IMG_B])
+    chunks = [list(driver.stream(messages, GREEDY)) for _ in range(2)]
+    first_head, second_head = chunks[0][0][0], chunks[1][0][0]
+    assert second_head.num_cached_tokens > first_head.num_cached_tokens
+    tokens = [[t for chunk, _ in run for t in chunk.token_ids] for run in chunks]
+    assert tokens[0] == tokens[1] == llm.chat(messages, GREEDY)[0].token_ids
+
+
+def test_same_image_in_ten_concurrent_requests_is_encoded_once(driver):
+    image = make_image_bytes(90, 60, seed=777)
+    before = _encoded_items(driver)
+    outputs, errors = [], []
+
+    def one(i):
+        try:
+            outputs.append(driver.chat(user_message(f"Request {i}.", [image]), SamplingParams(max_tokens=4)))
+        except Exception as err:  # noqa: BLE001 - collected and asserted below
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(outputs) == 10
+    assert _encoded_items(driver) - before == 1
+
+
+def test_items_spread_over_encoders_come_back_in_order(driver, llm):
+    if len(driver.encoders) < 2:
+        pytest.skip("needs two encoders")
+    images = [make_image_bytes(56 + 8 * i, 64, seed=100 + i) for i in range(6)]
+    homes = {int(p.mm_hash[:15], 16) % 2 for p in
+             llm.processor.process_messages(*llm.extract_images(user_message("x", images))).items}
+    assert homes == {0, 1}, "test images should land on both encoders"
+    messages = user_message("List them.", images)
+    assert driver.chat(messages, GREEDY).token_ids == llm.chat(messages, GREEDY)[0].token_ids
+
+
+def _encoded_items(driver) -> int:
+    total = 0
+    for address in driver.encoders:
+        health = encoder_pb2_grpc.EncoderStub(get_channel(address)).Health(common_pb2.HealthRequest(), timeout=10)
+        total += health.num_encoded_items
+    return total

@@ -46,8 +46,6 @@ class ImportContext:
 
 class Transport(Protocol):
     name: str
-    # "cpu" or "cuda": where the tensor must live for export without a device copy
-    source_device_type: str
 
     def export(self, store: TensorStore, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
         """Fill ``handle``'s body (and ready event); return what the lease must keep alive."""

@@ -7,8 +7,10 @@ on the producing stream: the kernels that write the tensor may still be running 
 is sent.
 
 Consumer (seed §9.3): ``current_stream.wait_event(ready_event)`` so our kernels start after the
-producer's writes, and ``tensor.record_stream(current_stream)`` so that a later asynchronous reader
-on this stream is accounted for before the memory is given back.
+producer's writes, and ``tensor.record_stream(current_stream)`` so the caching allocator won't hand
+the memory out again while kernels queued on this stream still read it. For memory opened over IPC
+torch skips record_stream (its IPC reference counter guards that memory instead); it does the real
+work on the in-process path, where the tensor comes straight from the producer's allocator.
 
 The tensor's own offset inside its storage is folded into ``storage_offset_bytes`` and
 ``storage_bytes`` covers exactly the tensor, so a contiguous slice of a batch (an encoder output
@@ -31,7 +33,6 @@ def _require_cuda(what: str) -> None:
 
 class CudaIpcTransport:
     name = "cuda_ipc"
-    source_device_type = "cuda"
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
         if not tensor.is_cuda:

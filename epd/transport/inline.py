@@ -39,7 +39,6 @@ def iter_chunks(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tensor_pb2.
 
 class InlineTransport:
     name = "inline"
-    source_device_type = "cpu"
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
         # a CPU contiguous tensor is kept as is (no copy): don't modify an exported tensor in place

@@ -68,6 +68,12 @@ class TensorStore:
     # -- export / release ---------------------------------------------------------------------
     def export(self, tensor: torch.Tensor, *, transport: str, ttl_s: float,
                consumer_hint: str | None = None) -> tensor_pb2.TensorHandle:
+        """Describe ``tensor`` in a handle and keep it alive for ``ttl_s`` seconds or until released.
+
+        shm copies the tensor into a segment now; the other transports keep a reference, so don't
+        modify an exported tensor in place. ``consumer_hint`` names the consumer (for
+        ``release_consumer``). Small inline tensors carry their bytes and get no lease (empty lease_id).
+        """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS.names()}")
         if not ttl_s > 0:
@@ -87,13 +93,11 @@ class TensorStore:
             return handle
         lease = _Lease(lease_id, transport, handle.nbytes, expires_s, consumer_hint, exported)
         with self._lock:
-            if self._closed:
-                closed_after_export = True
-            else:
-                closed_after_export = False
+            closed = self._closed
+            if not closed:
                 self._leases[lease_id] = lease
                 self._open_bytes += lease.nbytes
-        if closed_after_export:
+        if closed:
             self._reclaim([lease], "closed")
             raise TransportError("TensorStore closed during export")
         return handle

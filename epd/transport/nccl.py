@@ -112,7 +112,6 @@ class _NcclSend:
 
 class NcclTransport:
     name = "nccl"
-    source_device_type = "cuda"
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
         if not tensor.is_cuda:

@@ -102,7 +102,6 @@ class _SegmentLease:
 
 class ShmTransport:
     name = "shm"
-    source_device_type = "cpu"
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
         arena: ShmArena = store.transport_state(self.name, ShmArena)

@@ -1,10 +1,13 @@
 """shm transport in one process: zero-copy views, permissions, names, pool reuse, expiry, bad handles."""
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import re
+import secrets
 import stat
+import subprocess
 
 import pytest
 import torch
@@ -143,3 +146,22 @@ def test_cleanup_leaves_live_producers_alone(store):
 ])
 def test_segment_size_classes_waste_at_most_a_quarter(nbytes, capacity):
     assert segment_capacity_bytes(nbytes) == capacity
+
+
+def test_cleanup_falls_back_to_the_pid_when_there_is_no_owner_lock():
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # reaped: its pid names no process now
+    names = {
+        "dead": f"epd_{finished.pid}_{secrets.token_hex(8)}_{secrets.token_hex(16)}",
+        "alive": f"epd_{os.getpid()}_{secrets.token_hex(8)}_{secrets.token_hex(16)}",
+    }
+    for name in names.values():
+        os.close(_posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        removed = cleanup_stale_segments()
+        assert names["dead"] in removed and names["alive"] not in removed
+        assert not os.path.exists(f"/dev/shm/{names['dead']}") and os.path.exists(f"/dev/shm/{names['alive']}")
+    finally:
+        for name in names.values():
+            if os.path.exists(f"/dev/shm/{name}"):
+                _posixshmem.shm_unlink("/" + name)

@@ -1,0 +1,92 @@
+"""TTFT of a 1E1P1D cluster (real processes, gRPC, shm handles) vs the in-process engine, same
+model and workload, at low load (one request at a time, distinct images so no cache hits).
+
+    python benchmarks/epd_vs_inprocess.py [--model small-qwen2-vl] [--num-requests 12] [--image-size 448]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from epd.engine.sampling_params import SamplingParams  # noqa: E402
+from epd.launch import LocalCluster  # noqa: E402
+from epd.llm import LLM  # noqa: E402
+from epd.models.presets import resolve_model  # noqa: E402
+from epd.router.driver import ClusterDriver  # noqa: E402
+
+
+def noise_png(size_px: int, seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size_px, size_px, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def messages(image: bytes, i: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image", "image": image},
+                                         {"type": "text", "text": f"Request {i}: what is in the image?"}]}]
+
+
+def ttft_in_process(llm: LLM, image: bytes, i: int) -> float:
+    start = time.perf_counter()
+    seq = llm.add_conversation(messages(image, i), SamplingParams(max_tokens=8))
+    while seq.num_output_tokens == 0:
+        llm.engine.step()
+    ttft = time.perf_counter() - start
+    llm.engine.run_until_done([seq])
+    return ttft
+
+
+def ttft_cluster(driver: ClusterDriver, image: bytes, i: int) -> float:
+    start = time.perf_counter()
+    ttft = None
+    for chunk, _ in driver.stream(messages(image, i), SamplingParams(max_tokens=8)):
+        if ttft is None and chunk.token_ids:
+            ttft = time.perf_counter() - start
+    return ttft
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small-qwen2-vl")
+    ap.add_argument("--num-requests", type=int, default=12)
+    ap.add_argument("--image-size", type=int, default=448)
+    args = ap.parse_args()
+    model_dir = resolve_model(args.model)
+    num_warmup = 4  # every process pays first-call costs (allocator, thread pools) once
+    images = [noise_png(args.image_size, seed) for seed in range(2 * (args.num_requests + num_warmup))]
+    warm_local, warm_remote = images[-num_warmup:], images[-2 * num_warmup:-num_warmup]
+
+    llm = LLM(str(model_dir))
+    for img in warm_local:
+        ttft_in_process(llm, img, -1)
+    local = [ttft_in_process(llm, images[i], i) for i in range(args.num_requests)]
+    del llm
+
+    with LocalCluster(str(model_dir)) as cluster:
+        driver = ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                               decodes=cluster.decodes)
+        for img in warm_remote:
+            ttft_cluster(driver, img, -2)
+        remote = [ttft_cluster(driver, images[args.num_requests + i], i) for i in range(args.num_requests)]
+
+    p50_local, p50_remote = statistics.median(local), statistics.median(remote)
+    print(f"model={args.model} image={args.image_size}px requests={args.num_requests} (sequential)")
+    print("| system | TTFT p50 ms | TTFT max ms |")
+    print("|---|---|---|")
+    print(f"| in-process engine | {p50_local * 1e3:.1f} | {max(local) * 1e3:.1f} |")
+    print(f"| 1E1P1D cluster (gRPC + shm) | {p50_remote * 1e3:.1f} | {max(remote) * 1e3:.1f} |")
+    print(f"cluster/in-process TTFT p50 ratio: {p50_remote / p50_local:.3f} (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()

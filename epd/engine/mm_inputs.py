@@ -71,7 +71,12 @@ class ItemRows:
         """Rows ``[first, last)`` across items: sliced before joining, so one item stays a view."""
         if last > self.num_ready_rows():
             raise EmbeddingError(f"rows [{first}, {last}) requested but only {self.num_ready_rows()} have arrived")
-        return join_embeddings([t for t in self._tensors], first, last)
+        ready = []  # the contiguous arrived prefix; later items may have arrived out of order
+        for tensor in self._tensors:
+            if tensor is None:
+                break
+            ready.append(tensor)
+        return join_embeddings(ready, first, last)
 
     def wait(self, timeout_s: float) -> bool:
         with self._cond:

@@ -29,3 +29,24 @@ def make_image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format=fmt)
     return buf.getvalue()
+
+
+def _epd_segments() -> set[str]:
+    try:
+        return {name for name in os.listdir("/dev/shm") if name.startswith("epd_")}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shared_memory_left_behind():
+    """Whole suite: every segment a test (or a worker it started) made is gone at the end."""
+    before = _epd_segments()
+    yield
+    leaked = sorted(_epd_segments() - before)
+    for name in leaked:  # clean up even when failing, so the next run starts clean
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except FileNotFoundError:
+            pass
+    assert not leaked, f"the test session left shared-memory segments in /dev/shm: {leaked}"

@@ -19,7 +19,7 @@ from epd.engine.sequence import Sequence, TokenLogprobs
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_IDLE_WAIT_S = 0.005  # while requests wait on inputs from another tier
+_IDLE_WAIT_S = 0.1  # while requests wait on inputs from another tier (arrivals call wake())
 
 
 @dataclass

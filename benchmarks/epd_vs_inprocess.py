@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--model", default="small-qwen2-vl")
     ap.add_argument("--num-requests", type=int, default=12)
     ap.add_argument("--image-size", type=int, default=448)
+    ap.add_argument("--no-overlap", action="store_true", help="prefill waits for all rows (no E/P overlap)")
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     num_warmup = 4  # every process pays first-call costs (allocator, thread pools) once
@@ -72,7 +73,8 @@ def main() -> None:
     local = [ttft_in_process(llm, images[i], i) for i in range(args.num_requests)]
     del llm
 
-    with LocalCluster(str(model_dir)) as cluster:
+    tier_args = {"prefill": ["--no-overlap"]} if args.no_overlap else None
+    with LocalCluster(str(model_dir), tier_args=tier_args) as cluster:
         driver = ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                decodes=cluster.decodes)
         for img in warm_remote:

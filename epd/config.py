@@ -64,6 +64,9 @@ class WorkerConfig:
     lease_ttl_s: float = 60.0
     request_timeout_s: float = 120.0
     max_workers: int = 32  # gRPC handler threads
+    overlap_prefill_with_encode: bool = True  # prefill: compute text before images while encoding
+    # encoder tier only: EncoderConfig fields (epd/encoder/config.py), validated by that tier
+    encoder: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -15,6 +15,8 @@ def worker_parser(tier: str) -> argparse.ArgumentParser:
     parser.add_argument("--transport", help="inline | shm | cuda_ipc | nccl (default: automatic)")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--num-kv-blocks", type=int)
+    parser.add_argument("--no-overlap", dest="overlap_prefill_with_encode", action="store_false", default=None,
+                        help="prefill: wait for all embeddings before computing (default: overlap)")
     return parser
 
 
@@ -25,7 +27,7 @@ def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
     for key in ("max_num_batched_tokens", "num_kv_blocks"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
-    for key in ("model", "host", "port", "transport"):
+    for key in ("model", "host", "port", "transport", "overlap_prefill_with_encode"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     return from_dict(WorkerConfig, {**data, "engine": from_dict(EngineConfig, engine)})

@@ -3,6 +3,7 @@ KV, then streams tokens as the engine produces them."""
 from __future__ import annotations
 
 import logging
+import queue
 
 import grpc
 
@@ -34,7 +35,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         seq, updates = self._admit(meta, first, context)
         context.add_callback(lambda: self.worker.loop.abort(seq, reason="cancelled"))
         while True:
-            update = updates.get(timeout=self.config.request_timeout_s)
+            try:
+                update = updates.get(timeout=self.config.request_timeout_s)
+            except queue.Empty:
+                self.worker.loop.abort(seq, reason="timeout")
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"request {meta.request_id}: no token for {self.config.request_timeout_s:.0f} s")
             if update.error:
                 context.abort(grpc.StatusCode.INTERNAL, f"request {meta.request_id}: {update.error}")
             yield decode_pb2.TokenChunk(token_ids=update.token_ids, finish_reason=update.finish_reason or "",

@@ -7,7 +7,8 @@ import logging
 
 import grpc
 
-from epd.config import WorkerConfig
+from epd.config import WorkerConfig, from_dict
+from epd.encoder.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.multimodal.hashing import hash_processor_kwargs
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging()
     config = worker_config_from_args("encoder", argv)
     cleanup_stale_segments()
-    engine = EncoderEngine.from_model_dir(resolve_model(config.model))
+    engine = EncoderEngine.from_model_dir(resolve_model(config.model), from_dict(EncoderConfig, config.encoder))
     server, address = bind_server(config)
     store = TensorStore(address=address)
     store.start_sweeper()

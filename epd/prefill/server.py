@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     config = worker_config_from_args("prefill", argv)
     cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
     from epd.models.presets import resolve_model
-    worker = PrefillWorker(resolve_model(config.model), config.engine)
+    worker = PrefillWorker(resolve_model(config.model), config.engine,
+                           overlap_with_encode=config.overlap_prefill_with_encode)
 
     server, address = bind_server(config)
     store = TensorStore(address=address)

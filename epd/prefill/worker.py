@@ -41,8 +41,11 @@ class PrefillResult:
 
 
 class PrefillWorker:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig) -> None:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, *, overlap_with_encode: bool = True) -> None:
         model_dir = Path(model_dir)
+        # True: text before the first image is prefilled while encoders still work (EPD's
+        # overlap); False: a request waits for all its rows first
+        self.overlap_with_encode = overlap_with_encode
         self.family = family_for(model_dir)
         self.spec = self.family.mm_spec(model_dir)
         self.inbox = EmbeddingInbox()
@@ -88,7 +91,9 @@ class PrefillWorker:
         seq = engine.add_request(list(meta.token_ids), one, request_id=meta.request_id, mm=mm,
                                  mm_items=item_spans(meta))
         if mm is not None and mm.embeddings is not None:
-            seq.inputs_ready_until = mm.inputs_ready_until
+            rows = mm.embeddings
+            seq.inputs_ready_until = mm.inputs_ready_until if self.overlap_with_encode else (
+                lambda: None if rows.is_complete() else 0)
         return seq
 
     def _multimodal(self, meta: common_pb2.RequestMetadata, rows: ItemRows | None) -> SequenceMultimodal | None:

@@ -82,6 +82,40 @@ class WorkerConfig:
         return f"{self.host}:{self.port}"
 
 
+@dataclass(frozen=True)
+class RouterConfig:
+    """Admission limits, routing policies and health checking of the router."""
+
+    model: str = "tiny-qwen2-vl"
+    encoders: tuple[str, ...] = ()
+    prefills: tuple[str, ...] = ()
+    decodes: tuple[str, ...] = ()
+    max_model_len: int = 4096
+    max_items_per_request: int = 16
+    encoder_output_budget_bytes: int | None = None  # None: 4096 embedding rows (the encoder default)
+    max_concurrent_requests: int = 64  # in flight on the tiers
+    max_queued_requests: int = 256  # waiting for a slot; beyond this: 429 at once
+    queue_timeout_s: float = 10.0  # waiting longer than this: 429
+    request_timeout_s: float = 300.0
+    health_period_s: float = 1.0
+    encoder_policy: str = "hash_affinity"
+    prefill_policy: str = "prefix_affinity"
+    decode_policy: str = "least_loaded"
+    transport: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_items_per_request", "max_concurrent_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("queue_timeout_s", "request_timeout_s", "health_period_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        for name in ("encoders", "prefills", "decodes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+
 def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:
     """Build a config dataclass from a mapping, rejecting unknown keys by name."""
     data = dict(data or {})

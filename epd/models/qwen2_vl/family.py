@@ -27,6 +27,7 @@ class MultimodalSpec:
     vision_end_token_id: int
     spatial_merge_size: int
     vocab_size: int
+    embedding_dim: int  # width of one embedding row (the LLM hidden size)
 
 
 def text_config_from_hf(hf: dict) -> Qwen2TextConfig:
@@ -118,7 +119,7 @@ class QwenVLFamily:
             image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
             vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
             spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2),
-            vocab_size=text_config_from_hf(hf).vocab_size)
+            vocab_size=text_config_from_hf(hf).vocab_size, embedding_dim=text_config_from_hf(hf).hidden_size)
 
 
     @staticmethod

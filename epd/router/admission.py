@@ -1,0 +1,78 @@
+"""Admission by budget (seed §4, §5.5): a request that can never fit is refused at once with the
+limit it breaks (400); one that fits but finds the cluster saturated waits in a bounded queue
+with a deadline, then gets 429 with Retry-After."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+from epd.config import RouterConfig
+from epd.engine.sampling_params import SamplingParams
+from epd.router.types import RouterError
+
+_DEFAULT_OUTPUT_ROWS = 4096  # the encoder's default output budget: 16384 encoder tokens / merge 2x2
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_model_len: int
+    max_items_per_request: int
+    encoder_output_budget_bytes: int
+    bytes_per_embedding_row: int
+
+    @classmethod
+    def from_config(cls, cfg: RouterConfig, bytes_per_embedding_row: int) -> "RequestLimits":
+        budget = cfg.encoder_output_budget_bytes or _DEFAULT_OUTPUT_ROWS * bytes_per_embedding_row
+        return cls(cfg.max_model_len, cfg.max_items_per_request, budget, bytes_per_embedding_row)
+
+    def check_num_items(self, num_items: int) -> None:
+        if num_items > self.max_items_per_request:
+            raise RouterError(400, f"request has {num_items} images; the limit is {self.max_items_per_request} "
+                                   f"per request (max_items_per_request)", param="messages")
+
+    def check_prompt(self, num_prompt_tokens: int, num_embedding_rows: int, params: SamplingParams) -> None:
+        total = num_prompt_tokens + params.max_tokens
+        if total > self.max_model_len:
+            raise RouterError(400, f"prompt ({num_prompt_tokens} tokens, images included) + max_tokens "
+                                   f"({params.max_tokens}) = {total} exceeds the model length {self.max_model_len}",
+                              param="max_tokens")
+        embedding_bytes = num_embedding_rows * self.bytes_per_embedding_row
+        if embedding_bytes > self.encoder_output_budget_bytes:
+            raise RouterError(400, f"the images need {num_embedding_rows} embedding rows ({embedding_bytes} bytes); "
+                                   f"the encoder output budget is {self.encoder_output_budget_bytes} bytes "
+                                   f"({self.encoder_output_budget_bytes // self.bytes_per_embedding_row} rows); "
+                                   f"send fewer or smaller images", param="messages")
+
+
+class AdmissionGate:
+    """At most ``max_concurrent`` requests on the tiers; up to ``max_queued`` more wait (FIFO) for
+    at most ``queue_timeout_s``."""
+
+    def __init__(self, max_concurrent: int, max_queued: int, queue_timeout_s: float) -> None:
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self.max_queued, self.queue_timeout_s = max_queued, queue_timeout_s
+        self.num_queued = 0
+        self.num_active = 0
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        if self._slots.locked() and self.num_queued >= self.max_queued:
+            raise RouterError(429, f"server saturated: {self.num_active} requests running and "
+                                   f"{self.num_queued} queued (max_queued_requests={self.max_queued})",
+                              error_type="rate_limit_error", retry_after_s=self.queue_timeout_s)
+        self.num_queued += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+        except asyncio.TimeoutError:
+            raise RouterError(429, f"server saturated: no slot freed within {self.queue_timeout_s:.0f} s of "
+                                   f"queueing ({self.num_active} running)", error_type="rate_limit_error",
+                              retry_after_s=self.queue_timeout_s) from None
+        finally:
+            self.num_queued -= 1
+        self.num_active += 1
+        try:
+            yield
+        finally:
+            self.num_active -= 1
+            self._slots.release()

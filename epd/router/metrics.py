@@ -1,0 +1,51 @@
+"""The router's Prometheus metrics (prefix ``epd_``) and the cluster view built from health checks."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("epd_requests", "Requests finished, by outcome", ["outcome"], registry=r)
+        self.rejections = Counter("epd_admission_rejections", "Requests refused at admission, by reason",
+                                  ["reason"], registry=r)
+        self.ttft = Histogram("epd_ttft_seconds", "Time to first token", buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("epd_tpot_seconds", "Time per output token after the first",
+                              buckets=_TOKEN_BUCKETS_S, registry=r)
+        self.e2e = Histogram("epd_e2e_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS_S,
+                             registry=r)
+        self.queue_depth = Gauge("epd_router_queue_depth", "Requests waiting for an admission slot", registry=r)
+        self.in_flight = Gauge("epd_router_in_flight", "Requests on the tiers", registry=r)
+        self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.output_tokens = Counter("epd_output_tokens", "Output tokens streamed", registry=r)
+        self.cached_tokens = Counter("epd_prefix_cache_hit_tokens", "Prompt tokens served from prefill's prefix cache",
+                                     registry=r)
+        # the cluster view, refreshed from the health checks
+        labels = ["tier", "worker"]
+        self.worker_healthy = Gauge("epd_worker_healthy", "1 if the worker is in rotation", labels, registry=r)
+        self.worker_running = Gauge("epd_worker_running", "Requests running on the worker", labels, registry=r)
+        self.worker_waiting = Gauge("epd_worker_queue_depth", "Requests waiting on the worker", labels, registry=r)
+        self.worker_kv_usage = Gauge("epd_worker_kv_usage_ratio", "KV blocks in use / all", labels, registry=r)
+        self.encoder_forwards = Gauge("epd_encoder_forwards", "Encoder batches run (worker's count)", labels,
+                                      registry=r)
+        self.encoder_items = Gauge("epd_encoder_encoded_items", "Items encoded, i.e. cache misses (worker's count)",
+                                   labels, registry=r)
+
+    def refresh_cluster(self, workers) -> None:
+        for states in workers.values():
+            for w in states:
+                key = (w.tier, w.address)
+                self.worker_healthy.labels(*key).set(1 if w.healthy else 0)
+                self.worker_running.labels(*key).set(w.last_health.num_running)
+                self.worker_waiting.labels(*key).set(w.last_health.num_waiting)
+                self.worker_kv_usage.labels(*key).set(w.last_health.kv_usage)
+                if w.tier == "encoder":
+                    self.encoder_forwards.labels(*key).set(w.last_health.num_encoder_forwards)
+                    self.encoder_items.labels(*key).set(w.last_health.num_encoded_items)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,104 @@
+"""The router's view of its workers: health checked in the background, load counted locally.
+
+A worker that fails ``unhealthy_after`` health checks in a row leaves rotation; one answering
+again comes back. Load = the router's in-flight requests on it + the queue the worker reports.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from epd.router.routing import Candidate
+from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger("epd.router")
+
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "prefill": prefill_pb2_grpc.PrefillStub,
+          "decode": decode_pb2_grpc.DecodeStub}
+
+
+@dataclass
+class WorkerState:
+    tier: str
+    address: str
+    channel: grpc.aio.Channel
+    healthy: bool = False
+    consecutive_failures: int = 0
+    in_flight: int = 0
+    last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
+
+    @property
+    def stub(self):
+        return _STUBS[self.tier](self.channel)
+
+    @property
+    def load(self) -> float:
+        return self.in_flight + self.last_health.num_waiting + self.last_health.kv_usage
+
+    def as_dict(self) -> dict:
+        h = self.last_health
+        return {"address": self.address, "healthy": self.healthy, "in_flight": self.in_flight,
+                "running": h.num_running, "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4)}
+
+
+class WorkerRegistry:
+    def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
+                 health_timeout_s: float = 2.0, unhealthy_after: int = 2) -> None:
+        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        self.workers = {tier: [WorkerState(tier, a, grpc.aio.insecure_channel(a, options=options)) for a in addrs]
+                        for tier, addrs in workers.items()}
+        self.health_period_s, self.health_timeout_s = health_period_s, health_timeout_s
+        self.unhealthy_after = unhealthy_after
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.check_all()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for states in self.workers.values():
+            for w in states:
+                await w.channel.close()
+
+    def candidates(self, tier: str) -> list[Candidate]:
+        return [Candidate(w.address, w.load) for w in self.workers.get(tier, []) if w.healthy]
+
+    def get(self, tier: str, address: str) -> WorkerState:
+        return next(w for w in self.workers[tier] if w.address == address)
+
+    def healthy_counts(self) -> dict[str, int]:
+        return {tier: sum(w.healthy for w in states) for tier, states in self.workers.items()}
+
+    def mark_failed(self, tier: str, address: str) -> None:
+        """A call failed with UNAVAILABLE: take the worker out now, health checks bring it back."""
+        w = self.get(tier, address)
+        if w.healthy:
+            log.warning("%s %s stopped answering; out of rotation", tier, address)
+        w.healthy, w.consecutive_failures = False, max(w.consecutive_failures, self.unhealthy_after)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(w) for states in self.workers.values() for w in states))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_period_s)
+            await self.check_all()
+
+    async def _check(self, w: WorkerState) -> None:
+        try:
+            w.last_health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError):
+            w.consecutive_failures += 1
+            if w.healthy and w.consecutive_failures >= self.unhealthy_after:
+                log.warning("%s %s failed %d health checks; out of rotation", w.tier, w.address,
+                            w.consecutive_failures)
+                w.healthy = False
+            return
+        if not w.healthy:
+            log.info("%s %s is healthy; in rotation", w.tier, w.address)
+        w.healthy, w.consecutive_failures = True, 0

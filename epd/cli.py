@@ -52,12 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--seed", type=int, default=None, help="weight seed (default: the preset's own)")
     exp.set_defaults(func=_export_preset)
 
-    for tier in _TIER_MAINS:  # listed for --help; dispatched in main() before parsing
-        sub.add_parser(tier, help=f"run one {tier} worker (see: epd {tier} --help)", add_help=False)
+    for name, help_text in _PROCESS_HELP.items():  # listed for --help; dispatched in main() before parsing
+        sub.add_parser(name, help=f"{help_text} (see: epd {name} --help)", add_help=False)
     return parser
 
 
-_TIER_MAINS = {"encoder": "epd.encoder.server", "prefill": "epd.prefill.server", "decode": "epd.decode.server"}
+_TIER_MAINS = {"encoder": "epd.encoder.server", "prefill": "epd.prefill.server", "decode": "epd.decode.server",
+               "router": "epd.router.server", "serve": "epd.serve"}
+_PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + decode processes on loopback",
+                 "router": "run the router (OpenAI HTTP + public gRPC) over running workers",
+                 "encoder": "run one encoder worker", "prefill": "run one prefill worker",
+                 "decode": "run one decode worker"}
 
 
 def main(argv: list[str] | None = None) -> int:

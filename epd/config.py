@@ -64,6 +64,7 @@ class WorkerConfig:
     lease_ttl_s: float = 60.0
     request_timeout_s: float = 120.0
     max_workers: int = 32  # gRPC handler threads
+    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 picks a free port (in the ready line)
     overlap_prefill_with_encode: bool = True  # prefill: compute text before images while encoding
     # encoder tier only: EncoderConfig fields (epd/encoder/config.py), validated by that tier
     encoder: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -22,7 +22,8 @@ from epd.serving import READY_PREFIX
 class TierProcess:
     tier: str
     proc: subprocess.Popen
-    address: str | None = None
+    address: str | None = None  # the first field after the tier name in the ready line
+    ready_fields: list[str] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
     _ready: threading.Event = field(default_factory=threading.Event)
 
@@ -30,7 +31,8 @@ class TierProcess:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             if line.startswith(READY_PREFIX) and self.address is None:
-                self.address = line.split()[-1]
+                self.ready_fields = line.split()[2:]
+                self.address = self.ready_fields[0]
                 self._ready.set()
             self.log_lines.append(line)
             del self.log_lines[:-200]  # keep the tail for error messages
@@ -83,11 +85,30 @@ class LocalCluster:
             raise
         return self
 
-    def _spawn(self, tier: str) -> TierProcess:
-        cmd = [sys.executable, "-m", "epd", tier, "--model", self.model, "--host", "127.0.0.1", "--port", "0",
-               *self.tier_args.get(tier, ())]
+    def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
+                     extra_args: Sequence[str] = (), timeout_s: float = 120.0) -> TierProcess:
+        """Start the router over the running workers; its ready line names the HTTP URL and the
+        public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``)."""
+        args = ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
+                "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
+                "--decodes", ",".join(self.decodes), *extra_args]
         if self.transport:
-            cmd += ["--transport", self.transport]
+            args += ["--transport", self.transport]
+        proc = self._spawn("router", args, with_defaults=False)
+        self.processes.append(proc)
+        proc._ready.wait(timeout_s)
+        if proc.address is None:
+            raise RuntimeError(f"router did not become ready within {timeout_s:.0f} s "
+                               f"(exit code {proc.proc.poll()}); its last output:\n{proc.tail()}")
+        return proc
+
+    def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True) -> TierProcess:
+        cmd = [sys.executable, "-m", "epd", tier, "--model", self.model]
+        if with_defaults:
+            cmd += ["--host", "127.0.0.1", "--port", "0", *self.tier_args.get(tier, ())]
+            if self.transport:
+                cmd += ["--transport", self.transport]
+        cmd += list(args)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 text=True, env=self.env, start_new_session=True)
         tp = TierProcess(tier, proc)
@@ -95,6 +116,8 @@ class LocalCluster:
         return tp
 
     def stop(self, timeout_s: float = 15.0) -> None:
+        # the router first: it stops taking requests before the workers go away
+        self.processes.sort(key=lambda p: p.tier != "router")
         for p in self.processes:
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGTERM)

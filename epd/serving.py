@@ -27,12 +27,17 @@ def bind_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
     return server, f"{config.host}:{port}"
 
 
-def run_until_signalled(tier: str, address: str, server: grpc.Server, on_stop: Callable[[], None]) -> None:
-    """Print the ready line, block until SIGTERM/SIGINT, then stop the server and the tier."""
+def run_until_signalled(tier: str, address: str, server: grpc.Server, on_stop: Callable[[], None],
+                        metrics=None, config: WorkerConfig | None = None) -> None:
+    """Serve the tier's metrics, print the ready line, block until SIGTERM/SIGINT, then stop the
+    server and the tier."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    print(f"{READY_PREFIX} {tier} {address}", flush=True)
+    extra = ""
+    if metrics is not None and config is not None:
+        extra = f" metrics=http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
+    print(f"{READY_PREFIX} {tier} {address}{extra}", flush=True)
     stop.wait()
     logging.getLogger(tier).info("stopping %s at %s", tier, address)
     server.stop(grace=2).wait(5)

@@ -12,6 +12,7 @@ def worker_parser(tier: str) -> argparse.ArgumentParser:
     parser.add_argument("--model", help="preset name or HF checkpoint directory")
     parser.add_argument("--host")
     parser.add_argument("--port", type=int, help="0 picks a free port (printed in the ready line)")
+    parser.add_argument("--metrics-port", type=int, help="Prometheus HTTP port (0: a free one)")
     parser.add_argument("--transport", help="inline | shm | cuda_ipc | nccl (default: automatic)")
     parser.add_argument("--max-num-batched-tokens", type=int)
     parser.add_argument("--num-kv-blocks", type=int)
@@ -27,7 +28,7 @@ def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
     for key in ("max_num_batched_tokens", "num_kv_blocks"):
         if getattr(args, key) is not None:
             engine[key] = getattr(args, key)
-    for key in ("model", "host", "port", "transport", "overlap_prefill_with_encode"):
+    for key in ("model", "host", "port", "transport", "overlap_prefill_with_encode", "metrics_port"):
         if getattr(args, key) is not None:
             data[key] = getattr(args, key)
     return from_dict(WorkerConfig, {**data, "engine": from_dict(EngineConfig, engine)})

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 
 import grpc
 
 from epd.config import WorkerConfig
 from epd.decode.worker import DecodeError, DecodeWorker
 from epd.protocol import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
+from epd.tier_metrics import TierMetrics
 from epd.serving import bind_server, configure_logging, run_until_signalled
 from epd.transport import get_channel, import_tensor
 from epd.transport.handles import TransportError
@@ -19,8 +21,8 @@ log = logging.getLogger("epd.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, config: WorkerConfig) -> None:
-        self.worker, self.config = worker, config
+    def __init__(self, worker: DecodeWorker, config: WorkerConfig, metrics: TierMetrics) -> None:
+        self.worker, self.config, self.metrics = worker, config, metrics
 
     def Generate(self, request, context):
         meta = request.request
@@ -46,6 +48,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.TokenChunk(token_ids=update.token_ids, finish_reason=update.finish_reason or "",
                                         logprobs=[logprobs_to_proto(lp) for lp in update.logprobs])
             if update.is_last:
+                self.metrics.requests.labels(update.finish_reason or "ok").inc()
                 return
 
     def _prefill(self, request, context) -> prefill_pb2.PrefillResponse:
@@ -58,7 +61,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     def _admit(self, meta, first: prefill_pb2.PrefillResponse, context):
         try:
+            start = time.perf_counter()
             imported = import_tensor(first.kv, device=self.worker.engine.config.device)
+            self.metrics.observe_transfer(first.kv.WhichOneof("body"), "import", first.kv.nbytes,
+                                          time.perf_counter() - start)
         except TransportError as err:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"request {meta.request_id}: KV import failed: {err}")
         try:
@@ -88,9 +94,11 @@ def main(argv: list[str] | None = None) -> None:
     config = worker_config_from_args("decode", argv)
     worker = DecodeWorker(resolve_model(config.model), config.engine)
     server, address = bind_server(config)
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, config), server)
+    metrics = TierMetrics("decode")
+    metrics.watch_engine(worker.engine)
+    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, config, metrics), server)
     server.start()
-    run_until_signalled("decode", address, server, worker.close)
+    run_until_signalled("decode", address, server, worker.close, metrics, config)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import grpc
 
@@ -12,6 +13,7 @@ from epd.encoder.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.multimodal.hashing import hash_processor_kwargs
+from epd.tier_metrics import TierMetrics
 from epd.serving import bind_server, configure_logging, run_until_signalled
 from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, get_channel
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -20,8 +22,8 @@ log = logging.getLogger("epd.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig) -> None:
-        self.engine, self.store, self.config = engine, store, config
+    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig, metrics: TierMetrics) -> None:
+        self.engine, self.store, self.config, self.metrics = engine, store, config, metrics
 
     def Encode(self, request, context):
         try:
@@ -29,6 +31,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             result = self.engine.submit(request.request_id, items).result(timeout=self.config.request_timeout_s)
         except Exception as err:  # noqa: BLE001 - tell prefill first so it does not wait out its timeout
             self._push_errors(request, f"{type(err).__name__}: {err}")
+            self.metrics.requests.labels("error").inc()
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else grpc.StatusCode.INTERNAL
             context.abort(code, f"request {request.request_id}: {err}")
         try:
@@ -36,13 +39,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         finally:
             self.engine.release(request.request_id)  # rows are copied into the handles' storage
         self._push(request, pushes, context)
+        self.metrics.requests.labels("ok").inc()
+        self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
+                                            if not hit))
         return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
                                           cache_hits=result.cache_hits)
 
     def _export(self, request, item_index: int, rows) -> common_pb2.EmbeddingPush:
         transport = choose_transport(rows.device.type, same_host=True,
                                      override=request.transport or self.config.transport or None)
+        start = time.perf_counter()
         handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
+        self.metrics.observe_transfer(transport, "export", handle.nbytes, time.perf_counter() - start)
         return common_pb2.EmbeddingPush(request_id=request.request_id, item_index=item_index, embedding=handle)
 
     def _push(self, request, pushes, context) -> None:
@@ -89,10 +97,13 @@ def main(argv: list[str] | None = None) -> None:
     server, address = bind_server(config)
     store = TensorStore(address=address)
     store.start_sweeper()
-    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, store, config), server)
+    metrics = TierMetrics("encoder")
+    metrics.watch_encoder(engine)
+    metrics.watch_store(store)
+    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, store, config, metrics), server)
     add_tensor_store(server, store)
     server.start()
-    run_until_signalled("encoder", address, server, lambda: (engine.close(), store.close()))
+    run_until_signalled("encoder", address, server, lambda: (engine.close(), store.close()), metrics, config)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
 from epd.config import WorkerConfig
 from epd.prefill.worker import PrefillError, PrefillWorker
 from epd.protocol import logprobs_to_proto
+from epd.tier_metrics import TierMetrics
 from epd.serving import bind_server, configure_logging, run_until_signalled
 from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, import_tensor
 from epd.transport.handles import TransportError
@@ -17,8 +19,8 @@ log = logging.getLogger("epd.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, store: TensorStore, config: WorkerConfig) -> None:
-        self.worker, self.store, self.config = worker, store, config
+    def __init__(self, worker: PrefillWorker, store: TensorStore, config: WorkerConfig, metrics: TierMetrics) -> None:
+        self.worker, self.store, self.config, self.metrics = worker, store, config, metrics
 
     def PushEmbeddings(self, request, context):
         accepted = 0
@@ -27,7 +29,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 self.worker.inbox.push(push.request_id, push.item_index, None, push.error)
                 continue
             try:
+                start = time.perf_counter()
                 imported = import_tensor(push.embedding, device=self.worker.engine.config.device)
+                self.metrics.observe_transfer(push.embedding.WhichOneof("body"), "import", push.embedding.nbytes,
+                                              time.perf_counter() - start)
             except TransportError as err:
                 self.worker.inbox.push(push.request_id, push.item_index, None, f"embedding import failed: {err}")
                 continue
@@ -40,12 +45,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             result = self.worker.prefill(meta, timeout_s=self.config.request_timeout_s)
         except PrefillError as err:
+            self.metrics.requests.labels("error").inc()
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         except ValueError as err:
+            self.metrics.requests.labels("invalid").inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {meta.request_id}: {err}")
         transport = choose_transport(result.kv.device.type, same_host=True, override=request.kv_transport or
                                      self.config.transport or None)
+        start = time.perf_counter()
         handle = self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s)
+        self.metrics.observe_transfer(transport, "export", handle.nbytes, time.perf_counter() - start)
+        self.metrics.requests.labels("ok").inc()
         response = prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id, kv=handle, mrope_delta=result.mrope_delta,
             num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
@@ -76,10 +86,13 @@ def main(argv: list[str] | None = None) -> None:
     server, address = bind_server(config)
     store = TensorStore(address=address)
     store.start_sweeper()
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, store, config), server)
+    metrics = TierMetrics("prefill")
+    metrics.watch_engine(worker.engine)
+    metrics.watch_store(store)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, store, config, metrics), server)
     add_tensor_store(server, store)
     server.start()
-    run_until_signalled("prefill", address, server, lambda: (worker.close(), store.close()))
+    run_until_signalled("prefill", address, server, lambda: (worker.close(), store.close()), metrics, config)
 
 
 if __name__ == "__main__":

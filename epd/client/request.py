@@ -1,0 +1,122 @@
+"""Caller inputs -> ChatGenerateRequest: a prompt or OpenAI-style messages, images as paths, bytes,
+PIL images or URLs, sampling options (None leaves the server default)."""
+from __future__ import annotations
+
+import io
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+from epd.client.errors import InvalidRequest
+from epd.v1 import common_pb2, router_pb2
+
+# bytes | a local path | a data:/file:/http(s): URL (str) | PIL.Image.Image
+ImageInput = Union[bytes, str, os.PathLike, Any]
+Messages = Union[str, Sequence[Union[dict, router_pb2.ChatMessage]]]
+
+# Strings with these prefixes are URLs the router resolves; any other string is a local path the SDK reads.
+_URL_PREFIXES = ("data:", "file:", "http://", "https://")
+
+
+def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
+                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, stop: str | Sequence[str] | None = None,
+                  logprobs: int | bool | None = None, timeout_s: float | None = None,
+                  request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
+    return router_pb2.ChatGenerateRequest(
+        request_id=request_id or "", messages=_messages(messages, images),
+        sampling=_sampling(max_tokens, temperature, top_p, top_k, seed, logprobs),
+        stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0)
+
+
+def _messages(messages: Messages, images: Sequence[ImageInput]) -> list[router_pb2.ChatMessage]:
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    elif isinstance(messages, dict) or not isinstance(messages, Sequence) or not messages:
+        raise InvalidRequest(f"expected a prompt string or a non-empty list of messages, got {_describe(messages)}")
+    out = [_message(i, m) for i, m in enumerate(messages)]
+    if images:
+        users = [m for m in out if m.role == "user"]
+        if not users:
+            raise InvalidRequest("images= needs a user message to attach to; the messages have none")
+        # Images go before the text of the last user message, the order Qwen-VL models are trained on.
+        parts = [_image_part(f"images[{i}]", image) for i, image in enumerate(images)]
+        old = list(users[-1].content)
+        del users[-1].content[:]
+        users[-1].content.extend(parts + old)
+    return out
+
+
+def _message(index: int, message: dict | router_pb2.ChatMessage) -> router_pb2.ChatMessage:
+    if isinstance(message, router_pb2.ChatMessage):
+        return message
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidRequest(f"messages[{index}]: expected a dict with 'role' and 'content', got {_describe(message)}")
+    content = message.get("content")
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        content = [content]
+    parts = [_part(f"messages[{index}].content[{j}]", part) for j, part in enumerate(content)]
+    return router_pb2.ChatMessage(role=message["role"], content=parts)
+
+
+def _part(where: str, part: str | dict) -> router_pb2.ContentPart:
+    if isinstance(part, str):
+        return router_pb2.ContentPart(text=part)
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        return router_pb2.ContentPart(text=part.get("text", ""))
+    if kind == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidRequest(f"{where}: image_url needs a URL string ({{'url': ...}}), got {_describe(url)}")
+        return router_pb2.ContentPart(image_url=url)
+    if kind == "image":
+        return _image_part(where, part.get("image"))
+    raise InvalidRequest(f"{where}: expected a part of type 'text', 'image_url' or 'image', got {_describe(part)}")
+
+
+def _image_part(where: str, image: ImageInput) -> router_pb2.ContentPart:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return router_pb2.ContentPart(image_bytes=bytes(image))
+    if isinstance(image, str) and image.startswith(_URL_PREFIXES):
+        return router_pb2.ContentPart(image_url=image)
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            return router_pb2.ContentPart(image_bytes=Path(image).expanduser().read_bytes())
+        except OSError as exc:
+            raise InvalidRequest(f"{where}: cannot read image file {os.fspath(image)!r}: {exc.strerror or exc}") from exc
+    pil = sys.modules.get("PIL.Image")  # a PIL image can only exist once PIL is imported
+    if pil is not None and isinstance(image, pil.Image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")  # lossless, and every PIL mode the processors accept has a PNG form
+        return router_pb2.ContentPart(image_bytes=buf.getvalue())
+    raise InvalidRequest(f"{where}: expected image bytes, a path, a URL or a PIL image, got {_describe(image)}")
+
+
+def _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs) -> common_pb2.SamplingParams:
+    # On the wire 0 means "server default", so the zeros that would be silently replaced are refused here.
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if top_k == 0:
+        raise InvalidRequest("top_k must be -1 (whole vocabulary) or >= 1, got 0")
+    msg = common_pb2.SamplingParams(max_tokens=max_tokens or 0, temperature=temperature or 0.0,
+                                    top_p=top_p or 0.0, top_k=top_k or 0)
+    if seed is not None:
+        msg.seed = seed
+    if logprobs is True:
+        msg.logprobs = 0  # the sampled token's logprob only
+    elif logprobs is not None and logprobs is not False:
+        msg.logprobs = logprobs
+    return msg
+
+
+def _describe(value: object) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"

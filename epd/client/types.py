@@ -1,0 +1,115 @@
+"""What the SDK returns: typed results built from the wire responses."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from epd.v1 import router_pb2
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Logprob of a generated token plus the top alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class ChatDelta:
+    """New output of a streaming request. The last delta has ``finish_reason``."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last delta
+    prompt_token_ids: list[int] | None = None  # first delta only
+    num_cached_tokens: int = 0  # first delta only
+
+    @classmethod
+    def from_proto(cls, msg: router_pb2.ChatGenerateResponse, *, is_first: bool) -> ChatDelta:
+        return cls(request_id=msg.request_id, text=msg.text, token_ids=list(msg.token_ids),
+                   logprobs=[TokenLogprob(lp.token_id, lp.logprob, dict(zip(lp.top_token_ids, lp.top_logprobs)))
+                             for lp in msg.logprobs],
+                   finish_reason=msg.finish_reason or None,
+                   prompt_token_ids=list(msg.prompt_token_ids) if is_first else None,
+                   num_cached_tokens=msg.num_cached_tokens if is_first else 0)
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    """A finished request."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob]
+    num_cached_tokens: int
+    usage: Usage
+
+
+class ResultBuilder:
+    """Folds a stream of deltas into one ChatResult."""
+
+    def __init__(self) -> None:
+        self.request_id, self.finish_reason = "", None
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.prompt_token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.num_cached_tokens = 0
+
+    def add(self, delta: ChatDelta) -> None:
+        self.request_id = delta.request_id or self.request_id
+        self.texts.append(delta.text)
+        self.token_ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        if delta.prompt_token_ids is not None:
+            self.prompt_token_ids = delta.prompt_token_ids
+            self.num_cached_tokens = delta.num_cached_tokens
+
+    def result(self) -> ChatResult:
+        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids),
+                      cached_tokens=self.num_cached_tokens)
+        return ChatResult(request_id=self.request_id, text="".join(self.texts), token_ids=self.token_ids,
+                          prompt_token_ids=self.prompt_token_ids, finish_reason=self.finish_reason,
+                          logprobs=self.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage)
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    tier: str
+    address: str
+    is_healthy: bool
+    details: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HealthStatus:
+    status: str  # "ok" | "degraded"
+    model: str
+    workers: list[WorkerHealth]
+
+    @property
+    def is_ok(self) -> bool:
+        return self.status == "ok"
+
+    @classmethod
+    def from_proto(cls, msg: router_pb2.RouterHealthResponse) -> HealthStatus:
+        workers = [WorkerHealth(w.tier, w.address, w.healthy, dict(w.details)) for w in msg.workers]
+        return cls(status=msg.status, model=msg.model, workers=workers)

@@ -1,0 +1,85 @@
+"""``epd serve``: the embedded default. Starts each tier and the router as local processes on
+loopback, waits until all are healthy, prints the URLs, and on Ctrl-C / SIGTERM stops every
+process it started (workers clean their shared memory as they stop)."""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from epd.launch import LocalCluster
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="epd serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny-qwen2-vl", help="preset name or HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="where the router listens")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI-compatible API")
+    p.add_argument("--grpc-port", type=int, default=50051, help="port of the public gRPC API")
+    p.add_argument("--encoders", type=int, default=1)
+    p.add_argument("--prefills", type=int, default=1)
+    p.add_argument("--decodes", type=int, default=1)
+    p.add_argument("--transport", default="", help="inline | shm | cuda_ipc | nccl (default: automatic)")
+    p.add_argument("--allowed-local-media-path", help="allow file:// images from under this directory")
+    p.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
+    p.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for everything to be healthy")
+    return p.parse_args(argv)
+
+
+def wait_healthy(url: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                body = json.loads(resp.read())
+                if body.get("status") == "ok":
+                    return body
+                last = body
+        except OSError as err:
+            last = str(err)
+        time.sleep(0.2)
+    raise RuntimeError(f"the cluster did not become healthy within {timeout_s:.0f} s; last answer: {last}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(args.model, num_encoders=args.encoders, num_prefills=args.prefills,
+                           num_decodes=args.decodes, transport=args.transport)
+    try:
+        print(f"epd serve: starting {args.encoders} encoder(s), {args.prefills} prefill(s), "
+              f"{args.decodes} decode(s) for {args.model} ...", flush=True)
+        cluster.start(timeout_s=args.timeout_s)
+        extra = []
+        if args.allowed_local_media_path:
+            extra += ["--allowed-local-media-path", args.allowed_local_media_path]
+        if args.config:
+            extra += ["--config", args.config]
+        router = cluster.start_router(host=args.host, port=args.port, grpc_port=args.grpc_port, extra_args=extra,
+                                      timeout_s=args.timeout_s)
+        url, grpc_address = router.ready_fields[0], router.ready_fields[1].removeprefix("grpc=")
+        wait_healthy(url, args.timeout_s)
+        print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
+              f"  metrics     {url}/metrics\n  health      {url}/health\n(Ctrl-C stops everything)", flush=True)
+        while not stop.is_set():
+            dead = [p for p in cluster.processes if p.proc.poll() is not None]
+            if dead:
+                print(f"epd serve: {dead[0].tier} exited with {dead[0].proc.returncode}; stopping.\n"
+                      f"{dead[0].tail()}", file=sys.stderr, flush=True)
+                break
+            stop.wait(0.5)
+    finally:
+        print("epd serve: stopping ...", flush=True)
+        cluster.stop()
+        print("epd serve: stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Prometheus metrics of the worker tiers (prefix ``epd_``), served over HTTP on each worker's
+``--metrics-port`` for Prometheus / the ServiceMonitor; live values are read at scrape time."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+_SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+
+
+class TierMetrics:
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("epd_tier_requests", "Requests handled by this worker, by outcome", ["outcome"],
+                                registry=r)
+        self.transfer_bytes = Counter("epd_transfer_bytes", "Tensor bytes handed over, by transport and direction",
+                                      ["transport", "direction"], registry=r)
+        self.transfer_seconds = Histogram("epd_transfer_seconds", "Time to export or import one tensor",
+                                          ["transport", "direction"], buckets=_SECONDS_BUCKETS, registry=r)
+        self.step_seconds = Histogram("epd_step_seconds", "Time of one engine step / encoder batch",
+                                      buckets=_SECONDS_BUCKETS, registry=r)
+
+    def live(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """A gauge read at scrape time (queue depth, KV usage, open leases, cache counters)."""
+        Gauge(name, doc, registry=self.registry).set_function(fn)
+
+    def observe_transfer(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(transport, direction).inc(nbytes)
+        self.transfer_seconds.labels(transport, direction).observe(seconds)
+
+    def watch_store(self, store) -> None:
+        self.live("epd_open_leases", "Tensor leases this worker holds for consumers", lambda: store.num_open_leases)
+        self.live("epd_open_lease_bytes", "Bytes held under open leases", lambda: store.open_bytes)
+
+    def watch_engine(self, engine) -> None:
+        sched, bm = engine.scheduler, engine.block_manager
+        self.live("epd_queue_depth", "Requests waiting in the engine", lambda: len(sched.waiting))
+        self.live("epd_running_requests", "Requests running in the engine", lambda: len(sched.running))
+        self.live("epd_kv_block_usage_ratio", "KV blocks in use / all", lambda: bm.usage)
+        self.live("epd_kv_blocks_total", "KV blocks in the paged cache", lambda: bm.num_total_blocks)
+        self.live("epd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                  lambda: bm.num_prefix_hit_tokens)
+        self.live("epd_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                  lambda: bm.num_prefix_query_tokens)
+
+    def watch_encoder(self, engine) -> None:
+        cache = engine.cache
+        self.live("epd_encoder_cache_hits", "Encoder cache lookups that found the item", lambda: cache.metrics.hits)
+        self.live("epd_encoder_cache_misses", "Encoder cache lookups that had to encode", lambda: cache.metrics.misses)
+        self.live("epd_encoder_cache_bytes", "Bytes in the encoder cache", lambda: cache.metrics.bytes)
+        self.live("epd_encoder_cache_evictions", "Encoder cache evictions", lambda: cache.metrics.evictions)
+        self.live("epd_encoder_batches", "Encoder forwards (batches) run", lambda: engine.num_forwards)
+        self.live("epd_encoder_batch_items", "Items encoded in all batches", lambda: engine.num_encoded_items)
+        self.encoded_tokens = Counter("epd_encoder_tokens", "Encoder attention tokens of the items encoded "
+                                      "(cache misses)", registry=self.registry)
+        self.live("epd_encoder_queue_depth", "Requests waiting for the encoder",
+                  lambda: engine.scheduler.num_waiting_requests)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the HTTP exporter; returns the bound port (0 picks a free one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

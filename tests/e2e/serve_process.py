@@ -1,0 +1,53 @@
+"""Run ``epd serve`` as a user does (a real process tree on loopback) and always stop it."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+class ServeProcess:
+    def __init__(self, *args: str, timeout_s: float = 240.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--port", "0", "--grpc-port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     text=True, start_new_session=True, env={**os.environ})
+        self.lines: list[str] = []
+        self.base_url = self.grpc_address = None
+        ready = threading.Event()
+        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+        if not ready.wait(timeout_s) or self.base_url is None:
+            self.stop()
+            raise RuntimeError("epd serve did not become ready:\n" + "\n".join(self.lines[-40:]))
+
+    def _drain(self, ready: threading.Event) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if m := re.search(r"OpenAI API\s+(http://\S+)/v1", line):
+                self.base_url = m.group(1)
+            if m := re.search(r"gRPC API\s+(\S+)", line):
+                self.grpc_address = m.group(1)
+                ready.set()
+        ready.set()
+
+    def stop(self, timeout_s: float = 40.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def wait_until(predicate, timeout_s: float, period_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period_s)
+    return False

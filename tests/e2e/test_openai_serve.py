@@ -1,0 +1,169 @@
+"""The official openai client against ``epd serve`` (router + encoder + prefill + decode processes)."""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from epd.models.presets import write_preset_checkpoint
+from tests.conftest import make_image_bytes
+from tests.e2e.serve_process import ServeProcess, wait_until
+from tests.fidelity.reference import ReferenceModel, user_message
+
+pytestmark = pytest.mark.slow
+ROUTER_YAML = """max_model_len: 2048
+max_items_per_request: 3
+encoder_output_budget_bytes: 65536
+max_concurrent_requests: 2
+max_queued_requests: 1
+queue_timeout_s: 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_preset_checkpoint("tiny-qwen2-vl", tmp_path_factory.mktemp("serve") / "ckpt", seed=2468)
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("media")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, media_dir, tmp_path_factory):
+    config = tmp_path_factory.mktemp("cfg") / "router.yaml"
+    config.write_text(ROUTER_YAML)
+    serve = ServeProcess("--model", str(model_dir), "--allowed-local-media-path", str(media_dir),
+                         "--config", str(config))
+    yield serve
+    assert serve.stop() == 0, "\n".join(serve.lines[-30:])
+    assert not subprocess.run(["pgrep", "-f", f"epd (router|encoder|prefill|decode) --model {model_dir}"],
+                              capture_output=True).stdout, "epd serve left worker processes behind"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def chat(text: str, urls: list[str]) -> list[dict]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def metric(server, name: str, labels: str = "") -> float:
+    body = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10).read().decode()
+    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else r"(\{[^}]*\})?") + r" ([0-9.e+-]+)"
+    return sum(float(m.group(m.lastindex)) for m in re.finditer(pattern, body))
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data]
+    assert urllib.request.urlopen(f"{server.base_url}/health", timeout=10).status == 200
+
+
+def test_greedy_output_equals_transformers_by_data_url_and_stream(client, model_dir):
+    image = make_image_bytes(160, 120, seed=1)
+    ref = ReferenceModel(model_dir).generate(user_message("What is this?", [image]), [image], max_new_tokens=20)
+    out = client.chat.completions.create(model="m", messages=chat("What is this?", [data_url(image)]),
+                                         max_tokens=20, temperature=0, extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra.get("token_ids") == ref.token_ids or \
+        getattr(out.choices[0], "token_ids", None) == ref.token_ids
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids) and out.usage.completion_tokens == 20
+    stream = client.chat.completions.create(model="m", messages=chat("What is this?", [data_url(image)]),
+                                            max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == out.choices[0].message.content
+
+
+def test_image_by_file_path_and_outside_root_refused(client, media_dir, tmp_path):
+    image = make_image_bytes(90, 70, seed=3)
+    (media_dir / "pic.png").write_bytes(image)
+    by_path = client.chat.completions.create(model="m", messages=chat("Describe.", [f"file://{media_dir}/pic.png"]),
+                                             max_tokens=8, temperature=0)
+    by_data = client.chat.completions.create(model="m", messages=chat("Describe.", [data_url(image)]),
+                                             max_tokens=8, temperature=0)
+    assert by_path.choices[0].message.content == by_data.choices[0].message.content
+    (tmp_path / "outside.png").write_bytes(image)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=chat("x", [f"file://{tmp_path}/outside.png"]), max_tokens=4)
+
+
+def test_same_image_twice_is_an_encoder_cache_hit(client, server):
+    image = data_url(make_image_bytes(100, 80, seed=9))
+    client.chat.completions.create(model="m", messages=chat("First.", [image]), max_tokens=4)
+    encoded = metric(server, "epd_encoder_encoded_items")
+    client.chat.completions.create(model="m", messages=chat("Second.", [image]), max_tokens=4)
+    time.sleep(1.5)  # the cluster view refreshes from health checks every second
+    assert metric(server, "epd_encoder_encoded_items") == encoded
+    assert metric(server, "epd_requests_total", 'outcome="ok"') >= 2
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("too_many_items", "max_items_per_request"), ("too_long", "exceeds the model length"),
+    ("too_many_rows", "encoder output budget"), ("n2", "n"),
+])
+def test_requests_that_can_never_fit_get_400_naming_the_limit(client, case, expected):
+    small = data_url(make_image_bytes(30, 30, seed=4))
+    kwargs = dict(model="m", max_tokens=4, messages=chat("x", [small]))
+    if case == "too_many_items":
+        kwargs["messages"] = chat("x", [small] * 4)
+    elif case == "too_long":
+        kwargs["max_tokens"] = 2040
+    elif case == "too_many_rows":
+        kwargs["messages"] = chat("x", [data_url(make_image_bytes(448, 448, seed=5))])
+    else:
+        kwargs["n"] = 2
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kwargs)
+    assert expected in str(err.value)
+
+
+def test_saturation_gives_429_with_retry_after(client, server):
+    slow = dict(model="m", messages=chat("Long story.", []), max_tokens=1500, temperature=0)
+    statuses = []
+
+    def one():
+        try:
+            client.chat.completions.create(**slow)
+            statuses.append(200)
+        except openai.RateLimitError as err:
+            statuses.append((429, err.response.headers.get("retry-after")))
+
+    threads = [threading.Thread(target=one) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    rejected = [s for s in statuses if s != 200]
+    assert rejected and all(s[1] and int(s[1]) >= 1 for s in rejected)
+    assert metric(server, "epd_admission_rejections_total", 'reason="saturated"') >= len(rejected)
+
+
+def test_client_disconnect_mid_stream_frees_the_request_everywhere(client, server):
+    stream = client.chat.completions.create(model="m", messages=chat("Go on forever.", []), max_tokens=1800,
+                                            temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+
+    def all_idle() -> bool:
+        health = json.loads(urllib.request.urlopen(f"{server.base_url}/health", timeout=10).read())
+        workers = [w for tier in health["workers"].values() for w in tier]
+        return all(w["running"] == 0 and w["waiting"] == 0 and w["in_flight"] == 0 for w in workers)
+
+    assert wait_until(all_idle, timeout_s=20), "the aborted request kept running on some tier"

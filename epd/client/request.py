@@ -25,10 +25,15 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
                   seed: int | None = None, stop: str | Sequence[str] | None = None,
                   logprobs: int | bool | None = None, timeout_s: float | None = None,
                   request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
-    return router_pb2.ChatGenerateRequest(
-        request_id=request_id or "", messages=_messages(messages, images),
-        sampling=_sampling(max_tokens, temperature, top_p, top_k, seed, logprobs),
-        stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0)
+    try:
+        return router_pb2.ChatGenerateRequest(
+            request_id=request_id or "", messages=_messages(messages, images),
+            sampling=_sampling(max_tokens, temperature, top_p, top_k, seed, logprobs),
+            stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0)
+    except InvalidRequest:
+        raise
+    except (TypeError, ValueError) as exc:  # protobuf refusing a value of the wrong type or range
+        raise InvalidRequest(f"invalid request option: {exc}") from exc
 
 
 def _messages(messages: Messages, images: Sequence[ImageInput]) -> list[router_pb2.ChatMessage]:
@@ -89,7 +94,8 @@ def _image_part(where: str, image: ImageInput) -> router_pb2.ContentPart:
         try:
             return router_pb2.ContentPart(image_bytes=Path(image).expanduser().read_bytes())
         except OSError as exc:
-            raise InvalidRequest(f"{where}: cannot read image file {os.fspath(image)!r}: {exc.strerror or exc}") from exc
+            reason = exc.strerror or exc
+            raise InvalidRequest(f"{where}: cannot read image file {os.fspath(image)!r}: {reason}") from exc
     pil = sys.modules.get("PIL.Image")  # a PIL image can only exist once PIL is imported
     if pil is not None and isinstance(image, pil.Image):
         buf = io.BytesIO()
@@ -104,6 +110,8 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs) -> common_p
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}")
+    if logprobs is not None and not isinstance(logprobs, bool) and logprobs < 0:
+        raise InvalidRequest(f"logprobs must be None, True or an int in [0, 20], got {logprobs}")
     if top_k == 0:
         raise InvalidRequest("top_k must be -1 (whole vocabulary) or >= 1, got 0")
     msg = common_pb2.SamplingParams(max_tokens=max_tokens or 0, temperature=temperature or 0.0,

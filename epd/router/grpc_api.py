@@ -22,7 +22,7 @@ from epd.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger("epd.router.grpc")
 
 _REMOTE_URL_PREFIXES = ("http://", "https://")
-# RouterError.status (HTTP) -> gRPC status; anything else is INTERNAL.
+# RouterError.status (HTTP) -> gRPC status; other 4xx are INVALID_ARGUMENT, anything else INTERNAL.
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -48,9 +48,9 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             chat = self._chat_request(request, request_id, context.time_remaining())
         except (MediaError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id}: {exc}")
-        error = None
-        events = self.core.generate(chat)
+        error, events = None, None
         try:
+            events = self.core.generate(chat)
             async for response in _responses(events, request_id, chat.stop_strings):
                 yield response
         except RouterError as exc:
@@ -120,10 +120,11 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
 
 
-def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *,
-                    allowed_local_media_path: str | None = None) -> RouterGrpcServicer:
+def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, allowed_local_media_path: str | None = None,
+                    default_max_tokens: int = SamplingParams().max_tokens) -> RouterGrpcServicer:
     """Register the public Router service on a grpc.aio server (not started here)."""
-    servicer = RouterGrpcServicer(core, allowed_local_media_path=allowed_local_media_path)
+    servicer = RouterGrpcServicer(core, allowed_local_media_path=allowed_local_media_path,
+                                  default_max_tokens=default_max_tokens)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     return servicer
 
@@ -182,14 +183,15 @@ class StopStringMatcher:
 
 # ---- errors -------------------------------------------------------------------------------------
 async def _abort(context: grpc.aio.ServicerContext, error: RouterError, request_id: str) -> None:
-    code = _STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    fallback = grpc.StatusCode.INVALID_ARGUMENT if 400 <= error.status < 500 else grpc.StatusCode.INTERNAL
+    code = _STATUS_CODES.get(error.status, fallback)
     trailing = ()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.retry_after_s is not None:
         trailing = ((RETRY_AFTER_KEY, format(error.retry_after_s, "g")),)
     await context.abort(code, f"request {request_id}: {error.message}", trailing_metadata=trailing)
 
 
-async def _aclose(events: AsyncIterator) -> None:
+async def _aclose(events: AsyncIterator | None) -> None:
     aclose = getattr(events, "aclose", None)
     if aclose is None:
         return

@@ -28,7 +28,7 @@ if _version_not_supported:
 
 class RouterStub:
     """Errors are gRPC statuses with a human-readable details string: INVALID_ARGUMENT (the request
-    can never be served as sent), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
+    can never be served as sent: HTTP 400 and other 4xx), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
     `retry-after` holds the seconds to wait, as a decimal), UNAVAILABLE (no healthy workers),
     DEADLINE_EXCEEDED (timeout_s or the call deadline passed), INTERNAL (anything else).
     """
@@ -58,7 +58,7 @@ class RouterStub:
 
 class RouterServicer:
     """Errors are gRPC statuses with a human-readable details string: INVALID_ARGUMENT (the request
-    can never be served as sent), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
+    can never be served as sent: HTTP 400 and other 4xx), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
     `retry-after` holds the seconds to wait, as a decimal), UNAVAILABLE (no healthy workers),
     DEADLINE_EXCEEDED (timeout_s or the call deadline passed), INTERNAL (anything else).
     """
@@ -110,7 +110,7 @@ def add_RouterServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Router:
     """Errors are gRPC statuses with a human-readable details string: INVALID_ARGUMENT (the request
-    can never be served as sent), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
+    can never be served as sent: HTTP 400 and other 4xx), RESOURCE_EXHAUSTED (the cluster is saturated; trailing metadata
     `retry-after` holds the seconds to wait, as a decimal), UNAVAILABLE (no healthy workers),
     DEADLINE_EXCEEDED (timeout_s or the call deadline passed), INTERNAL (anything else).
     """

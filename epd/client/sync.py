@@ -1,0 +1,114 @@
+"""Blocking client: ``EPDClient(address).chat(...)`` / ``.stream(...)``."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+from epd.client.errors import error_from_rpc
+from epd.client.request import ImageInput, Messages, build_request
+from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
+from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests carry encoded images
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
+
+
+class ChatStream:
+    """Iterator of ChatDelta for one request. ``close()`` (or leaving the ``with`` block) before the
+    end cancels the request on the server."""
+
+    def __init__(self, call, address: str) -> None:
+        self._call, self._address = call, address
+        self._is_first, self._is_done = True, False
+
+    def __iter__(self) -> ChatStream:
+        return self
+
+    def __next__(self) -> ChatDelta:
+        if self._is_done:
+            raise StopIteration
+        try:
+            msg = next(self._call)
+        except StopIteration:
+            self._is_done = True
+            raise
+        except grpc.RpcError as err:
+            self._is_done = True
+            raise error_from_rpc(err, self._address) from None
+        delta = ChatDelta.from_proto(msg, is_first=self._is_first)
+        self._is_first = False
+        return delta
+
+    def close(self) -> None:
+        if not self._is_done:
+            self._is_done = True
+            self._call.cancel()
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:  # a stream dropped mid-way (break out of a for loop) should not run on in the server
+            self.close()
+        except Exception:
+            pass
+
+
+class EPDClient:
+    """Talks to a router's public gRPC API. ``timeout_s`` is the default per-call deadline."""
+
+    def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = ()) -> None:
+        self.address, self.timeout_s = address, timeout_s
+        self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+
+    def chat(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+             seed: int | None = None, stop: str | Sequence[str] | None = None, logprobs: int | bool | None = None,
+             timeout_s: float | None = None, request_id: str | None = None) -> ChatResult:
+        """Run one request to the end. ``messages``: a prompt string or OpenAI-style messages."""
+        builder = ResultBuilder()
+        with self.stream(messages, images=images, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, seed=seed, stop=stop, logprobs=logprobs, timeout_s=timeout_s,
+                         request_id=request_id) as deltas:
+            for delta in deltas:
+                builder.add(delta)
+        return builder.result()
+
+    def stream(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               seed: int | None = None, stop: str | Sequence[str] | None = None, logprobs: int | bool | None = None,
+               timeout_s: float | None = None, request_id: str | None = None) -> ChatStream:
+        """Start one request; iterate the returned ChatStream for its deltas."""
+        timeout_s = timeout_s or self.timeout_s
+        request = build_request(messages, images=images, max_tokens=max_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
+                                timeout_s=timeout_s, request_id=request_id)
+        return ChatStream(self._stub.Generate(request, timeout=timeout_s), self.address)
+
+    def models(self, *, timeout_s: float | None = None) -> list[str]:
+        response = self._unary(self._stub.Models, router_pb2.ModelsRequest(), timeout_s)
+        return [card.id for card in response.models]
+
+    def health(self, *, timeout_s: float | None = None) -> HealthStatus:
+        return HealthStatus.from_proto(self._unary(self._stub.Health, common_pb2.HealthRequest(), timeout_s))
+
+    def _unary(self, method, request, timeout_s: float | None):
+        try:
+            return method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as err:
+            raise error_from_rpc(err, self.address) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> EPDClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

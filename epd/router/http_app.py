@@ -1,0 +1,334 @@
+"""The OpenAI-compatible HTTP front end: translates HTTP <-> ``ChatRequest``/``StreamEvent`` and
+delegates everything else to the ``RouterCore``.
+
+A request's HTTP status is decided by its first event: admission failures (400 never fits, 429
+saturated, 503 no workers) come before it and are answered as real error statuses, also when
+streaming; failures after it end a stream with an OpenAI error event. The core's stream is read
+by a task of its own (``_CorePump``), so that stopping early - the client went away, a stop
+string matched - cancels the core exactly once, at the await it is blocked in, and its cleanup
+(cancelling the request on every tier) can still await.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from epd.router.media_fetch import FetchLimits, MediaFetcher
+from epd.router.openai_protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice,
+                                        ChoiceLogprobs, DeltaMessage, ErrorResponse, ModelCard, ModelList,
+                                        ResponseMessage, StopStrings, StreamChoice, TokenLogprob, Usage,
+                                        logprobs_content, parse_chat_body, to_chat_request)
+from epd.router.types import ChatRequest, RouterCore, RouterError, StreamEvent
+
+log = logging.getLogger("epd.router.http")
+
+_DISCONNECT_POLL_S = 0.1  # how often a request waiting for tokens checks that its client is still there
+_LINGER_S = 5.0  # a core stream still running this long after its finish event is cancelled
+_STATUS_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it
+_pumps: set[asyncio.Task] = set()  # strong references: pumps may outlive their HTTP response briefly
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def build_app(core: RouterCore, *, allowed_local_media_path: str | None = None, allow_private_network: bool = False,
+              default_max_tokens: int = 256, tokenizer=None, fetch_limits: FetchLimits | None = None) -> FastAPI:
+    """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
+    tokens in logprobs; without it they are their ids as strings."""
+    if default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    fetcher = MediaFetcher(allowed_local_media_path=allowed_local_media_path,
+                           allow_private_network=allow_private_network, limits=fetch_limits or FetchLimits())
+    chat = _ChatCompletions(core, fetcher, _TokenText(tokenizer), default_max_tokens)
+    created = int(time.time())
+    app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await chat.handle(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return JSONResponse(ModelList(data=[ModelCard(id=core.model_name, created=created)]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        if model_id != core.model_name:
+            return error_response(RouterError(404, f"model {model_id!r} does not exist; this server serves "
+                                                   f"{core.model_name!r}", error_type="not_found_error",
+                                              param="model"))
+        return JSONResponse(ModelCard(id=core.model_name, created=created).model_dump())
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            report = await _maybe_await(core.health())
+        except Exception as exc:  # a health probe must answer, not crash
+            log.exception("health check failed")
+            return JSONResponse({"status": "error", "error": f"{type(exc).__name__}: {exc}"}, status_code=503)
+        return JSONResponse(report, status_code=200 if report.get("status") == "ok" else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await _maybe_await(core.metrics_text()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return error_response(RouterError(exc.status_code, str(exc.detail), error_type=None))
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> Response:
+        log.error("unhandled error in the HTTP app", exc_info=exc)
+        return error_response(RouterError(500, "internal server error", error_type="server_error"))
+
+    return app
+
+
+def error_response(err: RouterError) -> JSONResponse:
+    """A ``RouterError`` as OpenAI sends errors; 429 carries Retry-After in whole seconds."""
+    body = ErrorResponse.of(err.status, err.message, err.error_type, err.param)
+    headers = {}
+    if err.retry_after_s is not None:
+        headers["Retry-After"] = str(max(0, math.ceil(err.retry_after_s)))
+    return JSONResponse(body.model_dump(), status_code=err.status, headers=headers)
+
+
+class _ChatCompletions:
+    def __init__(self, core: RouterCore, fetcher: MediaFetcher, token_text: Callable[[int], str],
+                 default_max_tokens: int) -> None:
+        self.core, self.fetcher, self.token_text = core, fetcher, token_text
+        self.default_max_tokens = default_max_tokens
+
+    async def handle(self, request: Request) -> Response:
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        pump: _CorePump | None = None
+        try:
+            body = parse_chat_body(await _read_json(request))
+            chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
+            chat.messages = await self.fetcher.resolve(chat.messages)
+            pump = _CorePump(self.core, chat)
+            first = await pump.next(request)
+            if first is None:
+                raise RouterError(502, "the router's stream ended before any output", error_type="server_error")
+            out = _Completion(request_id, self.core.model_name, body, chat, self.token_text)
+            if body.stream:
+                stream, pump = self._stream(request, pump, first, out), None  # the stream owns the pump now
+                return StreamingResponse(stream, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+            return await self._complete(request, pump, first, out)
+        except RouterError as err:
+            return error_response(err)
+        except _ClientGone:
+            return Response(status_code=_STATUS_CLIENT_GONE)
+        except Exception:
+            log.exception("request %s failed", request_id)
+            return error_response(RouterError(500, f"internal server error (request {request_id})",
+                                              error_type="server_error"))
+        finally:
+            if pump is not None:
+                pump.close()
+
+    async def _complete(self, request: Request, pump: _CorePump, event: StreamEvent, out: _Completion) -> Response:
+        text, token_ids, logprobs = [], [], []
+        while True:
+            delta_text, delta_ids, delta_logprobs = out.add(event)
+            text.append(delta_text)
+            token_ids += delta_ids
+            logprobs += delta_logprobs or []
+            if out.finish_reason:
+                break
+            event = await pump.next(request)
+            if event is None:
+                text.append(out.end_without_finish())
+                break
+        pump.close(cancel=out.stopped_by_string)
+        response = ChatCompletionResponse(
+            id=out.request_id, created=out.created, model=out.model, usage=out.usage(),
+            prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None,
+            choices=[Choice(message=ResponseMessage(content="".join(text)), finish_reason=out.finish_reason,
+                            logprobs=ChoiceLogprobs(content=logprobs) if out.num_logprobs is not None else None,
+                            token_ids=token_ids if out.return_token_ids else None)])
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": out.request_id})
+
+    async def _stream(self, request: Request, pump: _CorePump, event: StreamEvent | None,
+                      out: _Completion) -> AsyncIterator[bytes]:
+        cancel = True  # unless the core's stream ends on its own
+        try:
+            yield _sse(out.chunk(DeltaMessage(role="assistant", content=""),
+                                 prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None))
+            while event is not None:
+                text, token_ids, logprobs = out.add(event)
+                if text or token_ids:
+                    yield _sse(out.chunk(DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
+                if out.finish_reason:
+                    break
+                event = await pump.next(request)
+            if event is None and (tail := out.end_without_finish()):
+                yield _sse(out.chunk(DeltaMessage(content=tail)))
+            cancel = out.stopped_by_string
+            yield _sse(out.chunk(DeltaMessage(), finish_reason=out.finish_reason))
+            if out.include_usage:
+                yield _sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
+                                               usage=out.usage()))
+            yield b"data: [DONE]\n\n"
+        except _ClientGone:
+            log.info("request %s: client went away; cancelling", out.request_id)
+        except RouterError as err:
+            yield _sse(ErrorResponse.of(err.status, err.message, err.error_type, err.param))
+            yield b"data: [DONE]\n\n"
+        except Exception:
+            log.exception("request %s failed mid-stream", out.request_id)
+            yield _sse(ErrorResponse.of(500, f"internal server error (request {out.request_id})", "server_error"))
+            yield b"data: [DONE]\n\n"
+        finally:  # also on the client leaving: the ASGI server cancels or closes this generator
+            pump.close(cancel=cancel)
+
+
+class _Completion:
+    """One request's output as it accumulates: text through the stop-string filter, counts, and
+    the per-event pieces that go into chunks or the final response."""
+
+    def __init__(self, request_id: str, model: str, body: ChatCompletionRequest, chat: ChatRequest,
+                 token_text: Callable[[int], str]) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.return_token_ids, self.include_usage = bool(body.return_token_ids), body.include_usage
+        self.num_logprobs = chat.sampling.logprobs
+        self.token_text = token_text
+        self.stops = StopStrings(chat.stop_strings)
+        self.prompt_token_ids: list[int] = []
+        self.num_cached_tokens = self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False
+
+    def add(self, event: StreamEvent) -> tuple[str, list[int], list[TokenLogprob] | None]:
+        """(text to send, token ids, logprobs entries or None when not asked for)."""
+        if event.prompt_token_ids is not None:
+            self.prompt_token_ids = list(event.prompt_token_ids)
+            self.num_cached_tokens = event.num_cached_tokens
+        self.num_completion_tokens += len(event.token_ids)
+        text, self.stopped_by_string = self.stops.feed(event.text)
+        if self.stopped_by_string:
+            self.finish_reason = "stop"
+        elif event.finish_reason:
+            text += self.stops.flush()
+            self.finish_reason = event.finish_reason
+        logprobs = (logprobs_content(event.logprobs, self.token_text, self.num_logprobs)
+                    if self.num_logprobs is not None else None)
+        return text, list(event.token_ids), logprobs
+
+    def end_without_finish(self) -> str:
+        """The core's stream ended with no finish reason: finish as "stop" with what was held back."""
+        self.finish_reason = "stop"
+        return self.stops.flush()
+
+    def usage(self) -> Usage:
+        return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
+
+    def chunk(self, delta: DeltaMessage, *, finish_reason: str | None = None, token_ids: list[int] | None = None,
+              logprobs: list[TokenLogprob] | None = None, prompt_token_ids: list[int] | None = None
+              ) -> ChatCompletionChunk:
+        choice = StreamChoice(delta=delta, finish_reason=finish_reason,
+                              logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                              token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                   prompt_token_ids=prompt_token_ids)
+
+
+class _CorePump:
+    """Reads ``core.generate(request)`` in a task of its own and queues the events (then None at
+    the end, or the exception that ended it)."""
+
+    def __init__(self, core: RouterCore, request: ChatRequest) -> None:
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._closed = False
+        self._task = asyncio.create_task(self._run(core, request), name=f"core-stream-{request.request_id}")
+        _pumps.add(self._task)
+        self._task.add_done_callback(_pumps.discard)
+
+    async def _run(self, core: RouterCore, request: ChatRequest) -> None:
+        events = None
+        try:
+            events = core.generate(request)
+            async for event in events:
+                self._queue.put_nowait(event)
+            self._queue.put_nowait(None)
+        except Exception as exc:  # RouterError or a bug: the reader raises it
+            self._queue.put_nowait(exc)
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:  # the contract's "close the iterator"; a no-op once it has ended
+                await aclose()
+
+    async def next(self, request: Request) -> StreamEvent | None:
+        """The next event, None at the end; raises what the core raised, or ``_ClientGone``."""
+        if await request.is_disconnected():
+            raise _ClientGone()
+        getter = asyncio.ensure_future(self._queue.get())
+        try:
+            while not getter.done():
+                await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
+                if not getter.done() and await request.is_disconnected():
+                    raise _ClientGone()
+        finally:
+            getter.cancel()
+        item = getter.result()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self, *, cancel: bool = True) -> None:
+        """Stop reading. ``cancel``: the request is abandoned, so the core's stream is cancelled
+        now; otherwise it finished and gets ``_LINGER_S`` to wind down on its own. Idempotent."""
+        if self._closed or self._task.done():
+            return
+        self._closed = True
+        if cancel:
+            self._task.cancel()
+        else:
+            asyncio.get_running_loop().call_later(_LINGER_S, self._task.cancel)
+
+
+class _TokenText:
+    """token id -> its text for logprobs, cached (the same tokens recur across requests)."""
+
+    _MAX_CACHED = 1 << 16
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = str(token_id) if self.tokenizer is None else self.tokenizer.decode([token_id])
+            if len(self._cache) < self._MAX_CACHED:
+                self._cache[token_id] = text
+        return text
+
+
+async def _read_json(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RouterError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+async def _maybe_await(value):
+    return await value if inspect.isawaitable(value) else value
+
+
+def _sse(model) -> bytes:
+    return b"data: " + model.model_dump_json().encode() + b"\n\n"

@@ -1,0 +1,379 @@
+"""The OpenAI Chat Completions API as the official ``openai`` client speaks it: pydantic models for
+the wire, and the one conversion into the router's ``ChatRequest``.
+
+Wire types stop here: ``to_chat_request`` turns a body into a ``ChatRequest`` once, and the
+response models are built from ``StreamEvent``s by the HTTP app. Extensions beyond OpenAI
+(vLLM-style): ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
+Unknown request fields are ignored, as OpenAI-compatible servers do.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from epd.engine.sampling_params import SamplingParams
+from epd.engine.sequence import TokenLogprobs
+from epd.router.types import ChatRequest, RouterError
+
+MAX_TOP_LOGPROBS = 20
+MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _omit_if_none(**kwargs: Any) -> Any:
+    """An optional field that is left out of the JSON when unset (extensions), not sent as null."""
+    return Field(default=None, exclude_if=lambda value: value is None, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Request
+# ---------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ImageURL(_Lenient):
+    url: str
+    detail: str | None = None  # "auto" | "low" | "high": accepted, not used by Qwen-VL
+
+
+class TextPart(_Lenient):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+    @field_validator("image_url", mode="before")
+    @classmethod
+    def _url_as_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare string too
+
+
+ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str | None = None  # any name is accepted; responses carry the served model's name
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def parse_chat_body(body: Any) -> ChatCompletionRequest:
+    """A decoded JSON body -> the request model, or a 400 naming the first field that is wrong."""
+    if not isinstance(body, Mapping):
+        raise RouterError(400, f"expected a JSON object as the request body, got {type(body).__name__}")
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+
+
+def _validation_error(errors: list[dict]) -> RouterError:
+    # A union reports one error per member; the deepest one is what the client got wrong.
+    deepest = max(errors, key=lambda e: len(e["loc"]))
+    param = _error_location(deepest["loc"])
+    same_place = [e for e in errors if _error_location(e["loc"]) == param]
+    messages = list(dict.fromkeys(e["msg"] for e in same_place))
+    got = "" if deepest["type"] == "missing" else f"; got {_short(deepest.get('input'))}"
+    return RouterError(400, f"{param or 'body'}: {', or '.join(messages)}{got}", param=param or None)
+
+
+_TYPE_LABELS = ("str", "int", "float", "bool")
+
+
+def _error_location(loc: Sequence[Any]) -> str:
+    # ("messages", 0, "content", "list[tagged-union[...]]", 1, "image_url", "image_url", "url")
+    #   -> "messages[0].content[1].image_url.url": union member labels and tags are pydantic's, not the client's
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_LABELS or "[" in part:
+            continue
+        elif i >= 2 and isinstance(loc[i - 1], int) and "tagged-union" in str(loc[i - 2]):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
+                    default_max_tokens: int) -> ChatRequest:
+    """Validate sampling values against OpenAI semantics and convert once into a ``ChatRequest``.
+    Image parts keep their ``image_url``; ``media_fetch`` turns them into bytes."""
+    if not isinstance(body, ChatCompletionRequest):
+        body = parse_chat_body(body)
+    if body.n not in (None, 1):
+        raise RouterError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+    if body.stream_options is not None and not body.stream:
+        raise RouterError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,
+                       default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop))
+
+
+def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    _require(max_tokens >= 1, max_name, "an integer >= 1", max_tokens)
+    _require(0 <= body.min_tokens <= max_tokens, "min_tokens", f"in [0, {max_name}={max_tokens}]", body.min_tokens)
+    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's defaults
+    _require(math.isfinite(temperature) and 0.0 <= temperature <= 2.0, "temperature", "in [0, 2]", temperature)
+    top_p = 1.0 if body.top_p is None else body.top_p
+    _require(math.isfinite(top_p) and 0.0 < top_p <= 1.0, "top_p", "in (0, 1]", top_p)
+    top_k = -1 if body.top_k in (None, 0) else body.top_k  # 0 and -1 both mean "whole vocabulary"
+    _require(top_k == -1 or top_k >= 1, "top_k", "-1, 0 (disabled) or >= 1", body.top_k)
+    _require(body.seed is None or _INT64_MIN <= body.seed <= _INT64_MAX, "seed", "a 64-bit integer", body.seed)
+    return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
+                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body))
+
+
+def _num_logprobs(body: ChatCompletionRequest) -> int | None:
+    top = body.top_logprobs
+    _require(top is None or 0 <= top <= MAX_TOP_LOGPROBS, "top_logprobs", f"in [0, {MAX_TOP_LOGPROBS}]", top)
+    if not body.logprobs:
+        _require(not top, "logprobs", "true when top_logprobs > 0", body.logprobs)
+        return None
+    return top or 0
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    for i, s in enumerate(stops):
+        _require(s != "", "stop", "non-empty strings", f"an empty string at index {i}")
+    return list(dict.fromkeys(stops))
+
+
+def _message_dict(message: ChatMessage) -> dict:
+    # "developer" is OpenAI's newer name for "system"; chat templates only know the latter
+    role = "system" if message.role == "developer" else message.role
+    content: str | list[dict] = message.content if message.content is not None else ""
+    if isinstance(content, list):
+        content = [part.model_dump(exclude_none=True) for part in content]
+    out = {"role": role, "content": content}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _require(ok: bool, param: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise RouterError(400, f"{param} must be {expected}, got {got!r}", param=param)
+
+
+# ---------------------------------------------------------------------------
+# Stop strings (applied by the front end to the detokenized text)
+# ---------------------------------------------------------------------------
+
+
+class StopStrings:
+    """Cuts the output at the first stop string. Text that could still grow into a stop string
+    is held back, so a stop split across two events is never partly sent."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._held = ""  # text received but not yet released: a suffix that is a prefix of a stop
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Returns (text that is safe to send now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[:min(hits)], True
+        keep = self._longest_stop_prefix_suffix(buffer)
+        self._held = buffer[len(buffer) - keep:] if keep else ""
+        return buffer[:len(buffer) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, once no more text will come."""
+        held, self._held = self._held, ""
+        return held
+
+    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
+                if buffer.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+# ---------------------------------------------------------------------------
+# Response
+# ---------------------------------------------------------------------------
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+def logprobs_content(entries: Sequence[TokenLogprobs], token_text: Callable[[int], str],
+                     num_top: int) -> list[TokenLogprob]:
+    """Engine logprobs -> OpenAI ``logprobs.content`` entries, top alternatives most likely first."""
+    out = []
+    for entry in entries:
+        top = sorted(entry.top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
+        out.append(TokenLogprob(**_logprob_fields(entry.token_id, entry.logprob, token_text),
+                                top_logprobs=[TopLogprob(**_logprob_fields(t, lp, token_text)) for t, lp in top]))
+    return out
+
+
+def _logprob_fields(token_id: int, logprob: float, token_text: Callable[[int], str]) -> dict:
+    text = token_text(token_id)
+    return {"token": text, "logprob": max(logprob, MIN_LOGPROB) if not math.isnan(logprob) else MIN_LOGPROB,
+            "bytes": list(text.encode("utf-8"))}
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> "Usage":
+        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
+                   total_tokens=num_prompt_tokens + num_completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
+
+
+class ResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = _omit_if_none()  # extension: return_token_ids
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = _omit_if_none()  # extension: return_token_ids
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = _omit_if_none()
+    content: str | None = _omit_if_none()
+
+
+class StreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = _omit_if_none()
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[StreamChoice]
+    usage: Usage | None = _omit_if_none()  # only on the last chunk, with stream_options.include_usage
+    prompt_token_ids: list[int] | None = _omit_if_none()  # first chunk, with return_token_ids
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "epd"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None  # the HTTP status, as vLLM sends it
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    @classmethod
+    def of(cls, status: int, message: str, error_type: str | None = None, param: str | None = None
+           ) -> "ErrorResponse":
+        return cls(error=ErrorInfo(message=message, type=error_type or _default_error_type(status),
+                                   param=param, code=status))
+
+
+def _default_error_type(status: int) -> str:
+    return {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+            429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}.get(status, "server_error")

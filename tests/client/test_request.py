@@ -1,0 +1,63 @@
+"""Pure conversions: SDK inputs -> ChatGenerateRequest, and the front end's stop-string matching."""
+from __future__ import annotations
+
+import pytest
+
+from epd.client import InvalidRequest
+from epd.client.request import build_request
+from epd.router.grpc_api import StopStringMatcher
+
+
+def test_prompt_becomes_one_user_message_with_images_first():
+    request = build_request("Describe", images=[b"img", "data:image/png;base64,AAAA", "https://x/y.png"])
+    (message,) = request.messages
+    assert message.role == "user"
+    assert [p.WhichOneof("part") for p in message.content] == ["image_bytes", "image_url", "image_url", "text"]
+    assert message.content[1].image_url == "data:image/png;base64,AAAA"
+
+
+def test_images_attach_to_the_last_user_message():
+    request = build_request([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                             {"role": "user", "content": [{"type": "text", "text": "c"}]}], images=[b"i"])
+    assert [len(m.content) for m in request.messages] == [1, 1, 2]
+    assert request.messages[2].content[0].image_bytes == b"i"
+
+
+def test_sampling_unset_is_zero_and_set_fields_travel():
+    assert not build_request("x").sampling.HasField("seed")
+    assert not build_request("x").sampling.HasField("logprobs")
+    sampling = build_request("x", max_tokens=3, top_k=-1, seed=0, logprobs=5).sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed, sampling.logprobs) == (3, -1, 0, 5)
+    assert build_request("x", stop="END").stop == ["END"]
+
+
+@pytest.mark.parametrize("messages, images, match", [
+    ([], (), "non-empty list of messages"),
+    ({"role": "user", "content": "x"}, (), "non-empty list of messages"),
+    ([{"content": "x"}], (), r"messages\[0\]"),
+    ([{"role": "user", "content": [{"type": "audio"}]}], (), r"messages\[0\].content\[0\].*'audio'"),
+    ([{"role": "system", "content": "x"}], [b"i"], "user message"),
+    ("x", [3.5], r"images\[0\].*float"),
+    ("x", ["/no/such/file.png"], "cannot read image file"),
+])
+def test_bad_inputs_are_invalid_before_any_call(messages, images, match):
+    with pytest.raises(InvalidRequest, match=match):
+        build_request(messages, images=images)
+
+
+def test_stop_string_split_across_deltas():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.add("abc ST", is_last=False) == ("abc ", False)  # "ST" might begin STOP: held back
+    assert matcher.add("OP and more", is_last=False) == ("", True)
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop():
+    matcher = StopStringMatcher(["STOP", "\n\n"])
+    assert matcher.add("x\n", is_last=False) == ("x", False)
+    assert matcher.add("y S", is_last=False) == ("\ny ", False)
+    assert matcher.add("T", is_last=True) == ("ST", False)
+
+
+def test_earliest_stop_wins_and_no_stops_pass_through():
+    assert StopStringMatcher(["b", "a"]).add("xxabxx", is_last=False) == ("xx", True)
+    assert StopStringMatcher([]).add("anything", is_last=False) == ("anything", False)

@@ -167,3 +167,24 @@ def test_client_disconnect_mid_stream_frees_the_request_everywhere(client, serve
         return all(w["running"] == 0 and w["waiting"] == 0 and w["in_flight"] == 0 for w in workers)
 
     assert wait_until(all_idle, timeout_s=20), "the aborted request kept running on some tier"
+
+
+def test_sdk_sync_and_async_against_the_real_cluster(client, server, media_dir):
+    import asyncio
+
+    from epd.client import AsyncEPDClient, EPDClient
+
+    image = make_image_bytes(80, 60, seed=12)
+    (media_dir / "sdk.png").write_bytes(image)
+    via_http = client.chat.completions.create(model="m", messages=chat("Name it.", [data_url(image)]),
+                                              max_tokens=12, temperature=0)
+    with EPDClient(server.grpc_address, timeout_s=120) as sdk:
+        result = sdk.chat("Name it.", images=[str(media_dir / "sdk.png")], max_tokens=12)
+    assert result.text == via_http.choices[0].message.content and len(result.token_ids) == 12
+
+    async def streamed() -> str:
+        async with AsyncEPDClient(server.grpc_address, timeout_s=120) as sdk:
+            stream = sdk.stream("Name it.", images=[image], max_tokens=12)
+            return "".join([d.text async for d in stream])
+
+    assert asyncio.run(streamed()) == result.text

@@ -166,11 +166,11 @@ class _ChatCompletions:
                       out: _Completion) -> AsyncIterator[bytes]:
         cancel = True  # unless the core's stream ends on its own
         try:
-            yield _sse(out.chunk(DeltaMessage(role="assistant", content=""),
-                                 prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None))
+            prompt_token_ids = list(event.prompt_token_ids or []) if out.return_token_ids else None
+            yield _sse(out.chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_token_ids))
             while event is not None:
                 text, token_ids, logprobs = out.add(event)
-                if text or token_ids:
+                if text or (token_ids and (out.return_token_ids or logprobs is not None)):
                     yield _sse(out.chunk(DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
                 if out.finish_reason:
                     break
@@ -275,6 +275,8 @@ class _CorePump:
         """The next event, None at the end; raises what the core raised, or ``_ClientGone``."""
         if await request.is_disconnected():
             raise _ClientGone()
+        if not self._queue.empty():  # tokens arrive faster than they are sent: no waiting needed
+            return self._unwrap(self._queue.get_nowait())
         getter = asyncio.ensure_future(self._queue.get())
         try:
             while not getter.done():
@@ -283,7 +285,10 @@ class _CorePump:
                     raise _ClientGone()
         finally:
             getter.cancel()
-        item = getter.result()
+        return self._unwrap(getter.result())
+
+    @staticmethod
+    def _unwrap(item: StreamEvent | BaseException | None) -> StreamEvent | None:
         if isinstance(item, BaseException):
             raise item
         return item

@@ -39,10 +39,13 @@ class FetchLimits:
     max_bytes: int = DEFAULT_LIMITS.max_bytes  # per image, after content decoding
     timeout_s: float = 10.0  # whole fetch of one URL, redirects included
     max_redirects: int = 3
+    # refused before anything loads; the core's own per-request item limit applies after
+    max_items: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_bytes <= 0 or self.timeout_s <= 0 or self.max_redirects < 0:
-            raise ValueError(f"FetchLimits needs max_bytes > 0, timeout_s > 0, max_redirects >= 0; got {self}")
+        if self.max_bytes <= 0 or self.timeout_s <= 0 or self.max_redirects < 0 or self.max_items < 1:
+            raise ValueError(f"FetchLimits needs max_bytes > 0, timeout_s > 0, max_redirects >= 0, max_items >= 1; "
+                             f"got {self}")
 
 
 class _FetchError(Exception):
@@ -69,8 +72,16 @@ class MediaFetcher:
                     slots.append((i, j, _part_url(part)))
         if not slots:
             return messages
-        loaded = await asyncio.gather(*(self.load(url, f"messages[{i}].content[{j}].image_url.url")
-                                        for i, j, url in slots))
+        if len(slots) > self.limits.max_items:
+            raise RouterError(400, f"request has {len(slots)} images; at most {self.limits.max_items} are loaded "
+                                   f"per request", param="messages")
+        tasks = [asyncio.ensure_future(self.load(url, f"messages[{i}].content[{j}].image_url.url"))
+                 for i, j, url in slots]
+        try:
+            loaded = await asyncio.gather(*tasks)
+        finally:  # one bad image fails the request: stop downloading the others
+            for task in tasks:
+                task.cancel()
         out = [{**m, "content": list(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
         for (i, j, _), data in zip(slots, loaded):
             out[i]["content"][j] = {"type": "image", "image": data}

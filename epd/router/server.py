@@ -49,6 +49,7 @@ async def serve(args: argparse.Namespace) -> None:
     from epd.models.presets import resolve_model
     from epd.router.grpc_api import add_router_grpc
     from epd.router.http_app import build_app
+    from epd.router.media_fetch import FetchLimits
 
     config = router_config(args)
     router = Router(resolve_model(config.model), config)
@@ -58,7 +59,8 @@ async def serve(args: argparse.Namespace) -> None:
     grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await grpc_server.start()
     app = build_app(router, allowed_local_media_path=args.allowed_local_media_path,
-                    allow_private_network=args.allow_private_network, tokenizer=router.tokenizer)
+                    allow_private_network=args.allow_private_network, tokenizer=router.tokenizer,
+                    fetch_limits=FetchLimits(max_items=config.max_items_per_request))
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     loop = asyncio.get_running_loop()

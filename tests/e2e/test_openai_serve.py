@@ -20,7 +20,7 @@ from tests.fidelity.reference import ReferenceModel, user_message
 pytestmark = pytest.mark.slow
 ROUTER_YAML = """max_model_len: 2048
 max_items_per_request: 3
-encoder_output_budget_bytes: 65536
+encoder_output_budget_bytes: 32768
 max_concurrent_requests: 2
 max_queued_requests: 1
 queue_timeout_s: 1.0
@@ -105,6 +105,7 @@ def test_image_by_file_path_and_outside_root_refused(client, media_dir, tmp_path
 def test_same_image_twice_is_an_encoder_cache_hit(client, server):
     image = data_url(make_image_bytes(100, 80, seed=9))
     client.chat.completions.create(model="m", messages=chat("First.", [image]), max_tokens=4)
+    time.sleep(1.5)  # the cluster view refreshes from health checks every second
     encoded = metric(server, "epd_encoder_encoded_items")
     client.chat.completions.create(model="m", messages=chat("Second.", [image]), max_tokens=4)
     time.sleep(1.5)  # the cluster view refreshes from health checks every second

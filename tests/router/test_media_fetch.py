@@ -117,3 +117,22 @@ def test_unresolvable_host_and_long_urls_are_shortened():
     message = refusal(MediaFetcher(), url)
     assert "cannot resolve host 'does-not-exist.invalid'" in message
     assert "x" * 300 not in message and "..." in message
+
+
+def test_every_redirect_hop_is_checked_again(monkeypatch):
+    # Pretend 127.0.0.1 is public so the first hop passes; the redirect's target must still be refused.
+    import epd.router.media_fetch as media_fetch
+    monkeypatch.setattr(media_fetch, "non_public_kind", lambda ip: "loopback" if str(ip) == "127.0.0.2" else None)
+    with serve_files({"/a.png": send_bytes(PNG)}) as base:
+        port = base.rsplit(":", 1)[1]
+        with serve_files({"/r": redirect_to(f"http://127.0.0.2:{port}/a.png")}) as redirecting:
+            assert resolve(MediaFetcher(), f"{base}/a.png") == PNG
+            assert "resolves to 127.0.0.2, a loopback address" in refusal(MediaFetcher(), f"{redirecting}/r")
+
+
+def test_too_many_images_are_refused_before_any_loads():
+    fetcher = MediaFetcher(limits=FetchLimits(max_items=2))
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://192.0.2.1/x.png"}}
+                                             for _ in range(3)]}]
+    with pytest.raises(RouterError, match="request has 3 images; at most 2 are loaded per request"):
+        asyncio.run(fetcher.resolve(messages))

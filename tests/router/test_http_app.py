@@ -1,0 +1,265 @@
+"""The HTTP front end, driven by the official ``openai`` client against uvicorn on 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+
+import httpx
+import openai
+import pytest
+
+from epd.router.http_app import build_app
+from epd.router.media_fetch import FetchLimits
+from epd.router.types import RouterError
+from tests.conftest import make_image_bytes
+from tests.router.fake_core import (FIRST_TOKEN_ID, PROMPT_TOKEN_IDS, FakeRouterCore, FakeTokenizer, make_events,
+                                    send_bytes, serve_app, serve_files)
+
+PNG = make_image_bytes(8, 6)
+USER = [{"role": "user", "content": "Say hello."}]
+
+
+@contextlib.contextmanager
+def served(core: FakeRouterCore | None = None, **options):
+    core = core or FakeRouterCore()
+    with serve_app(build_app(core, **options)) as base:
+        yield core, base, openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=10)
+
+
+def create(client: openai.OpenAI, **kwargs):
+    return client.chat.completions.create(model="any", messages=kwargs.pop("messages", USER), **kwargs)
+
+
+def test_non_stream_and_stream_give_the_same_text():
+    core = FakeRouterCore(make_events(["Hello", ",", " world", "!"], num_cached_tokens=2))
+    with served(core) as (_, _, client):
+        response = create(client)
+        chunks = list(create(client, stream=True))
+    assert response.id.startswith("chatcmpl-") and response.model == "fake-qwen2-vl"
+    assert response.object == "chat.completion"
+    [choice] = response.choices
+    assert choice.message.content == "Hello, world!" and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop" and choice.logprobs is None
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == (4, 4, 8)
+    assert response.usage.prompt_tokens_details.cached_tokens == 2
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello, world!"
+    assert chunks[-1].choices[0].finish_reason == "stop" and all(c.usage is None for c in chunks)
+    assert len({c.id for c in chunks}) == 1 and core.completed == [r.request_id for r in core.requests]
+
+
+def test_request_reaches_the_core_with_openai_defaults_and_extensions():
+    with served(default_max_tokens=32) as (core, _, client):
+        create(client, seed=3, stop=["\n\n"], extra_body={"top_k": 5, "min_tokens": 2})
+        create(client, max_completion_tokens=7, temperature=0)
+    first, second = core.requests
+    assert (first.sampling.temperature, first.sampling.top_p, first.sampling.max_tokens) == (1.0, 1.0, 32)
+    assert (first.sampling.top_k, first.sampling.min_tokens, first.sampling.seed) == (5, 2, 3)
+    assert first.stop_strings == ["\n\n"] and first.messages == USER
+    assert (second.sampling.max_tokens, second.sampling.temperature) == (7, 0.0)
+
+
+def test_stream_include_usage_adds_a_final_usage_chunk():
+    with served() as (_, _, client):
+        chunks = list(create(client, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens == len(PROMPT_TOKEN_IDS)
+    assert chunks[-2].choices[0].finish_reason == "stop"
+
+
+def test_return_token_ids_extension():
+    token_ids = [FIRST_TOKEN_ID + i for i in range(4)]
+    with served() as (_, _, client):
+        response = create(client, extra_body={"return_token_ids": True})
+        chunks = list(create(client, stream=True, extra_body={"return_token_ids": True}))
+        plain = create(client)
+    assert response.prompt_token_ids == PROMPT_TOKEN_IDS and response.choices[0].token_ids == token_ids
+    assert chunks[0].prompt_token_ids == PROMPT_TOKEN_IDS
+    assert [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])] == token_ids
+    assert not hasattr(plain, "prompt_token_ids") or plain.prompt_token_ids is None
+
+
+def test_logprobs_shape_with_a_tokenizer():
+    core = FakeRouterCore(make_events(["a", "b"], with_logprobs=True))
+    with served(core, tokenizer=FakeTokenizer()) as (_, _, client):
+        response = create(client, logprobs=True, top_logprobs=2)
+        chunks = list(create(client, stream=True, logprobs=True, top_logprobs=2))
+    entries = response.choices[0].logprobs.content
+    assert [e.token for e in entries] == ["<t100é>", "<t101é>"]
+    assert entries[0].logprob == -0.5 and entries[0].bytes == list("<t100é>".encode())
+    assert [(t.token, t.logprob) for t in entries[0].top_logprobs] == [("<t100é>", -0.5), ("<t7é>", -1.5)]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in entries]
+
+
+def test_logprob_tokens_are_ids_without_a_tokenizer():
+    core = FakeRouterCore(make_events(["a"], with_logprobs=True))
+    with served(core) as (_, _, client):
+        entry = create(client, logprobs=True).choices[0].logprobs.content[0]
+    assert entry.token == str(FIRST_TOKEN_ID) and entry.top_logprobs == []
+
+
+def test_stop_string_truncates_and_cancels_the_core():
+    core = FakeRouterCore(make_events(["Hello", " wor", "ld and", " more"], finish_reason=None), hang_after=3)
+    with served(core) as (_, _, client):
+        response = create(client, stop="world")
+        assert core.wait_cancelled(5)
+    assert response.choices[0].message.content == "Hello " and response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == 3
+
+
+def test_stop_string_split_across_streamed_events_is_never_sent():
+    core = FakeRouterCore(make_events(["Hi, wo", "rld!", " more"], finish_reason=None), hang_after=2)
+    with served(core) as (_, _, client):
+        chunks = list(create(client, stream=True, stop=["world", "zzz"]))
+        assert core.wait_cancelled(5)
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(deltas) == "Hi, " and not any("wo" in d for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_other_than_one_is_a_bad_request():
+    with served() as (core, _, client):
+        with pytest.raises(openai.BadRequestError) as info:
+            create(client, n=2)
+    assert "n must be 1 (one choice per request), got 2" in info.value.message
+    assert info.value.body["param"] == "n" and info.value.body["type"] == "invalid_request_error"
+    assert core.requests == []
+
+
+def test_saturated_core_answers_429_with_retry_after():
+    error = RouterError(429, "server saturated: 8 running, 16 queued", error_type="rate_limit_error",
+                        retry_after_s=2.2)
+    with served(FakeRouterCore(admission_error=error)) as (_, base, client):
+        with pytest.raises(openai.RateLimitError) as info:
+            create(client, stream=True)
+        raw = httpx.post(f"{base}/v1/chat/completions", json={"model": "m", "messages": USER})
+    assert info.value.response.headers["retry-after"] == "3" and "server saturated" in info.value.message
+    assert raw.status_code == 429 and raw.headers["retry-after"] == "3"
+    assert raw.json() == {"error": {"message": "server saturated: 8 running, 16 queued", "type": "rate_limit_error",
+                                    "param": None, "code": 429}}
+
+
+def test_unexpected_core_error_is_a_500_without_a_traceback():
+    with served(FakeRouterCore(admission_error=KeyError("secret internals"))) as (_, _, client):
+        with pytest.raises(openai.InternalServerError) as info:
+            create(client)
+    assert "internal server error" in info.value.message and "secret" not in str(info.value.body)
+
+
+def test_failure_mid_stream_reaches_the_client_as_an_api_error():
+    with served(FakeRouterCore(fail_after=2)) as (_, _, client):
+        with pytest.raises(openai.APIError, match="decode worker 127.0.0.1:1 failed"):
+            list(create(client, stream=True))
+
+
+def test_failure_before_any_output_is_an_http_status_even_when_streaming():
+    with served(FakeRouterCore(fail_after=0)) as (_, _, client):
+        with pytest.raises(openai.InternalServerError) as info:
+            create(client, stream=True)
+    assert info.value.status_code == 502 and info.value.body["type"] == "server_error"
+
+
+def test_client_leaving_a_stream_cancels_the_core():
+    core = FakeRouterCore(make_events(["a", "b", "c"]), hang_after=2)
+    with served(core) as (_, _, client):
+        stream = create(client, stream=True)
+        first = [next(iter(stream)) for _ in range(2)]
+        assert first[1].choices[0].delta.content == "a"
+        stream.close()
+        assert core.wait_cancelled(5), "the core's stream was not closed after the client left"
+    assert core.completed == []
+
+
+def test_client_leaving_a_non_stream_request_cancels_the_core():
+    core = FakeRouterCore(hang_after=1)
+    with served(core) as (_, _, client):
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=0.5).chat.completions.create(model="m", messages=USER)
+        assert core.wait_cancelled(5)
+
+
+def test_async_client_streams():
+    async def run(base: str) -> str:
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
+            stream = await client.chat.completions.create(model="m", messages=USER, stream=True)
+            return "".join([c.choices[0].delta.content or "" async for c in stream])
+
+    with served() as (_, base, _):
+        assert asyncio.run(run(base)) == "Hello, world!"
+
+
+def image_request(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "What is this?"}]}]
+
+
+def test_data_url_image_reaches_the_core_as_bytes():
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    with served() as (core, _, client):
+        create(client, messages=image_request(url))
+    assert core.requests[0].messages[0]["content"] == [{"type": "image", "image": PNG},
+                                                       {"type": "text", "text": "What is this?"}]
+
+
+def test_local_files_outside_the_allowed_root_are_refused(tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "ok.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    with served(allowed_local_media_path=str(root)) as (core, _, client):
+        create(client, messages=image_request(f"file://{root / 'ok.png'}"))
+        with pytest.raises(openai.BadRequestError, match="outside the allowed root"):
+            create(client, messages=image_request(f"file://{tmp_path / 'secret.png'}"))
+    assert core.requests[0].messages[0]["content"][0]["image"] == PNG and len(core.requests) == 1
+
+
+def test_http_images_from_private_addresses_only_when_allowed():
+    routes = {"/cat.png": send_bytes(PNG), "/huge.png": send_bytes(PNG + b"\0" * 20000, declare_length=False)}
+    with serve_files(routes) as files:
+        with served() as (core, _, client):
+            with pytest.raises(openai.BadRequestError, match="loopback address; private-network targets"):
+                create(client, messages=image_request(f"{files}/cat.png"))
+            assert core.requests == []
+        with served(allow_private_network=True, fetch_limits=FetchLimits(max_bytes=10000)) as (core, _, client):
+            create(client, messages=image_request(f"{files}/cat.png"))
+            with pytest.raises(openai.BadRequestError, match="exceeds the limit of 10000 bytes"):
+                create(client, messages=image_request(f"{files}/huge.png"))
+    assert core.requests[0].messages[0]["content"][0] == {"type": "image", "image": PNG}
+
+
+def test_models_health_and_metrics():
+    with served() as (core, base, client):
+        assert [m.id for m in client.models.list()] == ["fake-qwen2-vl"]
+        assert client.models.retrieve("fake-qwen2-vl").id == "fake-qwen2-vl"
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        core.health_status = "degraded"
+        assert httpx.get(f"{base}/health").status_code == 503
+        metrics = httpx.get(f"{base}/metrics")
+        assert metrics.headers["content-type"].startswith("text/plain") and b"epd_router_requests_total 3.0" \
+            in metrics.content
+        missing = httpx.get(f"{base}/v1/nothing")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+
+
+def test_invalid_json_and_invalid_fields_are_openai_errors():
+    with served() as (_, base, client):
+        bad_json = httpx.post(f"{base}/v1/chat/completions", content=b"{not json",
+                              headers={"content-type": "application/json"})
+        with pytest.raises(openai.BadRequestError, match=r"temperature must be in \[0, 2\], got 3.0"):
+            create(client, temperature=3)
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+
+
+def test_server_stops_promptly_after_a_hanging_stream():
+    # A stream the client abandons must not keep uvicorn from shutting down.
+    core = FakeRouterCore(hang_after=1)
+    started = time.monotonic()
+    with served(core) as (_, _, client):
+        stream = create(client, stream=True)
+        next(iter(stream))
+        stream.close()
+    assert time.monotonic() - started < 8

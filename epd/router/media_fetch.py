@@ -73,8 +73,8 @@ class MediaFetcher:
         if not slots:
             return messages
         if len(slots) > self.limits.max_items:
-            raise RouterError(400, f"request has {len(slots)} images; at most {self.limits.max_items} are loaded "
-                                   f"per request", param="messages")
+            raise RouterError(400, f"request has {len(slots)} images; the limit is {self.limits.max_items} per "
+                                   f"request (max_items_per_request)", param="messages")
         tasks = [asyncio.ensure_future(self.load(url, f"messages[{i}].content[{j}].image_url.url"))
                  for i, j, url in slots]
         try:

@@ -69,11 +69,14 @@ class EmbeddingInbox:
         self.on_arrival()
 
     def fail_request(self, request_id: str, reason: str) -> bool:
-        """Fail a registered request's pending rows (its prefill call raises ``reason``)."""
+        """Fail a request's rows (its prefill call raises ``reason``). An abort may overtake the
+        request itself (router -> prefill vs router -> decode -> prefill): then it is parked like
+        a push and fails the request the moment it arrives. Returns whether it was registered."""
         with self._lock:
             rows = self._rows.get(request_id)
-        if rows is None:
-            return False
+            if rows is None:
+                self._parked.setdefault(request_id, _Parked(self._clock())).items[0] = (None, reason, None)
+                return False
         rows.fail(0, reason)
         self.on_arrival()
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,17 @@ class PrefillWorker:
                                 mm_token_ids=mm_ids, on_finish=self._export_kv)
         self.loop = EngineLoop(self.engine, name="prefill-loop").start()
         self.inbox.on_arrival = self.loop.wake
+        self._closed = threading.Event()
+        threading.Thread(target=self._sweep_inbox, name="prefill-inbox-sweeper", daemon=True).start()
 
     def close(self) -> None:
+        self._closed.set()
         self.loop.stop()
+
+    def _sweep_inbox(self, period_s: float = 5.0) -> None:
+        """Pushes whose request never came (router gone, request refused) release their leases."""
+        while not self._closed.wait(period_s):
+            self.inbox.sweep()
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         """Stop a request wherever it is (client gone, encoder failed); True if it was known.

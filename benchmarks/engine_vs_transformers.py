@@ -16,13 +16,11 @@ import io
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
 from epd.config import EngineConfig  # noqa: E402
 from epd.engine.sampling_params import SamplingParams  # noqa: E402
@@ -30,11 +28,6 @@ from epd.llm import LLM  # noqa: E402
 from epd.models.presets import load_processor, resolve_model  # noqa: E402
 
 
-def noise_png(size_px: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size_px, size_px, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def conversation(image: bytes, i: int) -> list[dict]:

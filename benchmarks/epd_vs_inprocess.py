@@ -6,16 +6,12 @@ model and workload, at low load (one request at a time, distinct images so no ca
 from __future__ import annotations
 
 import argparse
-import io
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
-from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
 from epd.engine.sampling_params import SamplingParams  # noqa: E402
 from epd.launch import LocalCluster  # noqa: E402
@@ -24,11 +20,6 @@ from epd.models.presets import resolve_model  # noqa: E402
 from epd.router.driver import ClusterDriver  # noqa: E402
 
 
-def noise_png(size_px: int, seed: int) -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size_px, size_px, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def messages(image: bytes, i: int) -> list[dict]:

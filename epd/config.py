@@ -94,6 +94,7 @@ class RouterConfig:
     max_model_len: int = 4096
     max_items_per_request: int = 16
     encoder_output_budget_bytes: int | None = None  # None: 4096 embedding rows (the encoder default)
+    encoder_max_item_tokens: int | None = None  # encoder attention tokens of one image; None: no extra cap
     max_concurrent_requests: int = 64  # in flight on the tiers
     max_queued_requests: int = 256  # waiting for a slot; beyond this: 429 at once
     queue_timeout_s: float = 10.0  # waiting longer than this: 429

@@ -20,16 +20,25 @@ class RequestLimits:
     max_items_per_request: int
     encoder_output_budget_bytes: int
     bytes_per_embedding_row: int
+    encoder_max_item_tokens: int | None = None
 
     @classmethod
     def from_config(cls, cfg: RouterConfig, bytes_per_embedding_row: int) -> "RequestLimits":
         budget = cfg.encoder_output_budget_bytes or _DEFAULT_OUTPUT_ROWS * bytes_per_embedding_row
-        return cls(cfg.max_model_len, cfg.max_items_per_request, budget, bytes_per_embedding_row)
+        return cls(cfg.max_model_len, cfg.max_items_per_request, budget, bytes_per_embedding_row,
+                   cfg.encoder_max_item_tokens)
 
     def check_num_items(self, num_items: int) -> None:
         if num_items > self.max_items_per_request:
             raise RouterError(400, f"request has {num_items} images; the limit is {self.max_items_per_request} "
                                    f"per request (max_items_per_request)", param="messages")
+
+    def check_item_tokens(self, encoder_tokens: list[int]) -> None:
+        limit = self.encoder_max_item_tokens
+        for index, tokens in enumerate(encoder_tokens):
+            if limit is not None and tokens > limit:
+                raise RouterError(400, f"image {index} needs {tokens} encoder tokens; the limit per image is "
+                                       f"{limit} (encoder_max_item_tokens); send a smaller image", param="messages")
 
     def check_prompt(self, num_prompt_tokens: int, num_embedding_rows: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens

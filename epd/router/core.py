@@ -89,6 +89,7 @@ class Router:
     async def _run(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         start = time.monotonic()
         prompt = await asyncio.to_thread(self._preprocess, request)
+        self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
         self.limits.check_prompt(len(prompt.prompt_token_ids), sum(i.num_rows for i in prompt.items),
                                  request.sampling)
         prefill, decode = self._pick("prefill", _prefix_key(prompt)), self._pick("decode", request.request_id)

@@ -8,6 +8,7 @@ import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
@@ -27,21 +28,48 @@ def bind_server(config: WorkerConfig) -> tuple[grpc.Server, str]:
     return server, f"{config.host}:{port}"
 
 
-def run_until_signalled(tier: str, address: str, server: grpc.Server, on_stop: Callable[[], None],
-                        metrics=None, config: WorkerConfig | None = None) -> None:
-    """Serve the tier's metrics, print the ready line, block until SIGTERM/SIGINT, then stop the
-    server and the tier."""
+@dataclass
+class RunningTier:
+    """A started tier in this process: its gRPC server, address and metrics endpoint."""
+
+    tier: str
+    server: grpc.Server
+    address: str
+    on_stop: Callable[[], None]
+    metrics_url: str = ""
+
+    def stop(self) -> None:
+        logging.getLogger(self.tier).info("stopping %s at %s", self.tier, self.address)
+        self.server.stop(grace=2).wait(5)
+        self.on_stop()
+
+
+def start_tier(tier: str, config: WorkerConfig, server: grpc.Server, address: str, on_stop: Callable[[], None],
+               metrics=None) -> RunningTier:
+    """Start the (bound, servicers added) server and the metrics endpoint."""
+    server.start()
+    url = ""
+    if metrics is not None:
+        url = f"http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
+    return RunningTier(tier, server, address, on_stop, url)
+
+
+def run_until_signalled(running: RunningTier) -> None:
+    """Print the ready line, block until SIGTERM/SIGINT, then stop the tier."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    extra = ""
-    if metrics is not None and config is not None:
-        extra = f" metrics=http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
-    print(f"{READY_PREFIX} {tier} {address}{extra}", flush=True)
+    extra = f" metrics={running.metrics_url}" if running.metrics_url else ""
+    print(f"{READY_PREFIX} {running.tier} {running.address}{extra}", flush=True)
     stop.wait()
-    logging.getLogger(tier).info("stopping %s at %s", tier, address)
-    server.stop(grace=2).wait(5)
-    on_stop()
+    running.stop()
+
+
+def run_tier_main(tier: str, start: Callable[[WorkerConfig], RunningTier], argv: list[str] | None) -> None:
+    """``epd <tier>``: parse the worker config, start the tier, serve until signalled."""
+    from epd.tier_cli import worker_config_from_args
+    configure_logging()
+    run_until_signalled(start(worker_config_from_args(tier, argv)))
 
 
 def configure_logging() -> None:

@@ -12,7 +12,7 @@ from epd.config import WorkerConfig
 from epd.decode.worker import DecodeError, DecodeWorker
 from epd.protocol import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
 from epd.tier_metrics import TierMetrics
-from epd.serving import bind_server, configure_logging, run_until_signalled
+from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
 from epd.transport import get_channel, import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
@@ -87,18 +87,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                          kv_usage=self.worker.engine.block_manager.usage)
 
 
-def main(argv: list[str] | None = None) -> None:
+def start(config: WorkerConfig) -> RunningTier:
     from epd.models.presets import resolve_model
-    from epd.tier_cli import worker_config_from_args
-    configure_logging()
-    config = worker_config_from_args("decode", argv)
     worker = DecodeWorker(resolve_model(config.model), config.engine)
     server, address = bind_server(config)
     metrics = TierMetrics("decode")
     metrics.watch_engine(worker.engine)
     decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, config, metrics), server)
-    server.start()
-    run_until_signalled("decode", address, server, worker.close, metrics, config)
+    return start_tier("decode", config, server, address, worker.close, metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_tier_main("decode", start, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.multimodal.hashing import hash_processor_kwargs
 from epd.tier_metrics import TierMetrics
-from epd.serving import bind_server, configure_logging, run_until_signalled
+from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
 from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, get_channel
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -87,12 +87,9 @@ def _item(msg: common_pb2.MultimodalItem) -> EncoderItem:
                        expected_rows=msg.expected_rows, encoder_tokens=msg.encoder_tokens)
 
 
-def main(argv: list[str] | None = None) -> None:
+def start(config: WorkerConfig) -> RunningTier:
     from epd.models.presets import resolve_model
-    from epd.tier_cli import worker_config_from_args
-    configure_logging()
-    config = worker_config_from_args("encoder", argv)
-    cleanup_stale_segments()
+    cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
     engine = EncoderEngine.from_model_dir(resolve_model(config.model), from_dict(EncoderConfig, config.encoder))
     server, address = bind_server(config)
     store = TensorStore(address=address)
@@ -102,8 +99,11 @@ def main(argv: list[str] | None = None) -> None:
     metrics.watch_store(store)
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, store, config, metrics), server)
     add_tensor_store(server, store)
-    server.start()
-    run_until_signalled("encoder", address, server, lambda: (engine.close(), store.close()), metrics, config)
+    return start_tier("encoder", config, server, address, lambda: (engine.close(), store.close()), metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_tier_main("encoder", start, argv)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from epd.config import WorkerConfig
 from epd.prefill.worker import PrefillError, PrefillWorker
 from epd.protocol import logprobs_to_proto
 from epd.tier_metrics import TierMetrics
-from epd.serving import bind_server, configure_logging, run_until_signalled
+from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
 from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -74,15 +74,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                          kv_usage=self.worker.engine.block_manager.usage)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from epd.tier_cli import worker_config_from_args
-    configure_logging()
-    config = worker_config_from_args("prefill", argv)
-    cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
+def start(config: WorkerConfig) -> RunningTier:
     from epd.models.presets import resolve_model
+    cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
     worker = PrefillWorker(resolve_model(config.model), config.engine,
                            overlap_with_encode=config.overlap_prefill_with_encode)
-
     server, address = bind_server(config)
     store = TensorStore(address=address)
     store.start_sweeper()
@@ -91,8 +87,11 @@ def main(argv: list[str] | None = None) -> None:
     metrics.watch_store(store)
     prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, store, config, metrics), server)
     add_tensor_store(server, store)
-    server.start()
-    run_until_signalled("prefill", address, server, lambda: (worker.close(), store.close()), metrics, config)
+    return start_tier("prefill", config, server, address, lambda: (worker.close(), store.close()), metrics)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_tier_main("prefill", start, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-local-media-path", help="allow file:// images from under this directory")
     p.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for everything to be healthy")
+    p.add_argument("--launcher", choices=("local", "ray"), default="local",
+                   help="local: child processes on this machine; ray: Ray actors (see deploy/ray/)")
+    p.add_argument("--ray-address", help="an existing Ray cluster ('auto'); default: start a local one")
+    p.add_argument("--ray-config", help="RayDeployment YAML (deploy/ray/cluster.yaml); CLI counts override it")
     return p.parse_args(argv)
 
 
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    if args.launcher == "ray":
+        serve_on_ray(args, stop)
+        return
     cluster = LocalCluster(args.model, num_encoders=args.encoders, num_prefills=args.prefills,
                            num_decodes=args.decodes, transport=args.transport)
     try:
@@ -83,3 +90,31 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def serve_on_ray(args: argparse.Namespace, stop: threading.Event) -> None:
+    import ray
+
+    from epd.config import load_yaml
+    from epd.deploy.ray_cluster import RayDeployment, RayEPDCluster
+
+    data = load_yaml(args.ray_config) if args.ray_config else {}
+    data.update(model=args.model, http_port=args.port, grpc_port=args.grpc_port, transport=args.transport)
+    data.setdefault("host", "127.0.0.1" if args.ray_address is None else "node")
+    tiers = data.setdefault("tiers", {})
+    for tier, count in (("encoder", args.encoders), ("prefill", args.prefills), ("decode", args.decodes)):
+        tiers.setdefault(tier, {})["replicas"] = count
+    deployment = RayDeployment.from_dict(data)
+    ray.init(address=args.ray_address, include_dashboard=False,
+             **({} if args.ray_address else {"_node_ip_address": "127.0.0.1"}))
+    cluster = RayEPDCluster(deployment)
+    try:
+        cluster.start(timeout_s=args.timeout_s)
+        cluster.wait_healthy(args.timeout_s)
+        print(f"epd serve (ray): ready\n  OpenAI API  {cluster.http_url}/v1\n  gRPC API    {cluster.grpc_address}\n"
+              f"(Ctrl-C stops everything)", flush=True)
+        stop.wait()
+    finally:
+        print("epd serve (ray): stopping ...", flush=True)
+        cluster.stop()
+        ray.shutdown()

@@ -45,7 +45,30 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return from_dict(RouterConfig, data)
 
 
-async def serve(args: argparse.Namespace) -> None:
+def add_admin_routes(app, router: Router) -> None:
+    """Scale a tier at run time: launchers (Ray, scripts) register new workers and drain old ones."""
+    from fastapi import Body
+    from fastapi.responses import JSONResponse
+
+    @app.post("/admin/workers")
+    async def add_worker(body: dict = Body(...)):
+        try:
+            worker = await router.workers.add(body["tier"], body["address"])
+        except (KeyError, ValueError) as err:
+            return JSONResponse({"error": f"expected {{tier, address}}: {err}"}, status_code=400)
+        return worker.as_dict()
+
+    @app.delete("/admin/workers")
+    async def remove_worker(body: dict = Body(...)):
+        try:
+            drained = await router.workers.remove(body["tier"], body["address"],
+                                                  float(body.get("drain_timeout_s", 60)))
+        except (KeyError, StopIteration, ValueError) as err:
+            return JSONResponse({"error": f"no such worker: {err}"}, status_code=404)
+        return {"removed": body["address"], "drained": drained}
+
+
+async def serve(args: argparse.Namespace, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
     from epd.models.presets import resolve_model
     from epd.router.grpc_api import add_router_grpc
     from epd.router.http_app import build_app
@@ -61,17 +84,23 @@ async def serve(args: argparse.Namespace) -> None:
     app = build_app(router, allowed_local_media_path=args.allowed_local_media_path,
                     allow_private_network=args.allow_private_network, tokenizer=router.tokenizer,
                     fetch_limits=FetchLimits(max_items=config.max_items_per_request))
+    add_admin_routes(app, router)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    if on_server is not None:
+        on_server(server)
+    if handle_signals:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
         http_port = server.servers[0].sockets[0].getsockname()[1]
         print(f"{READY_PREFIX} router http://{args.host}:{http_port} grpc={args.host}:{grpc_port}", flush=True)
+        if on_ready is not None:
+            on_ready(f"http://{args.host}:{http_port}", f"{args.host}:{grpc_port}")
     await serving
     await grpc_server.stop(grace=2)
     await router.close()

@@ -26,6 +26,7 @@ class WorkerState:
     address: str
     channel: grpc.aio.Channel
     healthy: bool = False
+    draining: bool = False  # being removed: no new requests, in-flight ones finish
     consecutive_failures: int = 0
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
@@ -40,16 +41,17 @@ class WorkerState:
 
     def as_dict(self) -> dict:
         h = self.last_health
-        return {"address": self.address, "healthy": self.healthy, "in_flight": self.in_flight,
+        return {"address": self.address, "healthy": self.healthy, "draining": self.draining,
+                "in_flight": self.in_flight,
                 "running": h.num_running, "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4)}
 
 
 class WorkerRegistry:
     def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
                  health_timeout_s: float = 2.0, unhealthy_after: int = 2) -> None:
-        options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        self.workers = {tier: [WorkerState(tier, a, grpc.aio.insecure_channel(a, options=options)) for a in addrs]
-                        for tier, addrs in workers.items()}
+        self._options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        self.workers = {tier: [WorkerState(tier, a, grpc.aio.insecure_channel(a, options=self._options))
+                               for a in addrs] for tier, addrs in workers.items()}
         self.health_period_s, self.health_timeout_s = health_period_s, health_timeout_s
         self.unhealthy_after = unhealthy_after
         self._task: asyncio.Task | None = None
@@ -66,7 +68,32 @@ class WorkerRegistry:
                 await w.channel.close()
 
     def candidates(self, tier: str) -> list[Candidate]:
-        return [Candidate(w.address, w.load) for w in self.workers.get(tier, []) if w.healthy]
+        return [Candidate(w.address, w.load) for w in self.workers.get(tier, []) if w.healthy and not w.draining]
+
+    async def add(self, tier: str, address: str) -> WorkerState:
+        """Register a new worker (scale-up); it enters rotation once a health check passes."""
+        if tier not in _STUBS:
+            raise ValueError(f"unknown tier {tier!r}; expected one of {sorted(_STUBS)}")
+        existing = [w for w in self.workers.setdefault(tier, []) if w.address == address]
+        if existing:
+            existing[0].draining = False
+            return existing[0]
+        w = WorkerState(tier, address, grpc.aio.insecure_channel(address, options=self._options))
+        self.workers[tier].append(w)
+        await self._check(w)
+        return w
+
+    async def remove(self, tier: str, address: str, drain_timeout_s: float = 60.0) -> bool:
+        """Scale-down: stop routing to the worker, wait for its in-flight requests, forget it.
+        Returns whether it drained within the timeout (it is removed either way)."""
+        w = self.get(tier, address)
+        w.draining = True
+        deadline = asyncio.get_running_loop().time() + drain_timeout_s
+        while w.in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self.workers[tier].remove(w)
+        await w.channel.close()
+        return w.in_flight == 0
 
     def get(self, tier: str, address: str) -> WorkerState:
         return next(w for w in self.workers[tier] if w.address == address)

@@ -1,0 +1,227 @@
+"""EPD on Ray: each tier worker and the router are Ray actors. Ray places them (per-tier CPUs,
+GPUs, custom resources), restarts them when they die (``max_restarts``) and scales a tier at run
+time; the workers still talk gRPC and move tensors as handles.
+
+A worker keeps its port across restarts (ports are assigned once, by the launcher), so the
+router's address list stays valid: a dead worker drops out of rotation at the next health check
+and returns when Ray has restarted it.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import ray
+
+from epd.config import EngineConfig, WorkerConfig, from_dict
+
+TIERS = ("encoder", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict = field(default_factory=dict)  # custom resources, e.g. {"encoder_host": 1}
+    max_restarts: int = 3
+    config: dict = field(default_factory=dict)  # WorkerConfig fields (engine: {...}, encoder: {...})
+
+
+@dataclass(frozen=True)
+class RayDeployment:
+    model: str = "tiny-qwen2-vl"
+    host: str = "127.0.0.1"  # the address workers bind and advertise ("node": the Ray node's IP)
+    http_port: int = 8000
+    grpc_port: int = 50051
+    transport: str = ""
+    colocate_prefill_decode: bool = False  # STRICT_PACK placement: a CUDA-IPC / shm pair on one node
+    tiers: dict = field(default_factory=lambda: {t: TierSpec() for t in TIERS})
+    router: dict = field(default_factory=dict)  # RouterConfig fields
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RayDeployment":
+        data = dict(data)
+        tiers = {t: from_dict(TierSpec, (data.pop("tiers", {}) or {}).get(t)) for t in TIERS}
+        return cls(**data, tiers=tiers)
+
+
+@ray.remote
+class TierActor:
+    """One encoder/prefill/decode worker, serving gRPC from inside the actor process."""
+
+    def __init__(self, tier: str, config: dict) -> None:
+        import importlib
+        module = importlib.import_module(f"epd.{tier}.server")
+        self.running = module.start(from_dict(WorkerConfig, config))
+
+    def address(self) -> str:
+        return self.running.address
+
+    def metrics_url(self) -> str:
+        return self.running.metrics_url
+
+    def stop(self) -> None:
+        self.running.stop()
+
+
+@ray.remote
+class RouterActor:
+    """The router (HTTP + public gRPC) on its own event loop thread inside the actor."""
+
+    def __init__(self, argv: list[str], router_config: dict | None = None) -> None:
+        from epd.router.server import parse_args, serve
+        if router_config:
+            import tempfile
+
+            import yaml
+            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+                yaml.safe_dump(router_config, f)
+            argv = [*argv, "--config", f.name]
+        self._urls: tuple[str, str] | None = None
+        self._server = None
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.run(serve(parse_args(argv), handle_signals=False,
+                              on_ready=lambda h, g: (setattr(self, "_urls", (h, g)), ready.set()),
+                              on_server=lambda s: setattr(self, "_server", s)))
+            ready.set()
+
+        threading.Thread(target=run, name="router", daemon=True).start()
+        if not ready.wait(300) or self._urls is None:
+            raise RuntimeError("router did not start")
+
+    def urls(self) -> tuple[str, str]:
+        """(HTTP base URL, public gRPC address)"""
+        return self._urls
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+
+class RayEPDCluster:
+    def __init__(self, deployment: RayDeployment) -> None:
+        self.d = deployment
+        self.actors: dict[str, list] = {t: [] for t in TIERS}
+        self.addresses: dict[str, list[str]] = {t: [] for t in TIERS}
+        self.router = None
+        self.http_url = self.grpc_address = None
+        self._group = None  # placement group that packs prefill and decode workers on one node
+        self._group_next = 0
+
+    def start(self, timeout_s: float = 300.0) -> "RayEPDCluster":
+        if self.d.colocate_prefill_decode:
+            self._make_colocation_group(timeout_s)
+        for tier in TIERS:
+            for _ in range(self.d.tiers[tier].replicas):
+                self._add_worker(tier)
+        self._wait_workers(timeout_s)
+        self._start_router(timeout_s)
+        return self
+
+    def _make_colocation_group(self, timeout_s: float) -> None:
+        """STRICT_PACK: every prefill and decode bundle on one node, so KV can move by CUDA IPC/shm."""
+        from ray.util.placement_group import placement_group
+        bundles = []
+        for tier in ("prefill", "decode"):
+            spec = self.d.tiers[tier]
+            bundle = {"CPU": spec.num_cpus, **({"GPU": spec.num_gpus} if spec.num_gpus else {}), **spec.resources}
+            bundles += [bundle] * spec.replicas
+        self._group, self._group_size = placement_group(bundles, strategy="STRICT_PACK"), len(bundles)
+        ray.get(self._group.ready(), timeout=timeout_s)
+
+    def _host(self) -> str:
+        return ray.util.get_node_ip_address() if self.d.host == "node" else self.d.host
+
+    def _add_worker(self, tier: str):
+        spec = self.d.tiers[tier]
+        host = self._host()
+        config = {**spec.config, "model": self.d.model, "host": host, "port": _free_port(host),
+                  "transport": self.d.transport}
+        if "engine" in config:
+            config["engine"] = from_dict(EngineConfig, config["engine"])
+        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+                       max_restarts=spec.max_restarts, max_task_retries=spec.max_restarts)
+        if self._group is not None and tier in ("prefill", "decode") and self._group_next < self._group_size:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=self._group_next)
+            self._group_next += 1
+        actor = TierActor.options(**options).remote(tier, config)
+        self.actors[tier].append(actor)
+        self.addresses[tier].append(f"{host}:{config['port']}")
+        return actor
+
+    def _wait_workers(self, timeout_s: float) -> None:
+        refs = [a.address.remote() for tier in TIERS for a in self.actors[tier]]
+        ray.get(refs, timeout=timeout_s)
+
+    def _start_router(self, timeout_s: float) -> None:
+        argv = ["--model", self.d.model, "--host", self._host(), "--port", str(self.d.http_port),
+                "--grpc-port", str(self.d.grpc_port)]
+        for tier in TIERS:
+            argv += [f"--{tier}s", ",".join(self.addresses[tier])]
+        if self.d.transport:
+            argv += ["--transport", self.d.transport]
+        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(argv, self.d.router)
+        self.http_url, self.grpc_address = ray.get(self.router.urls.remote(), timeout=timeout_s)
+
+    # ---- run-time scaling --------------------------------------------------------------------------
+    def scale(self, tier: str, replicas: int, timeout_s: float = 300.0) -> None:
+        """Add workers (they register with the router) or remove the newest (drained first)."""
+        while len(self.actors[tier]) < replicas:
+            actor = self._add_worker(tier)
+            ray.get(actor.address.remote(), timeout=timeout_s)
+            self._admin("POST", {"tier": tier, "address": self.addresses[tier][-1]})
+        while len(self.actors[tier]) > replicas:
+            address, actor = self.addresses[tier].pop(), self.actors[tier].pop()
+            self._admin("DELETE", {"tier": tier, "address": address, "drain_timeout_s": 60})
+            ray.kill(actor, no_restart=True)
+
+    def _admin(self, method: str, body: dict) -> dict:
+        req = urllib.request.Request(f"{self.http_url}/admin/workers", data=json.dumps(body).encode(),
+                                     method=method, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    def health(self) -> dict:
+        with urllib.request.urlopen(f"{self.http_url}/health", timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                health = self.health()
+                if health["status"] == "ok" and all(w["healthy"] for ws in health["workers"].values() for w in ws):
+                    return health
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"cluster not healthy within {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        for actor in ([self.router] if self.router else []) + [a for t in TIERS for a in self.actors[t]]:
+            try:
+                ray.get(actor.stop.remote(), timeout=15)
+            except Exception:  # noqa: BLE001 - already dead: kill below anyway
+                pass
+            ray.kill(actor, no_restart=True)
+        self.actors = {t: [] for t in TIERS}
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+            remove_placement_group(self._group)
+            self._group = None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

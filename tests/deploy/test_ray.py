@@ -1,0 +1,68 @@
+"""EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end): a multimodal
+request through the HTTP API; a killed worker actor is restarted by Ray and serves again; a tier
+scales up (new worker registers with the router) and down (drained first)."""
+from __future__ import annotations
+
+import base64
+
+import pytest
+
+from tests.conftest import make_image_bytes
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from epd.deploy.ray_cluster import RayDeployment, RayEPDCluster, TierSpec
+
+    ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+    spec = TierSpec(replicas=1, num_cpus=1, max_restarts=2)
+    deployment = RayDeployment(model="tiny-qwen2-vl", http_port=0, grpc_port=0,
+                               tiers={"encoder": spec, "prefill": spec, "decode": spec})
+    c = RayEPDCluster(deployment)
+    try:
+        c.start(timeout_s=300)
+        c.wait_healthy(120)
+        yield c
+    finally:
+        c.stop()
+        ray.shutdown()
+
+
+def ask(cluster, seed: int) -> str:
+    image = base64.b64encode(make_image_bytes(64, 48, seed=seed)).decode()
+    client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0, timeout=120)
+    out = client.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+        {"type": "text", "text": "What is it?"}]}])
+    assert out.choices[0].finish_reason in ("length", "stop")
+    return out.choices[0].message.content
+
+
+def test_multimodal_request_through_http(cluster):
+    ask(cluster, 1)
+
+
+def test_killed_encoder_actor_is_restarted_and_serves_again(cluster):
+    encoder = cluster.actors["encoder"][0]
+    ray.kill(encoder, no_restart=False)
+    # Ray restarts the actor (same port): its first method call returns once the server is back
+    assert ray.get(encoder.address.remote(), timeout=180) == cluster.addresses["encoder"][0]
+    health = cluster.wait_healthy(180)
+    assert health["workers"]["encoder"][0]["healthy"]
+    ask(cluster, 2)
+
+
+def test_scale_decode_up_and_down(cluster):
+    cluster.scale("decode", 2)
+    health = cluster.wait_healthy(180)
+    assert len(health["workers"]["decode"]) == 2
+    for seed in range(3, 6):
+        ask(cluster, seed)
+    cluster.scale("decode", 1)
+    assert len(cluster.health()["workers"]["decode"]) == 1
+    ask(cluster, 7)

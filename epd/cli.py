@@ -58,11 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _TIER_MAINS = {"encoder": "epd.encoder.server", "prefill": "epd.prefill.server", "decode": "epd.decode.server",
-               "router": "epd.router.server", "serve": "epd.serve"}
+               "router": "epd.router.server", "serve": "epd.serve", "bench": "epd.bench.cli"}
 _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + decode processes on loopback",
                  "router": "run the router (OpenAI HTTP + public gRPC) over running workers",
                  "encoder": "run one encoder worker", "prefill": "run one prefill worker",
-                 "decode": "run one decode worker"}
+                 "decode": "run one decode worker",
+                 "bench": "load generator against a running server: latency percentiles, goodput, plots"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,8 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in _TIER_MAINS:
         # one tier process: its own parser (epd/tier_cli.py), started by launchers, Kubernetes, Ray
         import importlib
-        importlib.import_module(_TIER_MAINS[argv[0]]).main(argv[1:])
-        return 0
+        return importlib.import_module(_TIER_MAINS[argv[0]]).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

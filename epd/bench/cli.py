@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--grace-s", type=float, default=10.0,
                    help="with --max-duration-s: cancel requests still running this long after it")
     r.add_argument("--scrape-interval-s", type=float, default=1.0, help="how often /metrics is sampled during a run")
+    r.add_argument("--settle-s", type=float, default=1.5,
+                   help="wait before the before/after /metrics scrapes: the router's cluster view (encoder "
+                        "items, worker queues) is refreshed by its health checks, about once a second")
     r.add_argument("--out", help="directory for records.jsonl, summary.json and PNG plots")
     r.add_argument("--no-plots", action="store_true", help="with --out: skip the PNG plots")
     r.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -80,6 +83,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[W
         parser.error("--max-concurrency must be >= 1")
     if args.max_duration_s is not None and args.max_duration_s <= 0:
         parser.error("--max-duration-s must be > 0")
+    if args.settle_s < 0:
+        parser.error("--settle-s must be >= 0")
     if args.grace_s < 0 or args.scrape_interval_s <= 0 or args.request_timeout_s <= 0:
         parser.error("--grace-s must be >= 0, --scrape-interval-s and --request-timeout-s > 0")
     if args.seed < 0:
@@ -158,6 +163,7 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
             sampler = MetricsSampler(urls, interval_s=args.scrape_interval_s) if urls else None
             result = await run_once(driver, requests, rate=rate, max_concurrency=args.max_concurrency,
                                     max_duration_s=args.max_duration_s, grace_s=args.grace_s, sampler=sampler,
+                                    settle_s=args.settle_s,
                                     progress=not args.no_progress, label=f"rate {rate_label(rate)} ")
             client = summarize(result.records, result.duration_s, slo_ttft_ms=args.slo_ttft_ms,
                                slo_tpot_ms=args.slo_tpot_ms, num_not_sent=result.num_not_sent)

@@ -201,12 +201,13 @@ def write_plots(out_dir: Path, runs: Sequence[dict], records_by_run: Sequence[Se
                 ax2.plot(xs, [run["client"]["goodput"] for run in finite], "^--", color="green",
                          label="goodput (req/s)")
             ax2.set_ylabel("req/s")
+            ax2.set_ylim(bottom=0)
             ax.set_xlabel("offered request rate (req/s)")
             ax.set_title("SLO attainment vs request rate")
             ax.grid(alpha=0.3)
             h1, l1 = ax.get_legend_handles_labels()
             h2, l2 = ax2.get_legend_handles_labels()
-            ax.legend(h1 + h2, l1 + l2, loc="lower left", fontsize="small")
+            ax.legend(h1 + h2, l1 + l2, loc="best", fontsize="small")
             fig.tight_layout()
             path = out_dir / "slo_attainment_vs_rate.png"
             fig.savefig(path, dpi=100)

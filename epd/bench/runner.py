@@ -80,12 +80,16 @@ class Progress:
 
 async def run_once(driver, requests: list[RequestSpec], *, rate: float, max_concurrency: int | None = None,
                    max_duration_s: float | None = None, grace_s: float = 10.0, sampler: MetricsSampler | None = None,
-                   progress: bool = True, label: str = "") -> RunResult:
-    """Send ``requests`` through ``driver`` (``await driver.send(spec, record, run_t0)``)."""
+                   settle_s: float = 0.0, progress: bool = True, label: str = "") -> RunResult:
+    """Send ``requests`` through ``driver`` (``await driver.send(spec, record, run_t0)``).
+    ``settle_s``: wait this long before each of the before / after scrapes, so gauges the router
+    refreshes from its periodic health checks (the cluster view) include earlier work."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = Progress(len(requests), label, enabled=progress)
     records: list[RequestRecord] = []
     tasks: list[asyncio.Task] = []
+    if sampler and settle_s > 0:
+        await asyncio.sleep(settle_s)
     metrics_before = await sampler.scrape() if sampler else None
     sampling_task = asyncio.create_task(sampler.run()) if sampler else None
 
@@ -147,6 +151,8 @@ async def run_once(driver, requests: list[RequestSpec], *, rate: float, max_conc
         if record.status == "pending":
             record.status = "cancelled" if record.start_s is not None else "not_started"
             record.error = record.error or "cancelled at the run's deadline"
+    if sampler and settle_s > 0:
+        await asyncio.sleep(settle_s)
     metrics_after = await sampler.scrape() if sampler else None
     duration = max(last_end[0] - t0, 1e-9)
     return RunResult(rate=rate, records=records, duration_s=duration, num_not_sent=num_not_sent,

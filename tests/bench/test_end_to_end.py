@@ -1,0 +1,136 @@
+"""``epd bench`` end to end against a fake router on 127.0.0.1 (the real HTTP app and gRPC service
+over a core with fixed delays): the numbers it reports match the delays, --out writes its files,
+the gRPC backend works, and --max-duration-s stops the run on time."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from epd.bench.cli import main
+from tests.bench.fake_server import DelayCore, serve_fake
+
+FIRST_DELAY_S, ITL_S = 0.05, 0.005
+
+
+@pytest.fixture(scope="module")
+def fake():
+    core = DelayCore(first_delay_s=FIRST_DELAY_S, itl_s=ITL_S)
+    with serve_fake(core) as (url, address):
+        yield core, url, address
+
+
+def _summary(out_dir):
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+def test_openai_backend_numbers_and_files(fake, tmp_path, capsys):
+    core, url, _ = fake
+    out = tmp_path / "out"
+    before_images, before_requests = len(core.images_seen), len(core.requests)
+    rc = main(["--base-url", url + "/v1", "--num-prompts", "16", "--request-rate", "inf", "--max-concurrency", "2",
+               "--output-len", "8", "--input-len", "20", "--image-size", "64x64:1,96x64:1", "--repeat-ratio", "0.5",
+               "--slo-ttft-ms", "5000", "--slo-tpot-ms", "1000", "--seed", "3", "--out", str(out),
+               "--scrape-interval-s", "0.2", "--settle-s", "0"])
+    assert rc == 0
+    printed = capsys.readouterr()
+    assert "Time to First Token" in printed.out and "Encoder cache hit rate" in printed.out
+    assert "16/16 done" in printed.err  # the progress line
+
+    # every request asked for exactly O tokens with EOS ignored, and got them
+    sent = core.requests[before_requests:]
+    assert len(sent) == 17  # one warm-up + 16
+    assert all(r.sampling.max_tokens == 8 and r.sampling.ignore_eos for r in sent[1:])
+    run = _summary(out)["runs"][0]
+    c, s = run["client"], run["server"]
+    assert (c["completed"], c["failed"], c["total_output_tokens"]) == (16, 0, 16 * 8)
+    # TTFT is the fake's first-token delay plus local overhead; TPOT its token gap
+    assert FIRST_DELAY_S * 1000 <= c["ttft_ms"]["p50"] <= FIRST_DELAY_S * 1000 + 80
+    assert ITL_S * 1000 <= c["tpot_ms"]["p50"] <= ITL_S * 1000 + 20
+    assert c["itl_ms"]["count"] == 16 * 7
+    assert c["e2e_ms"]["mean"] >= c["ttft_ms"]["mean"] + 7 * ITL_S * 1000 * 0.9
+    assert c["goodput"] == pytest.approx(c["request_throughput"]) and c["slo_attainment_pct"] == 100.0
+    assert c["output_throughput"] == pytest.approx(c["total_output_tokens"] / c["duration_s"])
+    assert c["total_prompt_tokens"] == 16 * core.prompt_len and c["total_cached_tokens"] == 16 * 4
+    # the encoder-cache hit rate from /metrics equals the share of repeated images sent
+    new_images = len(core.images_seen) - before_images - 1  # the warm-up's image is not in the run
+    assert s["encoder_encoded_items"] == new_images
+    assert s["encoder_cache_hit_rate"] == pytest.approx(c["repeated_images_sent"] / c["images_sent"])
+    assert c["repeated_images_sent"] > 0
+    assert s["requests_by_outcome"] == {"ok": 16.0}
+    assert FIRST_DELAY_S * 1000 <= s["server_ttft_mean_ms"] <= c["ttft_ms"]["mean"] + 1
+    assert s["queues"]["decode_queue"]["max"] is not None  # sampled during the run
+
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 16 and all(r["status"] == "ok" and r["output_tokens"] == 8 for r in records)
+    for name in ("ttft_cdf.png", "tpot_cdf.png", "latency_over_time.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+def test_rate_sweep_writes_attainment_plot(fake, tmp_path, capsys):
+    _, url, _ = fake
+    out = tmp_path / "sweep"
+    rc = main(["--base-url", url, "--num-prompts", "6", "--request-rate", "20,40", "--burstiness", "2",
+               "--output-len", "4", "--images-per-request", "0", "--slo-ttft-ms", "5000", "--out", str(out),
+               "--no-progress", "--warmup-requests", "0", "--settle-s", "0"])
+    assert rc == 0
+    runs = _summary(out)["runs"]
+    assert [r["rate"] for r in runs] == [20.0, 40.0]
+    assert all(r["client"]["completed"] == 6 for r in runs)
+    assert "goodput" in capsys.readouterr().out  # the sweep table
+    data = (out / "slo_attainment_vs_rate.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 1000
+
+
+def test_grpc_backend(fake, tmp_path):
+    core, url, address = fake
+    out = tmp_path / "grpc"
+    before = len(core.requests)
+    rc = main(["--backend", "grpc", "--grpc-address", address, "--base-url", url, "--num-prompts", "6",
+               "--output-len", "5", "--image-size", "32x32", "--out", str(out), "--no-plots", "--no-progress"])
+    assert rc == 0
+    assert all(r.sampling.ignore_eos and r.sampling.max_tokens == 5 for r in core.requests[before + 1:])
+    c = _summary(out)["runs"][0]["client"]
+    assert (c["completed"], c["total_output_tokens"]) == (6, 30)
+    assert FIRST_DELAY_S * 1000 <= c["ttft_ms"]["p50"] <= FIRST_DELAY_S * 1000 + 80
+    assert c["total_prompt_tokens"] == 6 * core.prompt_len
+    assert not list(out.glob("*.png"))
+
+
+def test_failures_are_counted_not_fatal(tmp_path):
+    core = DelayCore(first_delay_s=0.01, itl_s=0.001, fail_every=3)
+    with serve_fake(core) as (url, _):
+        out = tmp_path / "fail"
+        rc = main(["--base-url", url, "--num-prompts", "9", "--output-len", "3", "--images-per-request", "0",
+                   "--warmup-requests", "0", "--max-concurrency", "1", "--out", str(out), "--no-plots",
+                   "--no-progress", "--slo-ttft-ms", "10000", "--settle-s", "0"])
+    assert rc == 0
+    c = _summary(out)["runs"][0]["client"]
+    assert (c["completed"], c["failed"]) == (6, 3)
+    assert c["slo_attainment_pct"] == pytest.approx(100 * 6 / 9)
+    assert list(c["errors"]) == ["HTTP 429: saturated (fake)"]
+
+
+def test_max_duration_stops_issuing_and_cancels_at_the_grace_deadline(tmp_path):
+    core = DelayCore(first_delay_s=0.01, itl_s=0.2)  # 50 tokens: 10 s per request
+    with serve_fake(core) as (url, _):
+        out = tmp_path / "deadline"
+        t0 = time.monotonic()
+        rc = main(["--base-url", url, "--num-prompts", "100", "--request-rate", "10", "--output-len", "50",
+                   "--images-per-request", "0", "--max-duration-s", "0.5", "--grace-s", "0.3",
+                   "--warmup-requests", "0", "--out", str(out), "--no-plots", "--no-progress", "--settle-s", "0"])
+        elapsed = time.monotonic() - t0
+        deadline = time.monotonic() + 5
+        while core.active and time.monotonic() < deadline:  # the server saw the clients go
+            time.sleep(0.05)
+        assert core.active == 0
+    assert rc == 1  # nothing completed
+    assert elapsed < 4
+    c = _summary(out)["runs"][0]["client"]
+    assert c["completed"] == 0 and c["cancelled"] == c["num_requests"] >= 1
+    assert c["not_sent"] == 100 - c["num_requests"] and c["not_sent"] > 80
+    assert 0.7 <= c["duration_s"] <= 1.5
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert all(r["status"] == "cancelled" and r["ttft_s"] is not None for r in records)

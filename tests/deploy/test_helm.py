@@ -1,0 +1,417 @@
+"""The Helm chart (deploy/helm/epd): strict lint, offline render for default and non-default values,
+every manifest valid against a recent Kubernetes API in strict mode, the values schema rejecting bad
+values, and the rendered process configs accepted by EPD's own config code.
+
+Rendering and lint run offline through helm-python-sdk (Helm's Go SDK over a C ABI, no helm binary
+and no cluster); manifests are checked with kubernetes-validate's bundled JSON schemas.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the test extra)")
+kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the test extra)")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "epd"
+KUBE_VERSION = kv.latest_version()  # the newest API the installed kubernetes-validate knows
+RELEASE, NAMESPACE = "epd", "serving"
+TIERS = ("encoder", "prefill", "decode")
+
+
+def _file_values(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "helm" / name).read_text())
+
+
+CASES: dict[str, dict] = {
+    "default": {},
+    "gpu": _file_values("values-gpu.yaml"),
+    "cpu": _file_values("values-cpu.yaml"),
+    "servicemonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    "hpa": {tier: {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
+                                   "targetMemoryUtilizationPercentage": 75}}
+            for tier in ("router", *TIERS)},
+    "pvc": {"model": {"source": "pvc", "path": "/models/qwen2-vl-2b", "pvc": {"claimName": "models",
+                                                                             "subPath": "Qwen2-VL-2B"}}},
+    "hostpath": {"model": {"source": "hostPath", "path": "/models/qwen2-vl-2b",
+                           "hostPath": {"path": "/data/Qwen2-VL-2B"}}},
+    "scaled": {"encoder": {"replicas": 3, "affinity": {"podAntiAffinity": {
+                   "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
+                       "topologyKey": "kubernetes.io/hostname",
+                       "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "encoder"}}}}]}}},
+               "prefill": {"replicas": 2}, "decode": {"replicas": 2},
+               "router": {"replicas": 2, "service": {"type": "NodePort", "nodePorts": {"http": 30800}},
+                          "config": {"max_concurrent_requests": 8, "queue_timeout_s": 2.5}},
+               "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+    "nccl": {"gpu": {"enabled": True}, "transport": "nccl", "decode": {"gpus": 2},
+             "encoder": {"config": {"encoder": {"device": "cuda:0", "cuda_graph_buckets": [[4096, 4]]}}}},
+}
+
+
+def render(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values=values, name=release, namespace=NAMESPACE, is_install=True)
+
+
+def manifests(rendered: dict[str, str]) -> list[dict]:
+    docs = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def by_kind(docs: list[dict], kind: str) -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: manifests(render(values)) for name, values in CASES.items()}
+
+
+# ---------------------------------------------------------------------------- lint and validation
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_chart_lints_strictly(case):
+    report = helm.lint(CHART, CASES[case], strict=True, namespace=NAMESPACE, kube_version=f"v{KUBE_VERSION}")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]  # 2 warning, 3 error
+    assert report["total_charts_linted"] == 1
+    assert not problems and not report["errors"], json.dumps(report, indent=1)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_manifest_validates_strictly(case, rendered):
+    docs = rendered[case]
+    assert docs
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":  # a CRD: no schema bundled; checked in its own test
+            continue
+        try:
+            kv.validate(doc, KUBE_VERSION, strict=True)
+        except kv.ValidationError as err:
+            pytest.fail(f"{case}: {doc['kind']}/{doc['metadata']['name']} at {list(err.path)}: {err.message}")
+        name = doc["metadata"]["name"]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) and len(name) <= 63, name
+        assert doc["metadata"].get("namespace", NAMESPACE) == NAMESPACE
+
+
+def test_default_render_has_every_object(rendered):
+    docs = rendered["default"]
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == ["ConfigMap", "Deployment", "Pod", "PodDisruptionBudget", "Service", "ServiceAccount",
+                     "StatefulSet"]
+    assert set(by_kind(docs, "StatefulSet")) == {f"epd-{t}" for t in TIERS}
+    assert set(by_kind(docs, "Deployment")) == {"epd-router"}
+    assert set(by_kind(docs, "Service")) == {"epd-router", *(f"epd-{t}-headless" for t in TIERS)}
+    assert set(by_kind(docs, "PodDisruptionBudget")) == {f"epd-{t}" for t in ("router", *TIERS)}
+    assert not by_kind(docs, "HorizontalPodAutoscaler") and not by_kind(docs, "ServiceMonitor")
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():  # one pod per tier must still drain
+        assert pdb["spec"] == {"maxUnavailable": 1, "selector": pdb["spec"]["selector"]}
+
+
+def test_long_release_name_keeps_names_within_limits():
+    docs = manifests(render({}, release="a" * 53))
+    for sts in by_kind(docs, "StatefulSet").values():
+        # the pods' controller-revision-hash label is "<statefulset>-<10 chars>"
+        assert len(sts["metadata"]["name"]) <= 52
+    for doc in docs:
+        assert len(doc["metadata"]["name"]) <= 63
+        kv.validate(doc, KUBE_VERSION, strict=True)
+
+
+# ---------------------------------------------------------------------------- schema rejections
+
+BAD_VALUES = {
+    "negative replicas": {"encoder": {"replicas": -1}},
+    "zero replicas": {"decode": {"replicas": 0}},
+    "unknown transport": {"transport": "carrier-pigeon"},
+    "missing model": {"model": None},
+    "missing model source": {"model": {"source": None}},
+    "unknown model source": {"model": {"source": "s3"}},
+    "unknown preset": {"model": {"preset": "gpt-5"}},
+    "pvc without claim": {"model": {"source": "pvc"}},
+    "hostPath without path": {"model": {"source": "hostPath"}},
+    "relative model path": {"model": {"source": "hostPath", "path": "models", "hostPath": {"path": "/data"}}},
+    "typo in engine config": {"prefill": {"config": {"engine": {"kv_cache_byte": 1}}}},
+    "chart-managed worker field": {"decode": {"config": {"port": 1234}}},
+    "bad dtype": {"gpu": {"dtype": "float8"}},
+    "unknown routing policy": {"router": {"config": {"encoder_policy": "random"}}},
+    "negative queue": {"router": {"config": {"max_queued_requests": -1}}},
+    "bad port": {"workerPorts": {"grpc": 70000}},
+    "unknown top-level key": {"replicas": 3},
+    "non-numeric gpus": {"gpu": {"count": "one"}},
+    "bad hpa bounds": {"encoder": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_schema_rejects_bad_values(case):
+    values = BAD_VALUES[case]
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmValuesError):
+            chart.validate_schema(values)
+    with pytest.raises(helm.HelmValuesError):
+        render(values)
+    report = helm.lint(CHART, values, strict=True)
+    assert report["errors"], f"lint accepted {case}: {values}"
+
+
+def test_cuda_transports_need_gpus():
+    with pytest.raises(helm.HelmError, match="gpu.enabled"):
+        render({"transport": "nccl"})
+    with pytest.raises(helm.HelmError, match="gpu.enabled"):
+        render({"transport": "cuda_ipc"})
+
+
+# ---------------------------------------------------------------------------- what the pods run
+
+def _container(doc: dict) -> dict:
+    (container,) = doc["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _arg(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def _config_files(docs: list[dict], tmp_path: Path) -> dict[str, Path]:
+    (cm,) = by_kind(docs, "ConfigMap").values()
+    files = {}
+    for key, text in cm["data"].items():
+        files[key] = tmp_path / key
+        files[key].write_text(text)
+    return files
+
+
+@pytest.mark.parametrize("case", ["default", "gpu", "cpu", "hpa", "pvc", "scaled", "nccl"])
+def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
+    """Each container's args + its ConfigMap file parse with EPD's own CLI/config code."""
+    from epd.config import from_dict
+    from epd.encoder.config import EncoderConfig
+    from epd.router.server import parse_args, router_config
+    from epd.tier_cli import worker_config_from_args
+
+    docs = rendered[case]
+    files = _config_files(docs, tmp_path)
+    values = CASES[case]
+    gpu = values.get("gpu", {}).get("enabled", False)
+
+    router = _container(by_kind(docs, "Deployment")["epd-router"])
+    assert router["args"][0] == "router"
+    args = [str(files["router.yaml"]) if a == "/etc/epd/router.yaml" else a for a in router["args"][1:]]
+    parsed = parse_args(args)
+    assert (parsed.host, parsed.port, parsed.grpc_port) == ("0.0.0.0", 8000, 50051)
+    rc = router_config(parsed)
+    assert rc.transport == values.get("transport", "inline")
+    for tier in TIERS:
+        auto = values.get(tier, {}).get("autoscaling", {})
+        slots = auto["maxReplicas"] if auto.get("enabled") else values.get(tier, {}).get("replicas", 1)
+        assert getattr(rc, f"{tier}s") == tuple(
+            f"epd-{tier}-{i}.epd-{tier}-headless.{NAMESPACE}.svc.cluster.local:50051" for i in range(slots))
+    for key, value in values.get("router", {}).get("config", {}).items():
+        assert getattr(rc, key) == value
+
+    for tier in TIERS:
+        sts = by_kind(docs, "StatefulSet")[f"epd-{tier}"]
+        assert sts["spec"]["serviceName"] == f"epd-{tier}-headless"
+        c = _container(sts)
+        assert c["args"][:3] == [tier, "--config", f"/etc/epd/{tier}.yaml"]
+        assert _arg(c["args"], "--host") == "$(POD_IP)"
+        assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+                   for e in c["env"])
+        argv = [str(files[f"{tier}.yaml"]) if a == f"/etc/epd/{tier}.yaml" else a for a in c["args"][1:]]
+        argv = ["10.1.2.3" if a == "$(POD_IP)" else a for a in argv]
+        wc = worker_config_from_args(tier, argv)
+        assert (wc.host, wc.port, wc.metrics_port) == ("10.1.2.3", 50051, 9090)
+        assert wc.model == rc.model
+        assert wc.transport == rc.transport
+        if tier == "encoder":
+            enc = from_dict(EncoderConfig, wc.encoder)
+            assert enc.device.startswith("cuda") == gpu
+        else:
+            assert not wc.encoder
+            assert (wc.engine.device == "cuda") == gpu
+            if gpu:
+                assert wc.engine.dtype == values["gpu"].get("dtype", "bfloat16")
+        limits = c["resources"].get("limits", {})
+        if gpu:
+            assert limits["nvidia.com/gpu"] == values.get(tier, {}).get("gpus", values["gpu"].get("count", 1))
+            tolerations = sts["spec"]["template"]["spec"]["tolerations"]
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+        else:
+            assert "nvidia.com/gpu" not in limits
+        if auto_on := values.get(tier, {}).get("autoscaling", {}).get("enabled"):
+            assert "replicas" not in sts["spec"], auto_on
+        else:
+            assert sts["spec"]["replicas"] == values.get(tier, {}).get("replicas", 1)
+    assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
+
+
+def test_probes_use_the_health_endpoints(rendered):
+    docs = rendered["default"]
+    router = _container(by_kind(docs, "Deployment")["epd-router"])
+    assert router["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert router["livenessProbe"]["httpGet"]["port"] == "http"
+    assert router["livenessProbe"]["httpGet"]["path"] != "/health"  # a worker outage must not kill the router
+    assert router["startupProbe"]["tcpSocket"] == {"port": "http"}
+    for tier in TIERS:
+        c = _container(by_kind(docs, "StatefulSet")[f"epd-{tier}"])
+        assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"}
+        assert c["startupProbe"]["tcpSocket"] == {"port": "grpc"}
+        assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports == {"grpc": 50051, "metrics": 9090}
+
+
+def test_headless_services_publish_every_worker(rendered):
+    for tier in TIERS:
+        svc = by_kind(rendered["default"], "Service")[f"epd-{tier}-headless"]
+        assert svc["spec"]["clusterIP"] == "None"
+        assert svc["spec"]["publishNotReadyAddresses"] is True
+        assert svc["spec"]["selector"]["app.kubernetes.io/component"] == tier
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+    router = by_kind(rendered["scaled"], "Service")["epd-router"]
+    assert router["spec"]["type"] == "NodePort"
+    assert {p["name"]: p.get("nodePort") for p in router["spec"]["ports"]} == {"http": 30800, "grpc": None}
+
+
+def test_pods_get_shm_cache_and_config_volumes(rendered):
+    docs = rendered["default"]
+    for doc in [*by_kind(docs, "StatefulSet").values(), *by_kind(docs, "Deployment").values()]:
+        spec = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert volumes["config"]["configMap"]["name"] == "epd-config"
+        mounts = {m["name"]: m["mountPath"] for m in _container(doc)["volumeMounts"]}
+        assert mounts["dshm"] == "/dev/shm" and mounts["config"] == "/etc/epd" and mounts["cache"] == "/var/cache/epd"
+        assert "model" not in volumes  # preset: nothing to mount
+        assert "checksum/config" in doc["spec"]["template"]["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize("case,kind", [("pvc", "persistentVolumeClaim"), ("hostpath", "hostPath")])
+def test_model_volume(case, kind, rendered):
+    model = CASES[case]["model"]
+    for doc in [*by_kind(rendered[case], "StatefulSet").values(), *by_kind(rendered[case], "Deployment").values()]:
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        assert list(volumes["model"]) == ["name", kind]
+        mount = next(m for m in _container(doc)["volumeMounts"] if m["name"] == "model")
+        assert mount["mountPath"] == model["path"] and mount["readOnly"] is True
+        if kind == "persistentVolumeClaim":
+            assert volumes["model"][kind] == {"claimName": "models", "readOnly": True}
+            assert mount["subPath"] == "Qwen2-VL-2B"
+        else:
+            assert volumes["model"][kind] == {"path": "/data/Qwen2-VL-2B", "type": "Directory"}
+
+
+def test_hpa_targets_each_tier(rendered):
+    hpas = by_kind(rendered["hpa"], "HorizontalPodAutoscaler")
+    assert set(hpas) == {f"epd-{t}" for t in ("router", *TIERS)}
+    for name, hpa in hpas.items():
+        kind = "Deployment" if name == "epd-router" else "StatefulSet"
+        assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": kind, "name": name}
+        assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (1, 3)
+        assert {m["resource"]["name"] for m in hpa["spec"]["metrics"]} == {"cpu", "memory"}
+    assert "replicas" not in by_kind(rendered["hpa"], "Deployment")["epd-router"]["spec"]
+
+
+def test_service_monitor_scrapes_router_and_workers(rendered):
+    (sm,) = by_kind(rendered["servicemonitor"], "ServiceMonitor").values()
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert set(sm["spec"]) == {"namespaceSelector", "selector", "endpoints"}
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    assert sm["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == RELEASE
+    ports = {e["port"]: e for e in sm["spec"]["endpoints"]}
+    assert set(ports) == {"http", "metrics"}
+    services = by_kind(rendered["servicemonitor"], "Service")
+    assert [p["name"] for p in services["epd-router"]["spec"]["ports"]].count("http") == 1
+    for e in ports.values():
+        assert set(e) <= {"port", "path", "scheme", "interval", "scrapeTimeout", "relabelings"}
+        assert e["path"] == "/metrics"
+        assert {r["targetLabel"] for r in e["relabelings"]} == {"epd_tier", "epd_release"}
+        for r in e["relabelings"]:
+            assert set(r) == {"sourceLabels", "targetLabel"}
+            assert all(s.startswith("__meta_kubernetes_service_label_") for s in r["sourceLabels"])
+    # its metadata is plain ObjectMeta: check it through a kind kubernetes-validate knows
+    kv.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": sm["metadata"]}, KUBE_VERSION, strict=True)
+
+
+def test_default_image_follows_the_chart_and_flavor(rendered):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["appVersion"] == project["version"]
+    cpu_image = _container(by_kind(rendered["default"], "Deployment")["epd-router"])["image"]
+    gpu_image = _container(by_kind(rendered["gpu"], "StatefulSet")["epd-decode"])["image"]
+    assert cpu_image == f"epd:{project['version']}-cpu"
+    assert gpu_image == f"epd:{project['version']}-cuda"
+    own = _container(by_kind(manifests(render({"image": {"repository": "r.example/epd", "tag": "dev"},
+                                                "encoder": {"image": {"tag": "enc"}}})),
+                               "StatefulSet")["epd-encoder"])
+    assert own["image"] == "r.example/epd:enc"
+
+
+def test_notes_warn_about_same_host_transports():
+    notes = render({"transport": "shm"})["epd/templates/NOTES.txt"]
+    assert "WARNING: transport=shm" in notes
+    assert "WARNING" not in render({})["epd/templates/NOTES.txt"]
+
+
+# ---------------------------------------------------------------------------- the schema follows the code
+
+def _schema() -> dict:
+    return json.loads((CHART / "values.schema.json").read_text())
+
+
+def test_schema_knows_every_config_field():
+    from epd.config import EngineConfig, RouterConfig, WorkerConfig
+    from epd.encoder.config import EncoderConfig
+
+    defs = _schema()["definitions"]
+
+    def fields(cls, minus=()):
+        return {f.name for f in dataclasses.fields(cls)} - set(minus)
+
+    assert set(defs["engineConfig"]["properties"]) == fields(EngineConfig)
+    assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
+    assert set(defs["workerConfig"]["properties"]) == fields(
+        WorkerConfig, minus=("model", "host", "port", "metrics_port", "transport"))
+    assert set(defs["routerConfig"]["properties"]) == fields(
+        RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes"))
+
+
+def test_schema_enums_follow_the_registries():
+    from epd.engine.attention import ATTENTION_BACKENDS
+    from epd.models.presets import PRESETS
+    from epd.router.routing import ROUTING_POLICIES
+    from epd.transport import TRANSPORTS
+
+    schema = _schema()
+    props, defs = schema["properties"], schema["definitions"]
+    assert sorted(props["transport"]["enum"]) == sorted(TRANSPORTS.names())
+    assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted(PRESETS)
+    assert sorted(defs["routerConfig"]["properties"]["encoder_policy"]["enum"]) == sorted(ROUTING_POLICIES.names())
+    assert sorted(defs["engineConfig"]["properties"]["attention_backend"]["enum"]) == sorted(ATTENTION_BACKENDS.names())
+
+
+def test_values_files_are_complete_and_valid():
+    """Every key the chart's values.yaml has is described by the schema (additionalProperties: false)."""
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    with helm.Chart.load(CHART) as chart:
+        assert chart.values == defaults
+        for name in ("values-gpu.yaml", "values-cpu.yaml"):
+            merged = chart.merge_values(_file_values(name))
+            chart.validate_schema(copy.deepcopy(merged))

@@ -4,6 +4,7 @@ scales up (new worker registers with the router) and down (drained first)."""
 from __future__ import annotations
 
 import base64
+import threading
 
 import pytest
 
@@ -21,7 +22,7 @@ def cluster(tmp_path_factory):
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
     spec = TierSpec(replicas=1, num_cpus=1, max_restarts=2)
-    deployment = RayDeployment(model="tiny-qwen2-vl", http_port=0, grpc_port=0,
+    deployment = RayDeployment(model="tiny-qwen2-vl", http_port=0, grpc_port=0, colocate_prefill_decode=True,
                                tiers={"encoder": spec, "prefill": spec, "decode": spec})
     c = RayEPDCluster(deployment)
     try:
@@ -63,6 +64,27 @@ def test_scale_decode_up_and_down(cluster):
     assert len(health["workers"]["decode"]) == 2
     for seed in range(3, 6):
         ask(cluster, seed)
+    # scale down while requests keep coming: the removed worker drains, nothing is dropped
+    errors: list[Exception] = []
+
+    def traffic():
+        for seed in range(10, 16):
+            try:
+                ask(cluster, seed)
+            except Exception as err:  # noqa: BLE001 - asserted below
+                errors.append(err)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
     cluster.scale("decode", 1)
+    worker.join(300)
+    assert not errors, errors
     assert len(cluster.health()["workers"]["decode"]) == 1
     ask(cluster, 7)
+
+
+def test_prefill_and_decode_were_packed_on_one_node(cluster):
+    from ray.util.placement_group import placement_group_table
+
+    table = placement_group_table(cluster._group)
+    assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"

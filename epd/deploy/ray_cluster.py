@@ -66,6 +66,10 @@ class TierActor:
     def metrics_url(self) -> str:
         return self.running.metrics_url
 
+    def pid(self) -> int:
+        import os
+        return os.getpid()
+
     def stop(self) -> None:
         self.running.stop()
 

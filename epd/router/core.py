@@ -32,6 +32,7 @@ from epd.v1 import common_pb2, decode_pb2, encoder_pb2
 
 log = logging.getLogger("epd.router")
 _PREFIX_KEY_TOKENS = 64  # how much of the prompt decides prefill affinity
+_ENCODE_ATTEMPTS = 2
 
 
 class Router:
@@ -176,22 +177,32 @@ class Router:
 
     async def _encode(self, address: str, request_id: str, prompt: ProcessedPrompt, indices: list[int],
                       prefill: str, timeout_s: float, errors: list[str]) -> None:
-        worker = self.workers.get("encoder", address)
         items = [multimodal_item(i, prompt.items[i], with_media=True) for i in indices]
-        worker.in_flight += 1
-        try:
-            await worker.stub.Encode(encoder_pb2.EncodeRequest(
-                request_id=request_id, items=items, prefill_address=prefill, transport=self.config.transport),
-                timeout=timeout_s)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED:
+        request = encoder_pb2.EncodeRequest(request_id=request_id, items=items, prefill_address=prefill,
+                                            transport=self.config.transport)
+        for attempt in range(_ENCODE_ATTEMPTS):
+            worker = self.workers.get("encoder", address)
+            worker.in_flight += 1
+            try:
+                await worker.stub.Encode(request, timeout=timeout_s)
                 return
-            if err.code() == grpc.StatusCode.UNAVAILABLE:
-                self.workers.mark_failed("encoder", address)
-            errors.append(f"encoder {address}: {err.details()}")
-            await self._abort_prefill(prefill, request_id, f"encoder {address} failed: {err.details()}")
-        finally:
-            worker.in_flight -= 1
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED:
+                    return
+                if err.code() == grpc.StatusCode.UNAVAILABLE and attempt + 1 < _ENCODE_ATTEMPTS:
+                    # a restarted worker's first call can fail on the old connection; try again,
+                    # on another encoder if one is healthy
+                    others = [c for c in self.workers.candidates("encoder") if c.address != address]
+                    address = self.policies["encoder"].pick(prompt.items[indices[0]].mm_hash, others) \
+                        if others else address
+                    continue
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.workers.mark_failed("encoder", address)
+                errors.append(f"encoder {address}: {err.details()}")
+                await self._abort_prefill(prefill, request_id, f"encoder {address} failed: {err.details()}")
+                return
+            finally:
+                worker.in_flight -= 1
 
     async def _abort_prefill(self, prefill: str, request_id: str, reason: str) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import time
 
 import pytest
 
@@ -50,8 +51,12 @@ def test_multimodal_request_through_http(cluster):
 
 def test_killed_encoder_actor_is_restarted_and_serves_again(cluster):
     encoder = cluster.actors["encoder"][0]
+    old_pid = ray.get(encoder.pid.remote(), timeout=30)
     ray.kill(encoder, no_restart=False)
-    # Ray restarts the actor (same port): its first method call returns once the server is back
+    # Ray restarts the actor in a new process on the same port; a call answers once it is serving
+    deadline = time.monotonic() + 180
+    while ray.get(encoder.pid.remote(), timeout=180) == old_pid and time.monotonic() < deadline:
+        time.sleep(0.5)
     assert ray.get(encoder.address.remote(), timeout=180) == cluster.addresses["encoder"][0]
     health = cluster.wait_healthy(180)
     assert health["workers"]["encoder"][0]["healthy"]

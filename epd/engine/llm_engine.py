@@ -47,7 +47,6 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
-        self.sampler.release(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -64,8 +63,6 @@ class LLMEngine:
         seqs = [c.seq for c in chunks]
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler(logits, seqs)))
         finished = self.scheduler.update(out, sampled)
-        for seq in finished:
-            self.sampler.release(seq)
         self.num_steps += 1
         return finished
 

@@ -55,14 +55,17 @@ class ItemRows:
     def first_error(self) -> str | None:
         return next((f"item {i}: {e}" for i, e in enumerate(self._errors) if e is not None), None)
 
-    def num_ready_rows(self) -> int:
-        """Rows available contiguously from row 0 (items arrive in any order)."""
-        ready = 0
-        for length, tensor in zip(self.lengths, self._tensors):
+    def _ready_prefix(self) -> list[torch.Tensor]:
+        """The items that have arrived contiguously from item 0 (later ones may arrive first)."""
+        ready = []
+        for tensor in self._tensors:
             if tensor is None:
                 break
-            ready += length
+            ready.append(tensor)
         return ready
+
+    def num_ready_rows(self) -> int:
+        return sum(t.shape[0] for t in self._ready_prefix())
 
     def is_complete(self) -> bool:
         return all(t is not None for t in self._tensors)
@@ -71,12 +74,7 @@ class ItemRows:
         """Rows ``[first, last)`` across items: sliced before joining, so one item stays a view."""
         if last > self.num_ready_rows():
             raise EmbeddingError(f"rows [{first}, {last}) requested but only {self.num_ready_rows()} have arrived")
-        ready = []  # the contiguous arrived prefix; later items may have arrived out of order
-        for tensor in self._tensors:
-            if tensor is None:
-                break
-            ready.append(tensor)
-        return join_embeddings(ready, first, last)
+        return join_embeddings(self._ready_prefix(), first, last)
 
     def wait(self, timeout_s: float) -> bool:
         with self._cond:

@@ -14,9 +14,6 @@ class Sampler:
     def __init__(self) -> None:
         self._seeded = torch.Generator()
 
-    def release(self, seq: Sequence) -> None:
-        """Nothing is kept per request (kept for symmetry with stateful samplers)."""
-
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [B, V] (one row per sequence that samples this step)."""
         logits = logits.float()

@@ -101,8 +101,10 @@ class Router:
         call = self.workers.get("decode", decode).stub.Generate(
             decode_pb2.GenerateRequest(request=meta, prefill_address=prefill, kv_transport=self.config.transport),
             timeout=timeout_s)
-        for address in (prefill, decode):
-            self._worker(address).in_flight += 1
+        # hold the states themselves: a worker being drained stays reachable until we let go
+        held = [self.workers.get("prefill", prefill), self.workers.get("decode", decode)]
+        for worker in held:
+            worker.in_flight += 1
         finished, first_at, num_tokens = False, None, 0
         detok = IncrementalDetokenizer(self.tokenizer)
         try:
@@ -119,8 +121,8 @@ class Router:
         except grpc.aio.AioRpcError as err:
             raise self._failure(err, decode, encode_errors) from None
         finally:
-            for address in (prefill, decode):
-                self._worker(address).in_flight -= 1
+            for worker in held:
+                worker.in_flight -= 1
             if not finished:
                 await self._cancel(call, encodes, request.request_id, prefill)
         self._observe_done(start, first_at, num_tokens)
@@ -159,13 +161,6 @@ class Router:
             raise RouterError(503, f"no healthy {tier} worker ({len(self.workers.workers[tier])} configured)",
                               error_type="service_unavailable")
         return self.policies[tier].pick(key, candidates)
-
-    def _worker(self, address: str):
-        for states in self.workers.workers.values():
-            for w in states:
-                if w.address == address:
-                    return w
-        raise KeyError(address)
 
     def _send_to_encoders(self, request_id: str, prompt: ProcessedPrompt, prefill: str, timeout_s: float,
                           errors: list[str]) -> list[asyncio.Task]:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from epd.serving import READY_PREFIX
@@ -42,6 +42,22 @@ class TierProcess:
         return "\n".join(self.log_lines[-n:])
 
 
+# libgomp (the OpenMP of torch's Linux wheels) spin-waits ~300,000 iterations (a few ms) before an
+# idle thread sleeps. Tiers on one host share its cores, so while one tier computes (the encoder),
+# another's spinning threads (the prefill of the text before the image) steal them, and both teams
+# stall at every barrier: on 2 cores one request in ten took 300+ ms instead of 60 for that overlap.
+# A short spin keeps the fast hand-off inside a step (parallel regions microseconds apart) and frees
+# the cores between steps. Tuned by benchmarks/epd_vs_inprocess.py; an explicit setting wins.
+_COLOCATED_GOMP_SPINCOUNT = "20000"
+
+
+def colocated_openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """OpenMP settings for tier processes that share a host's cores, unless the user chose some."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": _COLOCATED_GOMP_SPINCOUNT}
+
+
 class LocalCluster:
     """``with LocalCluster("tiny-qwen2-vl", num_encoders=2) as c: c.encoders, c.prefills, c.decodes``."""
 
@@ -51,7 +67,7 @@ class LocalCluster:
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**colocated_openmp_env(os.environ), **os.environ, **(env or {})}
         self.processes: list[TierProcess] = []
 
     def addresses(self, tier: str) -> list[str]:

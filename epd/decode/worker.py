@@ -30,8 +30,10 @@ class DecodeWorker:
         # prefix caching buys nothing here: the KV arrives computed; recompute is impossible anyway
         cfg = engine_config if not engine_config.enable_prefix_caching else \
             EngineConfig(**{**engine_config.__dict__, "enable_prefix_caching": False})
-        self.engine = LLMEngine(family.load_llm(model_dir), cfg, eos_token_ids=())
-        self.loop = EngineLoop(self.engine, name="decode-loop").start()
+        # built on the loop thread: one thread runs every torch op of this process (engine_loop)
+        self.loop = EngineLoop(lambda: LLMEngine(family.load_llm(model_dir), cfg, eos_token_ids=()),
+                               name="decode-loop").start()
+        self.engine = self.loop.engine
 
     def close(self) -> None:
         self.loop.stop()

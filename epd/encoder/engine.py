@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +61,7 @@ class _Pending:
 class EncoderEngine:
     def __init__(
         self,
-        model: EncoderModel,
+        model: EncoderModel | Callable[[], EncoderModel],
         config: EncoderConfig,
         *,
         model_id: str,
@@ -70,16 +70,11 @@ class EncoderEngine:
         bytes_per_embedding: int | None = None,
         geometry: VisionGeometryConfig | None = None,
     ) -> None:
-        if bytes_per_embedding is None:
-            bytes_per_embedding = resolve_bytes_per_mm_encoder_embedding(model, None, config.torch_dtype)
+        """``model``: the encoder, or a zero-argument factory run on the loop thread, so that one
+        thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why)."""
         self.config = config
         self.model_id = model_id
         self.geometry = geometry
-        self.scheduler = MultimodalItemScheduler.create(
-            config, model_id=model_id, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
-            bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
-        self.cache = self.scheduler.cache
-        self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.device)
         self.num_forwards = 0
         self.num_encoded_items = 0
         self._lock = threading.Lock()  # _pending, _held, _closed
@@ -88,8 +83,23 @@ class EncoderEngine:
         self._closed = False
         self._wakeup = threading.Condition()  # _has_work
         self._has_work = False
-        self._thread = threading.Thread(target=self._loop, name="epd-encoder-loop", daemon=True)
+        make_model = (lambda: model) if hasattr(model, "encode") else model  # a model, or its factory
+        built: Future[EncoderModel] = Future()
+        self._thread = threading.Thread(target=self._loop, args=(make_model, built), name="epd-encoder-loop",
+                                        daemon=True)
         self._thread.start()
+        try:
+            model = built.result()
+            if bytes_per_embedding is None:
+                bytes_per_embedding = resolve_bytes_per_mm_encoder_embedding(model, None, config.torch_dtype)
+            self.scheduler = MultimodalItemScheduler.create(
+                config, model_id=model_id, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
+                bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
+            self.cache = self.scheduler.cache
+            self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.device)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EncoderConfig | None = None, *,
@@ -100,16 +110,20 @@ class EncoderEngine:
 
         model_dir = Path(model_dir)
         config = config or EncoderConfig()
-        model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.device)
-        if config.cuda_graph_buckets:
-            enable = getattr(model, "enable_cuda_graphs", None)
-            if enable is None:
+
+        def load() -> EncoderModel:  # on the loop thread
+            model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.device)
+            if not config.cuda_graph_buckets:
+                return model
+            if not hasattr(model, "block_loop"):
                 logger.warning("%s has no CUDA-graph block loop; cuda_graph_buckets ignored, running eager",
                                type(model).__name__)
-            else:
-                enable(config.cuda_graph_buckets)
+                return model
+            from epd.encoder.graphed_model import GraphedVisionEncoder
+            return GraphedVisionEncoder(model, config.cuda_graph_buckets, device=config.device)
+
         geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
-        return cls(model, config, model_id=model_id or str(model_dir.resolve()),
+        return cls(load, config, model_id=model_id or str(model_dir.resolve()),
                    model_max_atomic_item_tokens=max_tokens_per_item(geometry),
                    encoder_tokens_per_row=geometry.merge_size ** 2, geometry=geometry)
 
@@ -200,7 +214,12 @@ class EncoderEngine:
             self._has_work = True
             self._wakeup.notify()
 
-    def _loop(self) -> None:
+    def _loop(self, make_model: Callable[[], EncoderModel], built: Future) -> None:
+        try:
+            built.set_result(make_model())
+        except BaseException as err:  # noqa: BLE001 - the constructor re-raises it
+            built.set_exception(err)
+            return
         while True:
             with self._wakeup:
                 while not self._has_work and not self._closed:

@@ -52,9 +52,11 @@ class PrefillWorker:
         self.inbox = EmbeddingInbox()
         self._exports: dict[int, torch.Tensor] = {}
         mm_ids = (self.spec.image_token_id, self.spec.video_token_id)
-        self.engine = LLMEngine(self.family.load_llm(model_dir), engine_config, eos_token_ids=(),
-                                mm_token_ids=mm_ids, on_finish=self._export_kv)
-        self.loop = EngineLoop(self.engine, name="prefill-loop").start()
+        # built on the loop thread: one thread runs every torch op of this process (engine_loop)
+        self.loop = EngineLoop(lambda: LLMEngine(self.family.load_llm(model_dir), engine_config, eos_token_ids=(),
+                                                 mm_token_ids=mm_ids, on_finish=self._export_kv),
+                               name="prefill-loop").start()
+        self.engine = self.loop.engine
         self.inbox.on_arrival = self.loop.wake
         self._closed = threading.Event()
         threading.Thread(target=self._sweep_inbox, name="prefill-inbox-sweeper", daemon=True).start()

@@ -20,6 +20,7 @@ import torch
 
 from epd.transport.base import TRANSPORTS, Exported, ImportContext
 from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message
+from epd.transport.inline import tensor_bytes_view
 from epd.transport.shm_segments import MappingCache, OwnerLock, Segment, is_segment_name, owner_alive
 from epd.v1 import tensor_pb2
 
@@ -100,6 +101,17 @@ class _SegmentLease:
         self.arena.give_back(self.segment, reason)
 
 
+def _copy_into(segment: Segment, tensor: torch.Tensor, nbytes: int) -> None:
+    """The one copy. A contiguous CPU tensor goes through a plain memcpy (mmap slice assignment), not
+    ``copy_``: exports run on gRPC handler threads, and a parallel torch op there would give that
+    thread an OpenMP team of its own and slow the engine thread's (see ``epd.engine.engine_loop``)."""
+    start, end = HEADER_BYTES, HEADER_BYTES + nbytes
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        segment.mm[start:end] = tensor_bytes_view(tensor)
+    else:  # strided or on a device: torch gathers it
+        segment.view[start:end].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
 class ShmTransport:
     name = "shm"
 
@@ -108,8 +120,7 @@ class ShmTransport:
         segment = arena.acquire(handle.nbytes)
         try:
             if handle.nbytes:
-                data = segment.view[HEADER_BYTES:HEADER_BYTES + handle.nbytes]
-                data.view(tensor.dtype).view(tensor.shape).copy_(tensor)  # the one copy; strided input is fine
+                _copy_into(segment, tensor, handle.nbytes)
             segment.mm[:HEADER_BYTES] = _header(handle.lease_id)  # last: the segment is complete
         except BaseException:
             arena.give_back(segment, "failed")

@@ -199,3 +199,31 @@ def test_real_encoder_partial_hits_keep_order_and_equal_direct_encode(qwen_engin
         assert embedding.device.type == "cpu" and torch.equal(embedding, reference[image])
     for image, embedding in zip(order, result.embeddings, strict=True):  # and per image, to fp tolerance
         torch.testing.assert_close(embedding, qwen_engine.runner.model.inner.encode_images([image])[0])
+
+
+def test_model_factory_runs_on_the_encoder_loop_thread():
+    threads = []
+
+    def build():
+        threads.append(threading.current_thread().name)
+        return FakeEncoder()
+
+    engine = EncoderEngine(build, EncoderConfig(encoder_max_num_tokens=64), model_id="m",
+                           model_max_atomic_item_tokens=64, bytes_per_embedding=BYTES_PER_ROW)
+    try:
+        assert threads == ["epd-encoder-loop"]
+        result = engine.submit("r", [make_item("a")]).result(timeout=10)
+        assert torch.equal(result.embeddings[0], expected_output("a"))
+    finally:
+        engine.close()
+
+
+def test_model_factory_error_reaches_the_constructor_and_stops_the_loop():
+    def broken():
+        raise RuntimeError("vision weights missing")
+
+    before = set(threading.enumerate())
+    with pytest.raises(RuntimeError, match="vision weights missing"):
+        EncoderEngine(broken, EncoderConfig(), model_id="m", model_max_atomic_item_tokens=8,
+                      bytes_per_embedding=BYTES_PER_ROW)
+    assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]

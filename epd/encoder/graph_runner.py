@@ -198,6 +198,10 @@ class MultimodalEncoderGraphRunner:
     def captured_keys(self) -> list[EncoderGraphKey]:
         return sorted(graph.key for graph in self._graphs.values())
 
+    def select_bucket(self, total_tokens: int, num_contexts: int) -> EncoderGraphKey | None:
+        """The bucket a workload would replay, or None (it runs eager)."""
+        return self._plan.select_bucket(total_tokens, num_contexts)
+
     def maybe_run(self, inputs: Mapping[str, torch.Tensor], seq_lengths: Sequence[int]) -> dict[str, torch.Tensor] | None:
         """Replay the smallest fitting graph; -> outputs sliced to the real tokens, or None (run eager)."""
         num_tokens = sum(seq_lengths)

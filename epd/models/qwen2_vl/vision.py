@@ -76,8 +76,17 @@ class QwenVisionEncoder:
         """One batched tower forward over several items -> rows per item, in order."""
         pixel_values = pixel_values.to(self.device, self.dtype)
         merged = self.tower(pixel_values, grid_thw=grid_thw.to(self.device)).pooler_output
-        split = (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()
-        return list(torch.split(merged, split))
+        return self.split_rows(merged, grid_thw.cpu())
+
+    def block_loop(self):
+        """The tower cut into eager prelude, capturable block loop and eager postlude (seed §8);
+        the encoder tier's graph runner captures the block loop."""
+        from epd.models.qwen2_vl.vision_blocks import QwenVisionBlockLoop
+        return QwenVisionBlockLoop(self.tower, self.model_type)
+
+    def split_rows(self, merged: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
+        """Merged rows of a batch -> rows per item, in order."""
+        return list(torch.split(merged, (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()))
 
     def encode_images(self, images: list[bytes]) -> list[torch.Tensor]:
         return self.encode(*self.preprocess(images)) if images else []

@@ -67,7 +67,8 @@ class LocalCluster:
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
-        self.env = {**colocated_openmp_env(os.environ), **os.environ, **(env or {})}
+        shared = colocated_openmp_env(os.environ) if sum(self.counts.values()) > 1 else {}
+        self.env = {**shared, **os.environ, **(env or {})}
         self.processes: list[TierProcess] = []
 
     def addresses(self, tier: str) -> list[str]:

@@ -75,14 +75,15 @@ class LLM:
         messages, images = self.extract_images(messages)
         return self.add_processed(self.processor.process_messages(messages, images), params)
 
-    def add_processed(self, prompt: ProcessedPrompt, params: SamplingParams) -> Sequence:
+    def add_processed(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         mm = None
         if prompt.items:
             rows = self._encode(prompt)
             mm = SequenceMultimodal(ItemRows.from_tensors(rows), prompt.embed_positions, prompt.embed_mask_cumsum,
                                     prompt.mrope_positions, prompt.mrope_delta)
         spans = [MultimodalItemSpan(i.offset, i.num_rows, i.mm_hash) for i in prompt.items]
-        return self.engine.add_request(prompt.prompt_token_ids, params, mm=mm, mm_items=spans)
+        return self.engine.add_request(prompt.prompt_token_ids, params, request_id=request_id, mm=mm,
+                                       mm_items=spans)
 
     # ---- helpers -------------------------------------------------------------------------------
     def extract_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:

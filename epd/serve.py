@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-local-media-path", help="allow file:// images from under this directory")
     p.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for everything to be healthy")
+    p.add_argument("--aggregated", action="store_true",
+                   help="no tiers: one process runs the whole model behind the same API (the baseline)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local",
                    help="local: child processes on this machine; ray: Ray actors (see deploy/ray/)")
     p.add_argument("--ray-address", help="an existing Ray cluster ('auto'); default: start a local one")
@@ -58,13 +60,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.launcher == "ray":
         serve_on_ray(args, stop)
         return
-    cluster = LocalCluster(args.model, num_encoders=args.encoders, num_prefills=args.prefills,
-                           num_decodes=args.decodes, transport=args.transport)
+    counts = (0, 0, 0) if args.aggregated else (args.encoders, args.prefills, args.decodes)
+    cluster = LocalCluster(args.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
+                           transport=args.transport)
     try:
-        print(f"epd serve: starting {args.encoders} encoder(s), {args.prefills} prefill(s), "
-              f"{args.decodes} decode(s) for {args.model} ...", flush=True)
+        what = "the aggregated engine (no tiers)" if args.aggregated else \
+            f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s)"
+        print(f"epd serve: starting {what} for {args.model} ...", flush=True)
         cluster.start(timeout_s=args.timeout_s)
-        extra = []
+        extra = ["--aggregated"] if args.aggregated else []
         if args.allowed_local_media_path:
             extra += ["--allowed-local-media-path", args.allowed_local_media_path]
         if args.config:

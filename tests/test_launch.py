@@ -15,3 +15,10 @@ def test_an_explicit_openmp_setting_wins(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT")
     assert LocalCluster("tiny-qwen2-vl", env={"GOMP_SPINCOUNT": "7"}).env["GOMP_SPINCOUNT"] == "7"
     assert "GOMP_SPINCOUNT" in LocalCluster("tiny-qwen2-vl").env
+
+
+def test_a_single_process_gets_no_colocation_setting(monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    alone = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)  # epd serve --aggregated
+    assert "GOMP_SPINCOUNT" not in alone.env

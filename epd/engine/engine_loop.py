@@ -47,7 +47,7 @@ class EngineLoop:
         self._make_engine = (lambda: engine) if hasattr(engine, "step") else engine  # an engine, or its factory
         self.engine: LLMEngine | None = None  # set on the loop thread by start()
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
-        self._watchers: dict[int, tuple[Sequence, queue.SimpleQueue, int]] = {}
+        self._watchers: dict[int, tuple[Sequence, object, int]] = {}  # seq id -> (seq, updates, sent)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._name = name
@@ -82,14 +82,18 @@ class EngineLoop:
         """Add a request on the loop thread; its new tokens arrive as ``TokenUpdate``s on the queue.
         ``make_seq`` may decline (return None), e.g. when there is no room yet."""
         updates: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
+        return self.watch(make_seq, updates).result(), updates
 
+    def watch(self, make_seq: Callable[[LLMEngine], Sequence | None], updates) -> Future[Sequence | None]:
+        """Non-blocking ``add_and_watch``: ``updates.put(TokenUpdate)`` is called on the loop thread
+        (a queue, or a bridge into an event loop)."""
         def add(engine: LLMEngine) -> Sequence | None:
             seq = make_seq(engine)
             if seq is not None:
                 self._watchers[seq.seq_id] = (seq, updates, len(seq.output_token_ids))
             return seq
 
-        return self.call(add).result(), updates
+        return self.call(add)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         def do(engine: LLMEngine) -> None:

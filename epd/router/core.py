@@ -74,7 +74,7 @@ class Router:
         return self.metrics.render()
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
-        self.limits.check_num_items(_count_images(request.messages))
+        self.limits.check_num_items(count_images(request.messages))
         try:
             async with self.gate.slot():
                 async for event in self._run(request):
@@ -112,9 +112,8 @@ class Router:
                 event = self._event(chunk, detok, prompt if first_at is None else None)
                 if first_at is None:
                     first_at = time.monotonic()
-                    self.metrics.ttft.observe(first_at - start)
-                    self.metrics.prompt_tokens.inc(len(prompt.prompt_token_ids))
-                    self.metrics.cached_tokens.inc(chunk.num_cached_tokens)
+                    self.metrics.observe_first_token(first_at - start, len(prompt.prompt_token_ids),
+                                                     chunk.num_cached_tokens)
                 num_tokens += len(chunk.token_ids)
                 finished = bool(chunk.finish_reason)
                 yield event
@@ -125,16 +124,10 @@ class Router:
                 worker.in_flight -= 1
             if not finished:
                 await self._cancel(call, encodes, request.request_id, prefill)
-        self._observe_done(start, first_at, num_tokens)
+        self.metrics.observe_done(start, first_at, num_tokens)
 
     def _preprocess(self, request: ChatRequest) -> ProcessedPrompt:
-        try:
-            conv, images = extract_images(request.messages, allowed_local_root=None)
-            return self.processor.process_messages(conv, images)
-        except MediaError as err:
-            raise RouterError(400, f"image: {err}", param="messages") from None
-        except ValueError as err:
-            raise RouterError(400, str(err), param="messages") from None
+        return preprocess_chat(self.processor, request)
 
     def _event(self, chunk: decode_pb2.TokenChunk, detok: IncrementalDetokenizer,
                prompt: ProcessedPrompt | None) -> StreamEvent:
@@ -146,14 +139,6 @@ class Router:
                            finish_reason=chunk.finish_reason or None,
                            prompt_token_ids=prompt.prompt_token_ids if prompt is not None else None,
                            num_cached_tokens=chunk.num_cached_tokens)
-
-    def _observe_done(self, start: float, first_at: float | None, num_tokens: int) -> None:
-        end = time.monotonic()
-        self.metrics.e2e.observe(end - start)
-        self.metrics.output_tokens.inc(num_tokens)
-        if first_at is not None and num_tokens > 1:
-            self.metrics.tpot.observe((end - first_at) / (num_tokens - 1))
-        self.metrics.requests.labels("ok").inc()
 
     def _pick(self, tier: str, key: str) -> str:
         candidates = self.workers.candidates(tier)
@@ -224,7 +209,18 @@ class Router:
                            else "invalid_request_error")
 
 
-def _count_images(messages: list[dict]) -> int:
+def preprocess_chat(processor: QwenVLInputProcessor, request: ChatRequest) -> ProcessedPrompt:
+    """Chat template, tokens, image geometry and hashes; bad media or prompts -> RouterError 400."""
+    try:
+        conv, images = extract_images(request.messages, allowed_local_root=None)
+        return processor.process_messages(conv, images)
+    except MediaError as err:
+        raise RouterError(400, f"image: {err}", param="messages") from None
+    except ValueError as err:
+        raise RouterError(400, str(err), param="messages") from None
+
+
+def count_images(messages: list[dict]) -> int:
     return sum(1 for m in messages if isinstance(m.get("content"), list)
                for p in m["content"] if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES)
 

@@ -1,6 +1,8 @@
 """The router's Prometheus metrics (prefix ``epd_``) and the cluster view built from health checks."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -34,6 +36,20 @@ class RouterMetrics:
                                       registry=r)
         self.encoder_items = Gauge("epd_encoder_encoded_items", "Items encoded, i.e. cache misses (worker's count)",
                                    labels, registry=r)
+
+    def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_tokens.inc(num_cached_tokens)
+
+    def observe_done(self, start_s: float, first_token_s: float | None, num_tokens: int) -> None:
+        """A finished request; times from ``time.monotonic()``."""
+        end = time.monotonic()
+        self.e2e.observe(end - start_s)
+        self.output_tokens.inc(num_tokens)
+        if first_token_s is not None and num_tokens > 1:
+            self.tpot.observe((end - first_token_s) / (num_tokens - 1))
+        self.requests.labels("ok").inc()
 
     def refresh_cluster(self, workers) -> None:
         for states in workers.values():

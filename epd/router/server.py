@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-local-media-path", help="serve file:// images only from under this directory")
     p.add_argument("--allow-private-network", action="store_true", help="let http(s) images come from private IPs")
     p.add_argument("--transport", help="tensor transport between tiers (default: automatic)")
+    p.add_argument("--aggregated", action="store_true",
+                   help="no tiers: run the whole model in this process (epd.aggregated)")
     return p.parse_args(argv)
 
 
@@ -75,7 +77,11 @@ async def serve(args: argparse.Namespace, *, handle_signals: bool = True, on_rea
     from epd.router.media_fetch import FetchLimits
 
     config = router_config(args)
-    router = Router(resolve_model(config.model), config)
+    if getattr(args, "aggregated", False):
+        from epd.aggregated import AggregatedCore
+        router = await asyncio.to_thread(AggregatedCore, resolve_model(config.model), config)
+    else:
+        router = Router(resolve_model(config.model), config)
     await router.start()
     grpc_server = grpc.aio.server(options=GRPC_OPTIONS)
     add_router_grpc(grpc_server, router, allowed_local_media_path=args.allowed_local_media_path)
@@ -84,7 +90,8 @@ async def serve(args: argparse.Namespace, *, handle_signals: bool = True, on_rea
     app = build_app(router, allowed_local_media_path=args.allowed_local_media_path,
                     allow_private_network=args.allow_private_network, tokenizer=router.tokenizer,
                     fetch_limits=FetchLimits(max_items=config.max_items_per_request))
-    add_admin_routes(app, router)
+    if isinstance(router, Router):
+        add_admin_routes(app, router)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     if on_server is not None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import io
 import statistics
-import sys
 import time
 
 import torch

@@ -42,20 +42,21 @@ class TierProcess:
         return "\n".join(self.log_lines[-n:])
 
 
-# libgomp (the OpenMP of torch's Linux wheels) spin-waits ~300,000 iterations (a few ms) before an
-# idle thread sleeps. Tiers on one host share its cores, so while one tier computes (the encoder),
-# another's spinning threads (the prefill of the text before the image) steal them, and both teams
-# stall at every barrier: on 2 cores one request in ten took 300+ ms instead of 60 for that overlap.
-# A short spin keeps the fast hand-off inside a step (parallel regions microseconds apart) and frees
-# the cores between steps. Tuned by benchmarks/epd_vs_inprocess.py; an explicit setting wins.
-_COLOCATED_GOMP_SPINCOUNT = "20000"
+def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """Intra-op threads for each of ``num_processes`` compute tiers sharing this host: its cores
+    split between them, at least one each. None: leave torch's default (one process, or the user
+    set OMP_NUM_THREADS).
 
-
-def colocated_openmp_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """OpenMP settings for tier processes that share a host's cores, unless the user chose some."""
-    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
-        return {}
-    return {"GOMP_SPINCOUNT": _COLOCATED_GOMP_SPINCOUNT}
+    Why: every tier runs barrier-synchronized OpenMP teams. When their threads outnumber the cores,
+    a team waits at every barrier for a member the kernel has descheduled, and all tiers crawl. On
+    2 cores, 1E1P1D with torch's default (2 threads each) reached 0.11 req/s of goodput at 4 req/s
+    (small preset, TTFT <= 500 ms, TPOT <= 60 ms); one thread each reached 2.90 (sweep_serving.py).
+    EPD's premise is one core set per stage; this is that split on one machine.
+    """
+    environ = os.environ if environ is None else environ
+    if num_processes < 2 or "OMP_NUM_THREADS" in environ:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // num_processes)
 
 
 class LocalCluster:
@@ -63,12 +64,14 @@ class LocalCluster:
 
     def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, threads_per_tier: int | None = None) -> None:
+        """``threads_per_tier``: intra-op threads of each tier process (default: ``tier_threads``)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
-        shared = colocated_openmp_env(os.environ) if sum(self.counts.values()) > 1 else {}
-        self.env = {**shared, **os.environ, **(env or {})}
+        threads = threads_per_tier or tier_threads(sum(self.counts.values()))
+        self.threads_per_tier = threads
+        self.env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
         self.processes: list[TierProcess] = []
 
     def addresses(self, tier: str) -> list[str]:

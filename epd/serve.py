@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--allowed-local-media-path", help="allow file:// images from under this directory")
     p.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for everything to be healthy")
+    p.add_argument("--threads-per-tier", type=int, default=None,
+                   help="intra-op threads of each tier process (default: this host's cores split between them)")
     p.add_argument("--aggregated", action="store_true",
                    help="no tiers: one process runs the whole model behind the same API (the baseline)")
     p.add_argument("--launcher", choices=("local", "ray"), default="local",
@@ -62,10 +64,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     counts = (0, 0, 0) if args.aggregated else (args.encoders, args.prefills, args.decodes)
     cluster = LocalCluster(args.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
-                           transport=args.transport)
+                           transport=args.transport, threads_per_tier=args.threads_per_tier)
     try:
         what = "the aggregated engine (no tiers)" if args.aggregated else \
-            f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s)"
+            f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
+            f"{cluster.threads_per_tier or 'default'} thread(s) each"
         print(f"epd serve: starting {what} for {args.model} ...", flush=True)
         cluster.start(timeout_s=args.timeout_s)
         extra = ["--aggregated"] if args.aggregated else []

@@ -1,24 +1,27 @@
-"""LocalCluster's environment for co-located tier processes."""
-from epd.launch import LocalCluster, colocated_openmp_env
+"""LocalCluster's thread split for co-located tier processes."""
+import os
+
+from epd.launch import LocalCluster, tier_threads
 
 
-def test_colocated_tiers_get_a_short_openmp_spin_by_default():
-    env = colocated_openmp_env({"PATH": "/bin"})
-    assert set(env) == {"GOMP_SPINCOUNT"} and 0 < int(env["GOMP_SPINCOUNT"]) < 300_000  # libgomp's default
+def test_cores_are_split_between_tiers_at_least_one_each():
+    cores = len(os.sched_getaffinity(0))
+    assert tier_threads(3, {}) == max(1, cores // 3)
+    assert tier_threads(cores * 4, {}) == 1
+    assert tier_threads(1, {}) is None  # one process (epd serve --aggregated) keeps torch's default
 
 
-def test_an_explicit_openmp_setting_wins(monkeypatch):
-    assert colocated_openmp_env({"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert colocated_openmp_env({"GOMP_SPINCOUNT": "INFINITY"}) == {}
-    monkeypatch.setenv("GOMP_SPINCOUNT", "123")
-    assert LocalCluster("tiny-qwen2-vl").env["GOMP_SPINCOUNT"] == "123"
-    monkeypatch.delenv("GOMP_SPINCOUNT")
-    assert LocalCluster("tiny-qwen2-vl", env={"GOMP_SPINCOUNT": "7"}).env["GOMP_SPINCOUNT"] == "7"
-    assert "GOMP_SPINCOUNT" in LocalCluster("tiny-qwen2-vl").env
+def test_an_explicit_thread_count_wins(monkeypatch):
+    assert tier_threads(3, {"OMP_NUM_THREADS": "8"}) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert LocalCluster("tiny-qwen2-vl").env["OMP_NUM_THREADS"] == "5"
+    assert LocalCluster("tiny-qwen2-vl", threads_per_tier=3).env["OMP_NUM_THREADS"] == "3"
+    assert LocalCluster("tiny-qwen2-vl", env={"OMP_NUM_THREADS": "7"}).env["OMP_NUM_THREADS"] == "7"
 
 
-def test_a_single_process_gets_no_colocation_setting(monkeypatch):
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    alone = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)  # epd serve --aggregated
-    assert "GOMP_SPINCOUNT" not in alone.env
+def test_default_cluster_and_single_process(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert LocalCluster("tiny-qwen2-vl").env["OMP_NUM_THREADS"] == str(max(1, cores // 3))
+    alone = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)
+    assert "OMP_NUM_THREADS" not in alone.env

@@ -83,7 +83,8 @@ class OpenAIDriver:
     name = "openai"
 
     def __init__(self, base_url: str, *, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0, extra_body: dict | None = None, transport=None) -> None:
+                 timeout_s: float = 600.0, extra_body: dict | None = None, transport=None,
+                 text_first: bool = False) -> None:
         import httpx
 
         self.base_url = normalize_base_url(base_url)
@@ -93,6 +94,7 @@ class OpenAIDriver:
         self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
                                          timeout=httpx.Timeout(timeout_s, connect=30.0), transport=transport)
         self.extra_body = dict(extra_body or {})
+        self.text_first = text_first
 
     async def resolve_model(self) -> str:
         if self.model is None:
@@ -105,8 +107,9 @@ class OpenAIDriver:
         return self.model
 
     def body(self, spec: RequestSpec) -> dict:
-        content = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in spec.image_bytes]
-        content.append({"type": "text", "text": spec.prompt})
+        images = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in spec.image_bytes]
+        text = [{"type": "text", "text": spec.prompt}]
+        content = text + images if self.text_first else images + text
         return {"model": self.model or "default", "messages": [{"role": "user", "content": content}],
                 "stream": True, "stream_options": {"include_usage": True}, "max_tokens": spec.output_len,
                 "ignore_eos": True, "return_token_ids": True, **self.extra_body}

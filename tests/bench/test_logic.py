@@ -331,3 +331,15 @@ def test_progress_lines_without_a_terminal():
     bar.close()
     lines = out.getvalue().splitlines()
     assert 10 <= len(lines) <= 12 and lines[-1].startswith("r [####") and "20/20 done" in lines[-1]
+
+
+def test_text_first_puts_the_prompt_ahead_of_the_images():
+    from epd.bench.workload import RequestSpec
+
+    spec = RequestSpec(index=0, prompt="a long context", images=[], output_len=4, arrival_s=0.0,
+                       image_bytes=[b"\x89PNG1", b"\x89PNG2"])
+    default = OpenAIDriver("http://test/v1", model="m").body(spec)["messages"][0]["content"]
+    first = OpenAIDriver("http://test/v1", model="m", text_first=True).body(spec)["messages"][0]["content"]
+    assert [p["type"] for p in default] == ["image_url", "image_url", "text"]
+    assert [p["type"] for p in first] == ["text", "image_url", "image_url"]
+    assert first[1:] == default[:2] and first[0] == default[2]

@@ -33,6 +33,13 @@ class ServeProcess:
                 ready.set()
         ready.set()
 
+    def stop_and_check_clean(self, model_dir) -> None:
+        """Stop; it must exit 0 and leave no process of ours serving ``model_dir``."""
+        assert self.stop() == 0, "\n".join(self.lines[-30:])
+        left = subprocess.run(["pgrep", "-f", f"epd (router|encoder|prefill|decode) --model {model_dir}"],
+                              capture_output=True).stdout
+        assert not left, f"epd serve left processes behind: {left!r}"
+
     def stop(self, timeout_s: float = 40.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

@@ -27,9 +27,7 @@ def server(model_dir, tmp_path_factory):
     config.write_text("max_model_len: 2048\nmax_items_per_request: 2\n")
     serve = ServeProcess("--aggregated", "--model", str(model_dir), "--config", str(config))
     yield serve
-    assert serve.stop() == 0, "\n".join(serve.lines[-30:])
-    assert not subprocess.run(["pgrep", "-f", f"epd (router|encoder|prefill|decode) --model {model_dir}"],
-                              capture_output=True).stdout, "epd serve left processes behind"
+    serve.stop_and_check_clean(model_dir)
 
 
 @pytest.fixture(scope="module")

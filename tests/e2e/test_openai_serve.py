@@ -4,7 +4,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import subprocess
 import threading
 import time
 import urllib.request
@@ -44,9 +43,7 @@ def server(model_dir, media_dir, tmp_path_factory):
     serve = ServeProcess("--model", str(model_dir), "--allowed-local-media-path", str(media_dir),
                          "--config", str(config))
     yield serve
-    assert serve.stop() == 0, "\n".join(serve.lines[-30:])
-    assert not subprocess.run(["pgrep", "-f", f"epd (router|encoder|prefill|decode) --model {model_dir}"],
-                              capture_output=True).stdout, "epd serve left worker processes behind"
+    serve.stop_and_check_clean(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from epd.config import EngineConfig
 from epd.engine.sampling_params import SamplingParams

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 
 from epd.config import EngineConfig

@@ -6,7 +6,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from epd.config import EngineConfig
 from epd.decode.worker import DecodeWorker

@@ -9,6 +9,8 @@ import argparse
 import statistics
 import time
 
+import torch
+
 
 from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
@@ -51,12 +53,20 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=12)
     ap.add_argument("--image-size", type=int, default=448)
     ap.add_argument("--no-overlap", action="store_true", help="prefill waits for all rows (no E/P overlap)")
+    ap.add_argument("--threads-per-tier", type=int, default=None,
+                    help="intra-op threads per tier process (default: the cores split between the tiers)")
+    ap.add_argument("--in-process-threads", type=int, default=None,
+                    help="intra-op threads of the in-process engine (default: torch's, all cores); give it "
+                         "the tiers' count to compare the designs at equal compute per stage")
     args = ap.parse_args()
     model_dir = resolve_model(args.model)
     num_warmup = 4  # every process pays first-call costs (allocator, thread pools) once
     images = [noise_png(args.image_size, seed) for seed in range(2 * (args.num_requests + num_warmup))]
     warm_local, warm_remote = images[-num_warmup:], images[-2 * num_warmup:-num_warmup]
 
+    if args.in_process_threads:
+        torch.set_num_threads(args.in_process_threads)
+    in_process_threads = torch.get_num_threads()
     llm = LLM(str(model_dir))
     for img in warm_local:
         ttft_in_process(llm, img, -1)
@@ -64,7 +74,7 @@ def main() -> None:
     del llm
 
     tier_args = {"prefill": ["--no-overlap"]} if args.no_overlap else None
-    with LocalCluster(str(model_dir), tier_args=tier_args) as cluster:
+    with LocalCluster(str(model_dir), tier_args=tier_args, threads_per_tier=args.threads_per_tier) as cluster:
         driver = ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                decodes=cluster.decodes)
         for img in warm_remote:
@@ -72,7 +82,8 @@ def main() -> None:
         remote = [ttft_cluster(driver, images[args.num_requests + i], i) for i in range(args.num_requests)]
 
     p50_local, p50_remote = statistics.median(local), statistics.median(remote)
-    print(f"model={args.model} image={args.image_size}px requests={args.num_requests} (sequential)")
+    print(f"model={args.model} image={args.image_size}px requests={args.num_requests} (sequential), "
+          f"{cluster.threads_per_tier or 'default'} thread(s) per tier, {in_process_threads} in-process")
     print("| system | TTFT p50 ms | TTFT max ms |")
     print("|---|---|---|")
     print(f"| in-process engine | {p50_local * 1e3:.1f} | {max(local) * 1e3:.1f} |")

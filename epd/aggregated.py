@@ -76,11 +76,16 @@ class AggregatedCore:
                                  request.sampling)
         updates: asyncio.Queue[TokenUpdate] = asyncio.Queue()
         bridge = _ThreadSafePut(asyncio.get_running_loop(), updates)
-        try:  # the encode happens there, on the engine thread
-            seq = await asyncio.wrap_future(self.loop.watch(
-                lambda engine: self.llm.add_processed(prompt, request.sampling, request.request_id), bridge))
+        # the encode happens there, on the engine thread
+        added = self.loop.watch(lambda engine: self.llm.add_processed(prompt, request.sampling, request.request_id),
+                                bridge)
+        try:
+            seq = await asyncio.wrap_future(added)
         except ValueError as err:
             raise RouterError(400, str(err), param="messages") from None
+        except asyncio.CancelledError:  # the client left while its images were encoding
+            added.add_done_callback(self._abort_when_added)
+            raise
         timeout_s = request.timeout_s or self.config.request_timeout_s
         detok = IncrementalDetokenizer(self.tokenizer)
         first_at, num_tokens, finished = None, 0, False
@@ -101,6 +106,10 @@ class AggregatedCore:
             if not finished:
                 self.loop.abort(seq, reason="cancelled")
         self.metrics.observe_done(start, first_at, num_tokens)
+
+    def _abort_when_added(self, added) -> None:
+        if not added.cancelled() and added.exception() is None and added.result() is not None:
+            self.loop.abort(added.result(), reason="cancelled")
 
     @staticmethod
     async def _next(updates: asyncio.Queue, deadline: float, seq: Sequence) -> TokenUpdate:

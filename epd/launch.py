@@ -50,7 +50,7 @@ def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -
     Why: every tier runs barrier-synchronized OpenMP teams. When their threads outnumber the cores,
     a team waits at every barrier for a member the kernel has descheduled, and all tiers crawl. On
     2 cores, 1E1P1D with torch's default (2 threads each) reached 0.11 req/s of goodput at 4 req/s
-    (small preset, TTFT <= 500 ms, TPOT <= 60 ms); one thread each reached 2.90 (sweep_serving.py).
+    (small preset, TTFT <= 500 ms, TPOT <= 60 ms); one thread each reached 2.9-3.3 (sweep_serving.py).
     EPD's premise is one core set per stage; this is that split on one machine.
     """
     environ = os.environ if environ is None else environ

@@ -11,7 +11,6 @@ import time
 
 import torch
 
-
 from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
 from epd.engine.sampling_params import SamplingParams  # noqa: E402

@@ -101,9 +101,8 @@ class TransformersCore:
             await worker
 
     def _inputs(self, messages: list[dict], images: list[bytes]) -> dict:
-        markers = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
-                   if isinstance(m["content"], list) else m for m in messages]
-        text = self.processor.apply_chat_template(markers, tokenize=False, add_generation_prompt=True)
+        # extract_images left {"type": "image"} markers where the images were: all the template needs
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         return self.processor(text=[text], images=pil or None, return_tensors="pt")
 

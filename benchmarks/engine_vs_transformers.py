@@ -17,16 +17,13 @@ import statistics
 import time
 
 import torch
+from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 from PIL import Image
 
-from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
-
 from epd.config import EngineConfig  # noqa: E402
-from epd.engine.sampling_params import SamplingParams  # noqa: E402
 from epd.llm import LLM  # noqa: E402
 from epd.models.presets import load_processor, resolve_model  # noqa: E402
-
-
+from epd.types import SamplingParams  # noqa: E402
 
 
 def conversation(image: bytes, i: int) -> list[dict]:

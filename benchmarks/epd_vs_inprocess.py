@@ -1,5 +1,6 @@
-"""TTFT of a 1E1P1D cluster (real processes, gRPC, shm handles) vs the in-process engine, same
-model and workload, at low load (one request at a time, distinct images so no cache hits).
+"""TTFT of a 1E1P1D cluster (real processes, gRPC, shm handles, driven by the router's own pipeline)
+vs the in-process engine, same model and workload, at low load (one request at a time, distinct
+images so no cache hits).
 
     python benchmarks/epd_vs_inprocess.py [--model small-qwen2-vl] [--num-requests 12] [--image-size 448]
 """
@@ -10,16 +11,13 @@ import statistics
 import time
 
 import torch
-
 from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
-from epd.engine.sampling_params import SamplingParams  # noqa: E402
 from epd.launch import LocalCluster  # noqa: E402
 from epd.llm import LLM  # noqa: E402
 from epd.models.presets import resolve_model  # noqa: E402
-from epd.router.driver import ClusterDriver  # noqa: E402
-
-
+from epd.router.sync import SyncRouter  # noqa: E402
+from epd.types import SamplingParams  # noqa: E402
 
 
 def messages(image: bytes, i: int) -> list[dict]:
@@ -37,11 +35,11 @@ def ttft_in_process(llm: LLM, image: bytes, i: int) -> float:
     return ttft
 
 
-def ttft_cluster(driver: ClusterDriver, image: bytes, i: int) -> float:
+def ttft_cluster(router: SyncRouter, image: bytes, i: int) -> float:
     start = time.perf_counter()
     ttft = None
-    for chunk, _ in driver.stream(messages(image, i), SamplingParams(max_tokens=8)):
-        if ttft is None and chunk.token_ids:
+    for event in router.stream(messages(image, i), SamplingParams(max_tokens=8)):
+        if ttft is None and event.token_ids:
             ttft = time.perf_counter() - start
     return ttft
 
@@ -73,12 +71,12 @@ def main() -> None:
     del llm
 
     tier_args = {"prefill": ["--no-overlap"]} if args.no_overlap else None
-    with LocalCluster(str(model_dir), tier_args=tier_args, threads_per_tier=args.threads_per_tier) as cluster:
-        driver = ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
-                               decodes=cluster.decodes)
+    with LocalCluster(str(model_dir), tier_args=tier_args, threads_per_tier=args.threads_per_tier) as cluster, \
+            SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                    decodes=cluster.decodes) as router:
         for img in warm_remote:
-            ttft_cluster(driver, img, -2)
-        remote = [ttft_cluster(driver, images[args.num_requests + i], i) for i in range(args.num_requests)]
+            ttft_cluster(router, img, -2)
+        remote = [ttft_cluster(router, images[args.num_requests + i], i) for i in range(args.num_requests)]
 
     p50_local, p50_remote = statistics.median(local), statistics.median(remote)
     print(f"model={args.model} image={args.image_size}px requests={args.num_requests} (sequential), "

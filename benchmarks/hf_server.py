@@ -1,4 +1,6 @@
-"""A transformers ``generate`` server behind EPD's own OpenAI front end: the naive baseline.
+"""A transformers ``generate`` server behind EPD's own router pipeline and OpenAI front end: the
+naive baseline. Only the backend differs from ``epd serve``: media, preprocessing, detokenization
+and stop strings are the router's.
 
 One request at a time (transformers has no continuous batching), greedy or sampled, streamed token
 by token through a ``BaseStreamer`` so TTFT and inter-token latency are real. Benchmarks only:
@@ -15,19 +17,17 @@ import threading
 from collections.abc import AsyncIterator
 
 import common  # noqa: F401  (puts the checkout on sys.path)
-
 import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from PIL import Image  # noqa: E402
 from transformers import AutoModelForImageTextToText  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from epd.config import RouterConfig  # noqa: E402
 from epd.models.presets import load_processor, resolve_model  # noqa: E402
-from epd.multimodal.messages import extract_images  # noqa: E402
-from epd.router.detok import IncrementalDetokenizer  # noqa: E402
+from epd.router.backends.base import BackendOutput, Job  # noqa: E402
 from epd.router.http_app import build_app  # noqa: E402
-from epd.router.metrics import RouterMetrics  # noqa: E402
-from epd.router.types import ChatRequest, RouterError, StreamEvent  # noqa: E402
+from epd.router.pipeline import RequestPipeline  # noqa: E402
 from epd.serving import READY_PREFIX  # noqa: E402
 
 
@@ -57,64 +57,64 @@ class _StopWhenCancelled:
         return self.cancelled.is_set()
 
 
-class TransformersCore:
-    """A ``RouterCore`` over ``AutoModelForImageTextToText.generate``, one request at a time."""
+class TransformersBackend:
+    """A pipeline backend over ``AutoModelForImageTextToText.generate``, one request at a time."""
 
-    def __init__(self, model_dir, model_name: str) -> None:
-        self.model_name = model_name
+    def __init__(self, model_dir) -> None:
         self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         self.processor = load_processor(model_dir)
-        self.tokenizer = self.processor.tokenizer
-        self.eos_token_id = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.metrics = RouterMetrics()
+        self.embedding_row_bytes = self.model.config.get_text_config().hidden_size * 4
         self._one_at_a_time = threading.Lock()
 
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
     def health(self) -> dict:
-        return {"status": "ok", "model": self.model_name, "mode": "transformers", "workers": {}}
+        return {"status": "ok", "mode": "transformers", "workers": {}}
 
-    def metrics_text(self) -> bytes:
-        return self.metrics.render()
+    def refresh_metrics(self, metrics) -> None:
+        pass
 
-    async def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
-        try:
-            messages, images = extract_images(request.messages, allowed_local_root=None)
-        except ValueError as err:
-            raise RouterError(400, str(err), param="messages") from None
-        inputs = self._inputs(messages, images)
-        prompt = inputs["input_ids"][0].tolist()
+    async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
+        inputs = self._inputs(job)
         queue: asyncio.Queue = asyncio.Queue()
         streamer = _QueueStreamer(asyncio.get_running_loop(), queue)
         cancelled = threading.Event()
-        worker = asyncio.create_task(asyncio.to_thread(self._generate, inputs, request, streamer, cancelled))
-        detok, first, params = IncrementalDetokenizer(self.tokenizer), True, request.sampling
-        num_tokens = 0
+        worker = asyncio.create_task(asyncio.to_thread(self._generate, inputs, job, streamer, cancelled))
+        params, num_tokens = job.sampling, 0
         try:
             while (tokens := await queue.get()) is not None:
                 num_tokens += len(tokens)
-                done = num_tokens >= params.max_tokens or (not params.ignore_eos and self.eos_token_id in tokens)
-                text = detok.add(tokens) + (detok.flush() if done else "")
-                finish = ("length" if num_tokens >= params.max_tokens else "stop") if done else None
-                yield StreamEvent(tokens, text, finish_reason=finish, prompt_token_ids=prompt if first else None)
-                first = False
+                is_eos = not params.ignore_eos and any(t in job.eos_token_ids for t in tokens)
+                finish = "length" if num_tokens >= params.max_tokens else ("stop" if is_eos else None)
+                yield BackendOutput(tokens, finish_reason=finish)
+                if finish:
+                    return
         finally:
             cancelled.set()  # a no-op once generate is done; stops it when the client left
             await worker
 
-    def _inputs(self, messages: list[dict], images: list[bytes]) -> dict:
-        # extract_images left {"type": "image"} markers where the images were: all the template needs
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        return self.processor(text=[text], images=pil or None, return_tensors="pt")
+    def _inputs(self, job: Job) -> dict:
+        """The router's own prompt ids (placeholders expanded, as transformers expands them) plus
+        the images' pixels from transformers' image processor."""
+        inputs = {"input_ids": torch.tensor([job.prompt.prompt_token_ids]),
+                  "attention_mask": torch.ones(1, len(job.prompt.prompt_token_ids), dtype=torch.long)}
+        if job.prompt.items:
+            pil = [Image.open(io.BytesIO(item.data)).convert("RGB") for item in job.prompt.items]
+            inputs.update(self.processor.image_processor(images=pil, return_tensors="pt"))
+        return inputs
 
-    def _generate(self, inputs: dict, request: ChatRequest, streamer: _QueueStreamer,
-                  cancelled: threading.Event) -> None:
+    def _generate(self, inputs: dict, job: Job, streamer: _QueueStreamer, cancelled: threading.Event) -> None:
         from transformers import StoppingCriteriaList
 
-        params = request.sampling
+        params = job.sampling
         sample = params.temperature > 0
         kwargs = dict(max_new_tokens=params.max_tokens, do_sample=sample, streamer=streamer,
                       stopping_criteria=StoppingCriteriaList([_StopWhenCancelled(cancelled)]),
-                      eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id)
+                      eos_token_id=list(job.eos_token_ids), pad_token_id=job.eos_token_ids[0])
         if params.ignore_eos:
             kwargs["min_new_tokens"] = params.max_tokens
         if sample:
@@ -129,8 +129,9 @@ def main() -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
-    core = TransformersCore(resolve_model(args.model), args.model)
-    app = build_app(core, tokenizer=core.tokenizer)
+    model_dir = resolve_model(args.model)
+    pipeline = RequestPipeline(model_dir, RouterConfig(model=args.model), TransformersBackend(model_dir))
+    app = build_app(pipeline, tokenizer=pipeline.tokenizer)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
 
     async def run() -> None:

@@ -13,10 +13,10 @@ import sys
 
 from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
-from epd.engine.sampling_params import SamplingParams  # noqa: E402
 from epd.launch import LocalCluster  # noqa: E402
 from epd.models.presets import resolve_model  # noqa: E402
-from epd.router.driver import ClusterDriver  # noqa: E402
+from epd.router.sync import SyncRouter  # noqa: E402
+from epd.types import SamplingParams  # noqa: E402
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -36,7 +36,7 @@ import sys, resource
 sys.path.insert(0, {root!r})
 from common import noise_png
 from epd.llm import LLM
-from epd.engine.sampling_params import SamplingParams
+from epd.types import SamplingParams
 llm = LLM({model!r})
 convs = [[{{"role": "user", "content": [{{"type": "image", "image": noise_png(448, i)}}, {{"type": "text", "text": f"#{{i}}"}}]}}]
          for i in range({n})]
@@ -55,11 +55,11 @@ def main() -> None:
     code = IN_PROCESS.format(root=bench_dir, model=str(model_dir), n=args.num_requests)
     in_process = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                       check=True).stdout.strip().splitlines()[-1])
-    with LocalCluster(str(model_dir)) as cluster:
-        driver = ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
-                               decodes=cluster.decodes)
+    with LocalCluster(str(model_dir)) as cluster, \
+            SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                    decodes=cluster.decodes) as router:
         for i in range(args.num_requests):
-            driver.chat(messages(noise_png(448, i), i), SamplingParams(max_tokens=32, ignore_eos=True))
+            router.chat(messages(noise_png(448, i), i), SamplingParams(max_tokens=32, ignore_eos=True))
         peaks = {p.tier: peak_rss_mib(p.proc.pid) for p in cluster.processes}
     print(f"model={args.model} requests={args.num_requests} (448x448, 32 output tokens)")
     print("| process | peak RSS MiB | vs in-process |")

@@ -12,6 +12,6 @@ def __getattr__(name: str):
         from epd.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from epd.engine.sampling_params import SamplingParams
+        from epd.types import SamplingParams
         return SamplingParams
     raise AttributeError(f"module 'epd' has no attribute {name!r}")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from epd.engine.sampling_params import SamplingParams
     from epd.llm import LLM
+    from epd.types import SamplingParams
 
     llm = LLM(args.model)
     content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]

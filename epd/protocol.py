@@ -1,14 +1,41 @@
-"""Conversions between wire messages (``epd.v1``) and internal types, in one place: tiers convert
-once at their edge so proto types never leak inward."""
+"""Wire messages (``epd.v1``) <-> internal types, in one place. Each hop has one internal message
+type (``PrefillJob``, ``DecodeJob``); a servicer converts the proto into it once, so workers never
+see proto and proto never leaks inward."""
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-from epd.engine.sampling_params import SamplingParams
-from epd.engine.sequence import MultimodalItemSpan, TokenLogprobs
+from epd.errors import InvalidRequest
+from epd.types import MultimodalItemSpan, SamplingParams, TokenLogprobs
 from epd.v1 import common_pb2
 
 
+# ---- hop types ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PrefillJob:
+    """What a prefill worker is asked: prompt ids (placeholder spans expanded) and its items."""
+
+    request_id: str
+    token_ids: list[int]
+    items: list[MultimodalItemSpan]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DecodeJob:
+    """What a decode worker is asked: continue a prompt prefilled elsewhere from its first token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    first_token_id: int
+    first_logprobs: TokenLogprobs | None
+    mrope_delta: int
+
+
+# ---- sampling and logprobs ------------------------------------------------------------------------
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature,
                                     top_p=p.top_p, top_k=p.top_k, stop_token_ids=list(p.stop_token_ids),
@@ -36,34 +63,14 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(msg.token_id, msg.logprob, dict(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
-def item_spans(meta: common_pb2.RequestMetadata) -> list[MultimodalItemSpan]:
-    return [MultimodalItemSpan(item.offset, item.expected_rows, item.content_hash) for item in meta.items]
-
-
-def cumsum_from_proto(meta: common_pb2.RequestMetadata) -> torch.Tensor | None:
-    if not meta.items:
-        return None
-    cumsum = torch.tensor(list(meta.embed_mask_cumsum), dtype=torch.long)
-    if cumsum.shape[0] != len(meta.token_ids):
-        raise ValueError(f"request {meta.request_id}: embed_mask_cumsum has {cumsum.shape[0]} entries, "
-                         f"the prompt has {len(meta.token_ids)} tokens")
-    return cumsum
-
-
-def embed_positions_from_cumsum(cumsum: torch.Tensor) -> torch.Tensor:
-    """Prompt positions of the embedding rows: where the prefix sum steps up."""
-    return torch.nonzero(torch.diff(cumsum, prepend=cumsum.new_zeros(1))).squeeze(1)
-
-
+# ---- requests -------------------------------------------------------------------------------------
 def request_metadata(request_id: str, prompt, params: SamplingParams, eos_token_ids: tuple[int, ...],
-                     *, with_media: bool = False, deadline_unix_s: float = 0.0) -> common_pb2.RequestMetadata:
-    """A processed prompt (``epd.models.*.processor.ProcessedPrompt``) as the wire request.
-    Media bytes ride along only for encoders (``with_media``); prefill and decode never get them."""
-    items = [multimodal_item(i, item, with_media=with_media) for i, item in enumerate(prompt.items)]
-    return common_pb2.RequestMetadata(
-        request_id=request_id, token_ids=prompt.prompt_token_ids, items=items,
-        embed_mask_cumsum=prompt.embed_mask_cumsum.tolist() if prompt.items else [],
-        sampling=sampling_to_proto(params), eos_token_ids=list(eos_token_ids), deadline_unix_s=deadline_unix_s)
+                     *, with_items: bool = True) -> common_pb2.RequestMetadata:
+    """A processed prompt (``ProcessedPrompt``) as the wire request for prefill (``with_items``) or
+    decode (no items: it keeps nothing multimodal). Media bytes never travel in it."""
+    items = [multimodal_item(i, item, with_media=False) for i, item in enumerate(prompt.items)] if with_items else []
+    return common_pb2.RequestMetadata(request_id=request_id, token_ids=prompt.prompt_token_ids, items=items,
+                                      sampling=sampling_to_proto(params), eos_token_ids=list(eos_token_ids))
 
 
 def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.MultimodalItem:
@@ -72,3 +79,20 @@ def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.Multimo
         item_index=index, modality=item.modality, data=item.data if with_media else b"",
         content_hash=item.mm_hash, offset=item.offset, expected_rows=geo.num_embedding_rows,
         encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw))
+
+
+def prefill_job_from_proto(meta: common_pb2.RequestMetadata) -> PrefillJob:
+    items = [MultimodalItemSpan(item.offset, item.expected_rows, item.content_hash, tuple(item.grid_thw))
+             for item in meta.items]
+    for index, (item, msg) in enumerate(zip(items, meta.items)):
+        if msg.item_index != index or len(item.grid_thw) != 3:
+            raise InvalidRequest(f"request {meta.request_id}: item {index} is malformed (index {msg.item_index}, "
+                                 f"grid {list(item.grid_thw)}); expected items in prompt order with a 3-D grid")
+    return PrefillJob(meta.request_id, list(meta.token_ids), items, sampling_from_proto(meta.sampling),
+                      tuple(meta.eos_token_ids))
+
+
+def decode_job_from_proto(meta: common_pb2.RequestMetadata, prefill: common_pb2.PrefillResult) -> DecodeJob:
+    first_logprobs = logprobs_from_proto(prefill.first_logprobs) if prefill.HasField("first_logprobs") else None
+    return DecodeJob(meta.request_id, list(meta.token_ids), sampling_from_proto(meta.sampling),
+                     tuple(meta.eos_token_ids), prefill.first_token_id, first_logprobs, prefill.mrope_delta)

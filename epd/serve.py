@@ -25,6 +25,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decodes", type=int, default=1)
     p.add_argument("--transport", default="", help="inline | shm | cuda_ipc | nccl (default: automatic)")
     p.add_argument("--allowed-local-media-path", help="allow file:// images from under this directory")
+    p.add_argument("--allow-private-network", action="store_true", help="let http(s) images come from private IPs")
     p.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     p.add_argument("--timeout-s", type=float, default=300.0, help="how long to wait for everything to be healthy")
     p.add_argument("--threads-per-tier", type=int, default=None,
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         extra = ["--aggregated"] if args.aggregated else []
         if args.allowed_local_media_path:
             extra += ["--allowed-local-media-path", args.allowed_local_media_path]
+        if args.allow_private_network:
+            extra += ["--allow-private-network"]
         if args.config:
             extra += ["--config", args.config]
         router = cluster.start_router(host=args.host, port=args.port, grpc_port=args.grpc_port, extra_args=extra,

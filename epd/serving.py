@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from epd.config import WorkerConfig
+from epd.errors import EPDError
 
 READY_PREFIX = "EPD_READY"
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -75,3 +76,14 @@ def run_tier_main(tier: str, start: Callable[[WorkerConfig], RunningTier], argv:
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def abort_with(context: grpc.ServicerContext, err: EPDError) -> None:
+    """End the call with the error's own status (``epd.errors`` maps it); raises, like ``context.abort``."""
+    context.abort(err.grpc_status(), err.message)
+
+
+def remaining_s(context: grpc.ServicerContext, default_s: float) -> float:
+    """Seconds left on the caller's deadline, or ``default_s`` when the call has none."""
+    left = context.time_remaining()
+    return default_s if left is None else min(left, default_s)

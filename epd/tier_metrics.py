@@ -2,9 +2,17 @@
 ``--metrics-port`` for Prometheus / the ServiceMonitor; live values are read at scrape time."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+)
 
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -26,9 +34,16 @@ class TierMetrics:
         """A gauge read at scrape time (queue depth, KV usage, open leases, cache counters)."""
         Gauge(name, doc, registry=self.registry).set_function(fn)
 
-    def observe_transfer(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+    @contextlib.contextmanager
+    def time_transfer(self, transport: str, direction: str, nbytes: int) -> Iterator[None]:
+        """Count the bytes and time the block: one export ("export") or import ("import") of a tensor."""
+        start = time.perf_counter()
+        yield
         self.transfer_bytes.labels(transport, direction).inc(nbytes)
-        self.transfer_seconds.labels(transport, direction).observe(seconds)
+        self.transfer_seconds.labels(transport, direction).observe(time.perf_counter() - start)
+
+    def time_import(self, handle) -> contextlib.AbstractContextManager[None]:
+        return self.time_transfer(handle.WhichOneof("body") or "none", "import", handle.nbytes)
 
     def watch_store(self, store) -> None:
         self.live("epd_open_leases", "Tensor leases this worker holds for consumers", lambda: store.num_open_leases)

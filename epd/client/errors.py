@@ -1,61 +1,33 @@
-"""Typed errors of the SDK, one per gRPC status a caller can act on."""
+"""What a failed call raises in the SDK: the project's own error classes (``epd.errors``), chosen by
+the gRPC status through the one table there."""
 from __future__ import annotations
 
 import grpc
 
-RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds, as a decimal
+from epd.errors import (
+    RETRY_AFTER_KEY,
+    DeadlineExceeded,
+    EPDError,
+    InternalError,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    from_grpc,
+)
 
-
-class EPDError(Exception):
-    """Any failure of a call to the router. ``code`` is the gRPC status (None: raised locally)."""
-
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.message, self.code = message, code
-
-    def __str__(self) -> str:
-        return f"{self.code.name}: {self.message}" if self.code is not None else self.message
-
-
-class InvalidRequest(EPDError, ValueError):
-    """The request can never be served as sent (bad message, image or sampling value): fix it."""
-
-
-class Overloaded(EPDError):
-    """The cluster is saturated; retry after ``retry_after_s`` seconds (None: the router said no)."""
-
-    def __init__(self, message: str, *, code: grpc.StatusCode | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message, code=code)
-        self.retry_after_s = retry_after_s
-
-
-class Unavailable(EPDError, ConnectionError):
-    """The router is unreachable, or has no healthy workers for the request."""
-
-
-class DeadlineExceeded(EPDError, TimeoutError):
-    """The request's timeout passed before it finished."""
-
-
-_ERRORS_BY_CODE = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-}
+__all__ = ["DeadlineExceeded", "EPDError", "InternalError", "InvalidRequest", "Overloaded", "RETRY_AFTER_KEY",
+           "Unavailable", "UpstreamError", "error_from_rpc"]
 
 
 def error_from_rpc(err: grpc.RpcError, address: str) -> EPDError:
     """The typed error for a failed call (sync or grpc.aio)."""
-    code = err.code()
-    message = err.details() or f"call to {address} failed"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry_after_s = _retry_after_s(err)
-        if retry_after_s is None and "larger than max" in message:
-            return InvalidRequest(message, code=code)  # a message over gRPC's size limit, not load
-        return Overloaded(message, code=code, retry_after_s=retry_after_s)
-    return _ERRORS_BY_CODE.get(code, EPDError)(message, code=code)
+    code, message = err.code(), err.details() or f"call to {address} failed"
+    retry_after_s = _retry_after_s(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is None:
+        # the router always says when to retry; without it, gRPC itself refused the message (too large)
+        return InvalidRequest(message)
+    return from_grpc(code, message, retry_after_s=retry_after_s)
 
 
 def _retry_after_s(err: grpc.RpcError) -> float | None:

@@ -1,21 +1,26 @@
-"""gRPC face of the decode tier: asks prefill for the first token and the KV handle, imports the
-KV, then streams tokens as the engine produces them."""
+"""gRPC face of the decode tier: imports the KV handle the router passes on from prefill, then
+streams the tokens after the first as the engine produces them."""
 from __future__ import annotations
 
 import logging
 import queue
-import time
-
-import grpc
 
 from epd.config import WorkerConfig
-from epd.decode.worker import DecodeError, DecodeWorker
-from epd.protocol import logprobs_from_proto, logprobs_to_proto, sampling_from_proto
+from epd.decode.worker import DecodeWorker
+from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
+from epd.protocol import decode_job_from_proto, logprobs_to_proto
+from epd.serving import (
+    RunningTier,
+    abort_with,
+    bind_server,
+    remaining_s,
+    run_tier_main,
+    start_tier,
+)
 from epd.tier_metrics import TierMetrics
-from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
-from epd.transport import get_channel, import_tensor
+from epd.transport import import_tensor
 from epd.transport.handles import TransportError
-from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("epd.decode")
 
@@ -25,65 +30,47 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker, self.config, self.metrics = worker, config, metrics
 
     def Generate(self, request, context):
-        meta = request.request
-        first = self._prefill(request, context)
-        head = decode_pb2.TokenChunk(token_ids=[first.first_token_id], num_prompt_tokens=first.num_prompt_tokens,
-                                     num_cached_tokens=first.num_cached_tokens, finish_reason=first.finish_reason)
-        if first.HasField("first_logprobs"):
-            head.logprobs.append(first.first_logprobs)
-        yield head
-        if first.finish_reason:
-            return
-        seq, updates = self._admit(meta, first, context)
-        context.add_callback(lambda: self.worker.loop.abort(seq, reason="cancelled"))
-        while True:
+        job = decode_job_from_proto(request.request, request.prefill)
+        timeout_s = remaining_s(context, self.config.request_timeout_s)
+        try:
+            with self.metrics.time_import(request.prefill.kv):
+                imported = import_tensor(request.prefill.kv, device=self.worker.engine.config.device,
+                                         timeout_s=timeout_s)
+        except TransportError as err:
+            abort_with(context, UpstreamError(f"request {job.request_id}: KV import failed: {err}"))
+        try:
+            added, updates = self.worker.start(job, imported.tensor)
             try:
-                update = updates.get(timeout=self.config.request_timeout_s)
+                seq = added.result(timeout_s)
+            except ValueError as err:  # the request can never fit this worker's cache
+                abort_with(context, InvalidRequest(f"request {job.request_id}: {err}"))
+            # the router cancelling the call (client gone) aborts the request here
+            context.add_callback(lambda: self.worker.abort(seq))
+            yield from self._stream(job.request_id, updates, context, imported)
+        finally:
+            imported.release()  # idempotent; the KV lives in our cache once the first update came
+
+    def _stream(self, request_id: str, updates: queue.SimpleQueue, context, imported):
+        while True:
+            timeout_s = remaining_s(context, self.config.request_timeout_s)
+            try:
+                update = updates.get(timeout=timeout_s)
             except queue.Empty:
-                self.worker.loop.abort(seq, reason="timeout")
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                              f"request {meta.request_id}: no token for {self.config.request_timeout_s:.0f} s")
+                abort_with(context, DeadlineExceeded(f"request {request_id}: no token for {timeout_s:.0f} s"))
+            imported.release()  # the first update comes after the step that copied the KV in
             if update.error:
-                context.abort(grpc.StatusCode.INTERNAL, f"request {meta.request_id}: {update.error}")
+                abort_with(context, UpstreamError(f"request {request_id}: {update.error}"))
             yield decode_pb2.TokenChunk(token_ids=update.token_ids, finish_reason=update.finish_reason or "",
                                         logprobs=[logprobs_to_proto(lp) for lp in update.logprobs])
             if update.is_last:
                 self.metrics.requests.labels(update.finish_reason or "ok").inc()
                 return
 
-    def _prefill(self, request, context) -> prefill_pb2.PrefillResponse:
-        stub = prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address))
-        try:
-            return stub.Prefill(prefill_pb2.PrefillRequest(request=request.request, kv_transport=request.kv_transport),
-                                timeout=self.config.request_timeout_s)
-        except grpc.RpcError as err:
-            context.abort(err.code(), f"prefill at {request.prefill_address}: {err.details()}")
-
-    def _admit(self, meta, first: prefill_pb2.PrefillResponse, context):
-        try:
-            start = time.perf_counter()
-            imported = import_tensor(first.kv, device=self.worker.engine.config.device)
-            self.metrics.observe_transfer(first.kv.WhichOneof("body"), "import", first.kv.nbytes,
-                                          time.perf_counter() - start)
-        except TransportError as err:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"request {meta.request_id}: KV import failed: {err}")
-        try:
-            first_lp = logprobs_from_proto(first.first_logprobs) if first.HasField("first_logprobs") else None
-            return self.worker.start(meta.request_id, list(meta.token_ids), first.first_token_id, first_lp,
-                                     imported.tensor, first.mrope_delta, sampling_from_proto(meta.sampling),
-                                     tuple(meta.eos_token_ids), self.config.request_timeout_s)
-        except (DecodeError, ValueError) as err:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
-        finally:
-            imported.release()  # the KV now lives in our paged cache
-
-    def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
-
     def Health(self, request, context):
         sched = self.worker.engine.scheduler
         return common_pb2.HealthResponse(status="SERVING", tier="decode", model=self.config.model,
-                                         num_running=len(sched.running), num_waiting=len(sched.waiting),
+                                         num_running=len(sched.running),
+                                         num_waiting=len(sched.waiting) + len(sched.importing),
                                          kv_usage=self.worker.engine.block_manager.usage)
 
 

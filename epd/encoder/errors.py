@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from epd.errors import InvalidRequest, UpstreamError
 
-class MultimodalEncoderRequestError(RuntimeError):
+
+class MultimodalEncoderRequestError(UpstreamError):
     """An encoder failure that belongs to specific requests, named in ``request_ids``.
 
     The encoder keeps serving everyone else: only these requests are failed (seed §5.4).
@@ -15,9 +17,9 @@ class MultimodalEncoderRequestError(RuntimeError):
         self.request_ids: frozenset[str] = frozenset(request_ids)
 
 
-class MultimodalEncoderAdmissionError(ValueError):
+class MultimodalEncoderAdmissionError(InvalidRequest):
     """A request that can never be encoded under the configured budgets; rejected on arrival."""
 
 
-class EncoderCacheFullError(RuntimeError):
+class EncoderCacheFullError(UpstreamError):
     """Room for an output could not be made: every resident entry is pinned by a consumer."""

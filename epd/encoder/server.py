@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
-import time
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
@@ -12,11 +13,38 @@ from epd.config import WorkerConfig, from_dict
 from epd.encoder.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
+from epd.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    EPDError,
+    InvalidRequest,
+    UpstreamError,
+    as_epd_error,
+)
 from epd.multimodal.hashing import hash_processor_kwargs
+from epd.serving import (
+    RunningTier,
+    abort_with,
+    bind_server,
+    remaining_s,
+    run_tier_main,
+    start_tier,
+)
 from epd.tier_metrics import TierMetrics
-from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
-from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, get_channel
-from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.transport import (
+    TensorStore,
+    add_tensor_store,
+    choose_transport,
+    cleanup_stale_segments,
+    get_channel,
+)
+from epd.v1 import (
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 
 log = logging.getLogger("epd.encoder")
 
@@ -26,18 +54,27 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.engine, self.store, self.config, self.metrics = engine, store, config, metrics
 
     def Encode(self, request, context):
+        request_id = request.request_id
         try:
-            items = [_item(msg) for msg in request.items]
-            result = self.engine.submit(request.request_id, items).result(timeout=self.config.request_timeout_s)
-        except Exception as err:  # noqa: BLE001 - tell prefill first so it does not wait out its timeout
-            self._push_errors(request, f"{type(err).__name__}: {err}")
+            future = self.engine.submit(request_id, [_item(msg) for msg in request.items])
+        except ValueError as err:  # can never be encoded under this worker's budgets
+            self.metrics.requests.labels("invalid").inc()
+            abort_with(context, err if isinstance(err, EPDError) else InvalidRequest(f"request {request_id}: {err}"))
+        # the router cancelling the call frees the request's place in the queue and its pins
+        context.add_callback(lambda: self.engine.release(request_id))
+        try:
+            result = future.result(timeout=remaining_s(context, self.config.request_timeout_s))
+        except FutureTimeout:
+            abort_with(context, DeadlineExceeded(f"request {request_id}: not encoded in time"))
+        except CancelledError:
+            abort_with(context, Cancelled(f"request {request_id}: cancelled"))
+        except Exception as err:  # noqa: BLE001 - the request's failure, told to the router by its code
             self.metrics.requests.labels("error").inc()
-            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(err, ValueError) else grpc.StatusCode.INTERNAL
-            context.abort(code, f"request {request.request_id}: {err}")
+            abort_with(context, as_epd_error(err))
         try:
             pushes = [self._export(request, msg.item_index, rows) for msg, rows in zip(request.items, result.embeddings)]
         finally:
-            self.engine.release(request.request_id)  # rows are copied into the handles' storage
+            self.engine.release(request_id)  # rows are copied into the handles' storage
         self._push(request, pushes, context)
         self.metrics.requests.labels("ok").inc()
         self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
@@ -48,29 +85,19 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def _export(self, request, item_index: int, rows) -> common_pb2.EmbeddingPush:
         transport = choose_transport(rows.device.type, same_host=True,
                                      override=request.transport or self.config.transport or None)
-        start = time.perf_counter()
-        handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
-        self.metrics.observe_transfer(transport, "export", handle.nbytes, time.perf_counter() - start)
+        with self.metrics.time_transfer(transport, "export", rows.nbytes):
+            handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
         return common_pb2.EmbeddingPush(request_id=request.request_id, item_index=item_index, embedding=handle)
 
     def _push(self, request, pushes, context) -> None:
         stub = prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address))
         try:
-            stub.PushEmbeddings(prefill_pb2.PushEmbeddingsRequest(pushes=pushes), timeout=self.config.request_timeout_s)
+            stub.PushEmbeddings(prefill_pb2.PushEmbeddingsRequest(pushes=pushes),
+                                timeout=remaining_s(context, self.config.request_timeout_s))
         except grpc.RpcError as err:
             self.store.release([p.embedding.lease_id for p in pushes])
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"request {request.request_id}: prefill at {request.prefill_address}: {err.details()}")
-
-    def _push_errors(self, request, error: str) -> None:
-        pushes = [common_pb2.EmbeddingPush(request_id=request.request_id, item_index=m.item_index, error=error)
-                  for m in request.items]
-        try:
-            prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address)).PushEmbeddings(
-                prefill_pb2.PushEmbeddingsRequest(pushes=pushes), timeout=10)
-        except grpc.RpcError:
-            log.warning("could not tell prefill %s that request %s failed", request.prefill_address,
-                        request.request_id)
+            abort_with(context, UpstreamError(f"request {request.request_id}: pushing to prefill at "
+                                              f"{request.prefill_address} failed: {err.details()}"))
 
     def Health(self, request, context):
         stats = self.engine.stats()

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from epd.engine.sequence import MultimodalItemSpan, Sequence
+from epd.engine.sequence import Sequence
+from epd.types import MultimodalItemSpan
 
 
 @dataclass

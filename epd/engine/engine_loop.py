@@ -1,4 +1,5 @@
-"""Runs an ``LLMEngine`` on one thread; gRPC handler threads submit work and read token streams.
+"""Runs an ``LLMEngine`` on one thread; other threads (gRPC handlers, an asyncio loop) submit work
+and read token streams.
 
 The engine is not thread-safe by design (one owner, like vLLM's EngineCore): every mutation runs on
 the loop thread, between steps, through ``call``.
@@ -21,12 +22,11 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from epd.engine.llm_engine import LLMEngine
-from epd.engine.sequence import Sequence, TokenLogprobs
+from epd.engine.sequence import Sequence
+from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_IDLE_WAIT_S = 0.1  # while requests wait on inputs from another tier (arrivals call wake())
 
 
 @dataclass
@@ -68,7 +68,8 @@ class EngineLoop:
             self._thread.join(timeout_s)
 
     def wake(self) -> None:
-        """Inputs arrived (e.g. embeddings): retry scheduling now."""
+        """Inputs arrived (e.g. embeddings): retry scheduling now. Whatever can unblock a waiting
+        sequence calls this (arrivals) or ``call`` (aborts, new work): an idle loop sleeps until then."""
         self._wake.set()
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
@@ -95,11 +96,16 @@ class EngineLoop:
 
         return self.call(add)
 
-    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+    def abort(self, seq: Sequence, reason: str = "abort", *, error: str | None = None) -> None:
+        """Stop ``seq`` wherever it is; its watcher gets a last update with ``reason``, or with
+        ``error`` when the request failed (e.g. its embeddings could not be imported)."""
         def do(engine: LLMEngine) -> None:
             if not seq.is_finished:
                 seq.finish_reason = reason
                 engine.abort(seq)
+            if error is not None and seq.seq_id in self._watchers:
+                _, updates, _ = self._watchers.pop(seq.seq_id)
+                updates.put(TokenUpdate([], error=error))
             self._publish(seq)
 
         self.call(do)
@@ -113,15 +119,10 @@ class EngineLoop:
             return
         built.set_result(None)
         while not self._stop.is_set():
+            self._wake.clear()  # before looking: a wake() from now on is seen by the wait below
             self._drain_calls()
-            if not self.engine.has_unfinished:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            progressed = self._step()
-            if not progressed:
-                self._wake.wait(_IDLE_WAIT_S)
-                self._wake.clear()
+            if not self.engine.has_unfinished or not self._step():
+                self._wake.wait()  # nothing to do, or every sequence waits on inputs: sleep until woken
 
     def _drain_calls(self) -> None:
         while True:

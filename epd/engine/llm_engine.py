@@ -1,4 +1,6 @@
-"""The in-process engine loop: schedule -> execute -> sample -> update."""
+"""The engine: schedule -> execute -> sample -> update, one step at a time. Owns a model's paged KV
+cache, its scheduler and sampler; tiers and ``epd.LLM`` drive it (through ``EngineLoop`` when
+other threads submit work)."""
 from __future__ import annotations
 
 import torch
@@ -8,9 +10,9 @@ from epd.engine.block_manager import BlockManager
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.model_runner import ModelRunner
 from epd.engine.sampler import Sampler
-from epd.engine.sampling_params import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
-from epd.engine.sequence import MultimodalItemSpan, Sequence
+from epd.engine.sequence import Sequence
+from epd.types import MultimodalItemSpan, SamplingParams
 
 
 class LLMEngine:
@@ -52,9 +54,22 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def add_imported(self, prompt_token_ids: list[int], params: SamplingParams, *, first_token_id: int,
+                     first_logprobs, kv, mm: SequenceMultimodal, request_id: str | None = None) -> Sequence:
+        """A request prefilled elsewhere: its prompt KV ``kv`` ([layers, 2, prompt_len, kv_heads, head_dim])
+        is written into our cache when it is admitted, with its whole token budget reserved."""
+        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=self.eos_token_ids)
+        seq.append_token(first_token_id, first_logprobs)
+        seq.imported_kv = kv
+        self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)
+        return seq
+
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it."""
         out = self.scheduler.schedule()
+        for seq in out.imported:
+            self.runner.write_kv(seq.block_table, seq.imported_kv)
+            seq.imported_kv = None
         if out.is_empty:
             if self.scheduler.has_unfinished and out.num_waiting_on_inputs == 0:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
@@ -63,6 +78,7 @@ class LLMEngine:
         seqs = [c.seq for c in chunks]
         sampled = dict(zip((s.seq_id for s in seqs), self.sampler(logits, seqs)))
         finished = self.scheduler.update(out, sampled)
+        _strip_finished_prompts(out)
         self.num_steps += 1
         return finished
 
@@ -72,3 +88,12 @@ class LLMEngine:
                 return seqs
             self.step()
         raise RuntimeError(f"requests did not finish within {max_steps} engine steps")
+
+
+def _strip_finished_prompts(out) -> None:
+    """Once a prompt's KV is cached, its multimodal inputs are dead weight: only the M-RoPE delta
+    is needed to place later tokens, so everything else is dropped now (preemption restores it)."""
+    for chunk in out.chunks:
+        seq = chunk.seq
+        if seq.mm is not None and chunk.start < seq.num_prompt_tokens <= chunk.end:
+            seq.mm.strip_for_generation()

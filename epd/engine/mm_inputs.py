@@ -1,32 +1,33 @@
 """The multimodal state one sequence carries through the engine.
 
 Bookkeeping (positions, cumsum) stays on CPU: it is read by index in Python every step, and a
-CUDA tensor there would force a device->host sync per read (seed §2.1). Embedding rows live per
+CUDA tensor there would force a device->host sync per read. Embedding rows live per
 item in ``ItemRows``; on a prefill worker they arrive later, pushed by encoders, and the scheduler
 only computes as far as the rows that have arrived.
 """
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from epd.errors import UpstreamError
+from epd.multimodal.layout import PromptLayout
 from epd.multimodal.runtime import join_embeddings
 
 
-class EmbeddingError(RuntimeError):
-    """An item's embedding could not be produced or delivered."""
+class EmbeddingError(UpstreamError):
+    """An item's embedding does not fit its placeholders."""
 
 
 class ItemRows:
-    """Per-item embedding tensors ``[rows_i, hidden]`` in prompt order, possibly still pending."""
+    """Per-item embedding tensors ``[rows_i, hidden]`` in prompt order, possibly still arriving
+    (set from another thread: one list slot per item, assigned whole)."""
 
     def __init__(self, lengths: list[int]) -> None:
         self.lengths = list(lengths)
         self._tensors: list[torch.Tensor | None] = [None] * len(lengths)
-        self._errors: list[str | None] = [None] * len(lengths)
-        self._cond = threading.Condition()
 
     @classmethod
     def from_tensors(cls, tensors: list[torch.Tensor]) -> "ItemRows":
@@ -40,20 +41,10 @@ class ItemRows:
         return sum(self.lengths)
 
     def set_item(self, index: int, tensor: torch.Tensor) -> None:
-        if tensor.shape[0] != self.lengths[index]:
+        if tensor.dim() != 2 or tensor.shape[0] != self.lengths[index]:
             raise EmbeddingError(f"item {index}: expected {self.lengths[index]} embedding rows, "
                                  f"got a tensor of shape {tuple(tensor.shape)}")
-        with self._cond:
-            self._tensors[index] = tensor
-            self._cond.notify_all()
-
-    def fail(self, index: int, error: str) -> None:
-        with self._cond:
-            self._errors[index] = error
-            self._cond.notify_all()
-
-    def first_error(self) -> str | None:
-        return next((f"item {i}: {e}" for i, e in enumerate(self._errors) if e is not None), None)
+        self._tensors[index] = tensor
 
     def _ready_prefix(self) -> list[torch.Tensor]:
         """The items that have arrived contiguously from item 0 (later ones may arrive first)."""
@@ -76,10 +67,6 @@ class ItemRows:
             raise EmbeddingError(f"rows [{first}, {last}) requested but only {self.num_ready_rows()} have arrived")
         return join_embeddings(self._ready_prefix(), first, last)
 
-    def wait(self, timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.is_complete() or self.first_error() is not None, timeout_s)
-
 
 @dataclass
 class SequenceMultimodal:
@@ -88,6 +75,9 @@ class SequenceMultimodal:
     embed_mask_cumsum: torch.Tensor | None  # [prompt_len] int64 CPU
     mrope_positions: torch.Tensor | None  # [3, prompt_len] int64 CPU
     mrope_delta: int  # decode position = token index + mrope_delta
+    # makes the stripped inputs again (the in-process engine re-encodes) when a preempted
+    # sequence must recompute its prompt; None: this sequence can never need them again
+    rebuild: Callable[[], "SequenceMultimodal"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("embed_positions", "embed_mask_cumsum", "mrope_positions"):
@@ -96,13 +86,31 @@ class SequenceMultimodal:
                 raise ValueError(f"{name} must stay on CPU, got {t.device}")
 
     @classmethod
+    def from_layout(cls, layout: PromptLayout, rows: ItemRows | None,
+                    rebuild: Callable[[], "SequenceMultimodal"] | None = None) -> "SequenceMultimodal":
+        return cls(rows, layout.embed_positions, layout.embed_mask_cumsum, layout.mrope_positions,
+                   layout.mrope_delta, rebuild)
+
+    @classmethod
     def delta_only(cls, mrope_delta: int) -> "SequenceMultimodal":
-        """What a decode worker holds: nothing multimodal but the position delta (seed §6.7)."""
+        """What a decode worker holds: nothing multimodal but the position delta."""
         return cls(None, None, None, None, mrope_delta)
 
     def strip_for_generation(self) -> None:
-        """After prefill only the mrope delta is needed (seed §6.7)."""
+        """After prefill only the mrope delta is needed: every later token's position is its
+        index plus the delta, and the embeddings already live in the KV cache."""
         self.embeddings = self.embed_positions = self.embed_mask_cumsum = self.mrope_positions = None
+
+    def restore_for_recompute(self) -> None:
+        """Bring back what ``strip_for_generation`` dropped, before the prompt is computed again."""
+        if not self.is_stripped:
+            return
+        if self.rebuild is None:
+            raise RuntimeError("a stripped multimodal sequence must recompute its prompt, but nothing can "
+                               "rebuild its embeddings (it was prefilled on another worker)")
+        fresh = self.rebuild()
+        self.embeddings, self.embed_positions = fresh.embeddings, fresh.embed_positions
+        self.embed_mask_cumsum, self.mrope_positions = fresh.embed_mask_cumsum, fresh.mrope_positions
 
     @property
     def is_stripped(self) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from epd.engine.sequence import Sequence, TokenLogprobs
+from epd.engine.sequence import Sequence
+from epd.types import TokenLogprobs
 
 
 class Sampler:

@@ -3,6 +3,10 @@
 One step is a token budget shared by every running sequence: decodes (one token each) first,
 then prefill chunks of partly-prefilled sequences, then newly admitted ones. A prompt longer
 than the budget is cut into chunks across steps; a chunk may cut through an image.
+
+Sequences whose prompt KV was computed elsewhere (a decode worker's) wait in ``importing`` until
+their whole token budget fits, FIFO; then they run like any other. Waiting here is no poll: each
+step that frees blocks is followed by a schedule that retries them.
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from epd.engine.block_manager import BlockManager
-from epd.engine.sequence import Sequence, SequenceStatus, TokenLogprobs
+from epd.engine.sequence import Sequence, SequenceStatus
+from epd.types import TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    imported: list[Sequence] = field(default_factory=list)  # admitted this step: write their KV first
     num_waiting_on_inputs: int = 0  # sequences skipped because their next rows have not arrived
 
     @property
@@ -68,6 +74,7 @@ class Scheduler:
         # the KV here)
         self.on_finish = on_finish
         self.waiting: deque[Sequence] = deque()
+        self.importing: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
@@ -81,13 +88,16 @@ class Scheduler:
                              f"{self.block_manager.num_total_blocks} in all")
         self.waiting.append(seq)
 
-    def admit_running(self, seq: Sequence) -> None:
-        """Take a sequence whose blocks and KV are already in place (imported from another
-        worker) straight into the running set."""
-        if not seq.block_table:
-            raise ValueError(f"{seq.request_id} has no KV blocks; allocate them before admitting")
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+    def add_imported(self, seq: Sequence, num_reserved_tokens: int) -> None:
+        """Queue a sequence whose prompt KV was computed elsewhere (``seq.imported_kv``) and whose
+        first token is already appended. At admission it gets blocks for ``num_reserved_tokens``
+        (its whole budget: it can never be recomputed here, so it must never be preempted)."""
+        needed = seq.num_blocks_needed(self.block_manager.block_size, num_reserved_tokens)
+        if needed > self.block_manager.num_total_blocks:
+            raise ValueError(f"request {seq.request_id}: {num_reserved_tokens} tokens need {needed} KV blocks, "
+                             f"the cache has {self.block_manager.num_total_blocks} in all")
+        seq.num_reserved_tokens = num_reserved_tokens
+        self.importing.append(seq)
 
     def abort(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -95,20 +105,35 @@ class Scheduler:
             self.block_manager.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.importing:
+            self.importing.remove(seq)
+            seq.imported_kv = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.importing)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._admit_imported(out)
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
+
+    def _admit_imported(self, out: SchedulerOutput) -> None:
+        while self.importing and len(self.running) < self.config.max_num_seqs:
+            seq = self.importing[0]
+            if not self.block_manager.allocate(seq, num_tokens=seq.num_reserved_tokens):
+                break  # FIFO: a later, smaller one does not overtake (it would starve big ones)
+            self.importing.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_prompt_tokens  # once the engine writes the imported KV
+            self.running.append(seq)
+            out.imported.append(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # decodes first: they are latency-bound and cost one token each

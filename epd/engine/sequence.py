@@ -3,35 +3,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
-from epd.engine.sampling_params import SamplingParams
+from epd.types import MultimodalItemSpan, SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
     FINISHED = auto()
-
-
-@dataclass
-class MultimodalItemSpan:
-    """Where one multimodal item sits in the prompt, and what identifies its content."""
-
-    offset: int  # first placeholder position in the prompt
-    length: int  # placeholder span (== embedding rows for Qwen-VL: no special tokens inside)
-    mm_hash: str
-
-
-@dataclass
-class TokenLogprobs:
-    """Logprob of the chosen token plus the top-k alternatives (token id -> logprob)."""
-
-    token_id: int
-    logprob: float
-    top: dict[int, float] = field(default_factory=dict)
 
 
 _seq_counter = itertools.count()
@@ -79,6 +60,10 @@ class Sequence:
         # set by a tier whose inputs arrive later (prefill waiting on encoder embeddings): returns
         # how far the prompt can be computed now (None: no limit)
         self.inputs_ready_until: Callable[[], int | None] | None = None
+        # a prompt whose KV was computed elsewhere (decode): the KV to write into our blocks at
+        # admission, and how many tokens to reserve so the request never needs preemption
+        self.imported_kv: Any = None
+        self.num_reserved_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -131,8 +116,18 @@ class Sequence:
         self.status = SequenceStatus.FINISHED
         return True
 
+    @property
+    def is_prompt_done(self) -> bool:
+        """The whole prompt's KV is cached and the first output token sampled."""
+        return self.num_output_tokens > 0 and self.num_computed_tokens >= self.num_prompt_tokens
+
     def reset_for_recompute(self) -> None:
-        """Preemption by recompute: drop all KV; the outputs so far become part of the prompt work."""
+        """Preemption by recompute: drop all KV; the outputs so far become part of the prompt work.
+        Multimodal inputs stripped after prefill are restored first (``mm.restore_for_recompute``)."""
+        if self.imported_kv is not None or self.num_reserved_tokens:
+            raise RuntimeError(f"{self.request_id}: a sequence with imported KV cannot be recomputed")
+        if self.mm is not None:
+            self.mm.restore_for_recompute()
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0

@@ -1,32 +1,31 @@
-"""Model families by HF ``model_type``. A family knows how to build the LLM (on our engine) and
-the vision encoder (transformers) from a checkpoint directory; adding Qwen3-VL or LLaVA is a new
-family module that registers itself, not an edit here."""
+"""Model families by Hugging Face ``model_type``, as a lazy name -> module table: a family is
+imported only when a checkpoint of its type is opened, and adding one is one line here plus its
+own module (no registration by import side effect)."""
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
-from typing import Protocol
-
-import torch
 
 from epd.models.checkpoint import read_config
-from epd.registry import Registry
+from epd.models.spec import ModelFamily
+
+# model_type -> "module:attribute" of the family object
+_FAMILIES = {
+    "qwen2_vl": "epd.models.qwen2_vl.family:QWEN2_VL",
+    "qwen2_5_vl": "epd.models.qwen2_vl.family:QWEN2_5_VL",
+}
 
 
-class ModelFamily(Protocol):
-    name: str
-
-    def load_llm(self, model_dir: Path) -> torch.nn.Module: ...
-    def load_vision(self, model_dir: Path, *, dtype: torch.dtype, device: str): ...
-    def mm_spec(self, model_dir: Path): ...
-
-
-MODEL_FAMILIES: Registry[ModelFamily] = Registry("model family")
+def family_named(model_type: str) -> ModelFamily:
+    target = _FAMILIES.get(model_type)
+    if target is None:
+        raise ValueError(f"unknown model_type {model_type!r}; supported: {sorted(_FAMILIES)}")
+    module, attribute = target.split(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 def family_for(model_dir: str | Path) -> ModelFamily:
-    # importing the families registers them
-    import epd.models.qwen2_vl.family  # noqa: F401
     model_type = read_config(Path(model_dir)).get("model_type")
     if model_type is None:
         raise ValueError(f"{model_dir}/config.json has no model_type")
-    return MODEL_FAMILIES.get(model_type)
+    return family_named(model_type)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from epd.errors import InvalidRequest
+
 MIB = 1024 * 1024
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -37,8 +39,12 @@ _LOCAL_FILE_HOSTS = ("", "localhost")
 _SOURCE_PREVIEW_CHARS = 80
 
 
-class MediaError(ValueError):
+class MediaError(InvalidRequest):
     """A media input the server refuses: bad form, too large, or not a decodable image."""
+
+
+class LocalFileRefused(MediaError):
+    """A local path this server may not read: no allowed root, or outside it."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +168,7 @@ def _file_url_path(url: str) -> str:
 
 def _read_local_file(path: str, allowed_local_root: str | os.PathLike | None, limits: MediaLimits) -> bytes:
     if allowed_local_root is None:
-        raise MediaError(
+        raise LocalFileRefused(
             f"local file {path!r} refused: local paths are disabled on this server "
             f"(no allowed local root is configured); send the image as bytes or a data URL"
         )
@@ -180,7 +186,7 @@ def _resolve_inside_root(path: str, allowed_local_root: str | os.PathLike) -> Pa
     except (OSError, RuntimeError) as exc:  # permission denied, symlink loop
         raise MediaError(f"local file {path!r} cannot be resolved: {exc}") from exc
     if not real_path.is_relative_to(root):
-        raise MediaError(
+        raise LocalFileRefused(
             f"local file {path!r} resolves to {str(real_path)!r}, outside the allowed "
             f"root {str(root)!r}"
         )

@@ -2,16 +2,27 @@
 from __future__ import annotations
 
 import logging
-import time
-
-import grpc
 
 from epd.config import WorkerConfig
-from epd.prefill.worker import PrefillError, PrefillWorker
-from epd.protocol import logprobs_to_proto
+from epd.errors import EPDError
+from epd.prefill.worker import PrefillWorker
+from epd.protocol import logprobs_to_proto, prefill_job_from_proto
+from epd.serving import (
+    RunningTier,
+    abort_with,
+    bind_server,
+    remaining_s,
+    run_tier_main,
+    start_tier,
+)
 from epd.tier_metrics import TierMetrics
-from epd.serving import RunningTier, bind_server, run_tier_main, start_tier
-from epd.transport import TensorStore, add_tensor_store, choose_transport, cleanup_stale_segments, import_tensor
+from epd.transport import (
+    TensorStore,
+    add_tensor_store,
+    choose_transport,
+    cleanup_stale_segments,
+    import_tensor,
+)
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -25,47 +36,43 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def PushEmbeddings(self, request, context):
         accepted = 0
         for push in request.pushes:
-            if push.error:
-                self.worker.inbox.push(push.request_id, push.item_index, None, push.error)
-                continue
             try:
-                start = time.perf_counter()
-                imported = import_tensor(push.embedding, device=self.worker.engine.config.device)
-                self.metrics.observe_transfer(push.embedding.WhichOneof("body"), "import", push.embedding.nbytes,
-                                              time.perf_counter() - start)
+                with self.metrics.time_import(push.embedding):
+                    imported = import_tensor(push.embedding, device=self.worker.engine.config.device)
             except TransportError as err:
-                self.worker.inbox.push(push.request_id, push.item_index, None, f"embedding import failed: {err}")
+                self.worker.inbox.fail(push.request_id, f"item {push.item_index}: import failed: {err}")
                 continue
-            self.worker.inbox.push(push.request_id, push.item_index, imported.tensor, None, imported.release)
-            accepted += 1
+            accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release)
         return prefill_pb2.PushEmbeddingsResponse(num_accepted=accepted)
 
     def Prefill(self, request, context):
-        meta = request.request
         try:
-            result = self.worker.prefill(meta, timeout_s=self.config.request_timeout_s)
-        except PrefillError as err:
-            self.metrics.requests.labels("error").inc()
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        except ValueError as err:
+            ticket = self.worker.admit(prefill_job_from_proto(request.request))
+        except EPDError as err:
             self.metrics.requests.labels("invalid").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request {meta.request_id}: {err}")
-        transport = choose_transport(result.kv.device.type, same_host=True, override=request.kv_transport or
-                                     self.config.transport or None)
-        start = time.perf_counter()
-        handle = self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s)
-        self.metrics.observe_transfer(transport, "export", handle.nbytes, time.perf_counter() - start)
-        self.metrics.requests.labels("ok").inc()
-        response = prefill_pb2.PrefillResponse(
-            first_token_id=result.first_token_id, kv=handle, mrope_delta=result.mrope_delta,
+            abort_with(context, err)
+        request_id = ticket.job.request_id
+        # the router cancelling the call (client gone, an encoder failed) aborts the request here
+        context.add_callback(lambda: self.worker.abort(request_id, "cancelled"))
+        yield prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted())
+        try:
+            result = self.worker.wait(ticket, remaining_s(context, self.config.request_timeout_s))
+        except EPDError as err:
+            self.metrics.requests.labels("error").inc()
+            abort_with(context, err)
+        out = common_pb2.PrefillResult(
+            first_token_id=result.first_token_id, mrope_delta=result.mrope_delta,
             num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
             finish_reason=result.finish_reason or "")
         if result.first_logprobs is not None:
-            response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
-        return response
-
-    def Abort(self, request, context):
-        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id, request.reason or "aborted"))
+            out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
+        if result.kv is not None:
+            transport = choose_transport(result.kv.device.type, same_host=True,
+                                         override=request.kv_transport or self.config.transport or None)
+            with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
+                out.kv.CopyFrom(self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s))
+        self.metrics.requests.labels("ok").inc()
+        yield prefill_pb2.PrefillReply(result=out)
 
     def Health(self, request, context):
         sched = self.worker.engine.scheduler

@@ -1,44 +1,53 @@
-"""The prefill worker: no vision tower. It takes a request's metadata, waits for the encoders'
-embedding pushes only when a chunk needs their rows, runs chunked prefill with prefix reuse,
-samples the first token, exports the request's KV as a handle and keeps nothing multimodal."""
+"""The prefill worker: no vision tower. The router registers a request (``admit``); encoders push
+its embedding rows in any order; the engine computes the prompt as far as the rows that have
+arrived (text before the first image while the encoders still work), samples the first token,
+and the prompt's KV is read out for decode. The engine strips the sequence to its M-RoPE delta
+once the prompt is done; nothing multimodal stays here."""
 from __future__ import annotations
 
 import dataclasses
 import logging
+import queue
 import threading
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from epd.config import EngineConfig
-from epd.engine.engine_loop import EngineLoop
+from epd.engine.engine_loop import EngineLoop, TokenUpdate
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
-from epd.engine.sequence import Sequence, TokenLogprobs, stop_reason
+from epd.engine.sequence import Sequence, stop_reason
+from epd.errors import Cancelled, DeadlineExceeded, InvalidRequest, UpstreamError
 from epd.models.registry import family_for
 from epd.prefill.inbox import EmbeddingInbox
-from epd.protocol import (cumsum_from_proto, embed_positions_from_cumsum, item_spans,
-                          sampling_from_proto)
-from epd.v1 import common_pb2
+from epd.protocol import PrefillJob
+from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
-
-
-class PrefillError(RuntimeError):
-    pass
 
 
 @dataclass
 class PrefillResult:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
-    kv: torch.Tensor  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], a fresh copy
+    kv: torch.Tensor | None  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], a fresh copy; None: finished
     mrope_delta: int
     num_prompt_tokens: int
     num_cached_tokens: int
-    finish_reason: str | None
+    finish_reason: str | None  # the request already ends with the first token
+
+
+@dataclass
+class PrefillTicket:
+    """One admitted request: what the caller waits on."""
+
+    job: PrefillJob
+    updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    seq: Sequence | None = None  # set on the loop thread
+    kv: torch.Tensor | None = None  # set on the loop thread when the prompt is done
+    finish_reason: str | None = None  # the request's own, after its first token
 
 
 class PrefillWorker:
@@ -49,98 +58,123 @@ class PrefillWorker:
         self.overlap_with_encode = overlap_with_encode
         self.family = family_for(model_dir)
         self.spec = self.family.mm_spec(model_dir)
-        self.inbox = EmbeddingInbox()
-        self._exports: dict[int, torch.Tensor] = {}
-        mm_ids = (self.spec.image_token_id, self.spec.video_token_id)
+        self._tickets: dict[str, PrefillTicket] = {}
+        self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(self.family.load_llm(model_dir), engine_config, eos_token_ids=(),
-                                                 mm_token_ids=mm_ids, on_finish=self._export_kv),
+                                                 mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish),
                                name="prefill-loop").start()
         self.engine = self.loop.engine
-        self.inbox.on_arrival = self.loop.wake
-        self._closed = threading.Event()
-        threading.Thread(target=self._sweep_inbox, name="prefill-inbox-sweeper", daemon=True).start()
+        self.inbox = EmbeddingInbox(on_arrival=self.loop.wake, on_failure=self._fail)
 
     def close(self) -> None:
-        self._closed.set()
         self.loop.stop()
 
-    def _sweep_inbox(self, period_s: float = 5.0) -> None:
-        """Pushes whose request never came (router gone, request refused) release their leases."""
-        while not self._closed.wait(period_s):
-            self.inbox.sweep()
-
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        """Stop a request wherever it is (client gone, encoder failed); True if it was known.
-        A prefill call waiting on it fails at once with ``reason``."""
-        known = self.inbox.fail_request(request_id, reason)
-        found = self.loop.call(lambda engine: engine.find(request_id)).result()
-        if found is not None:
-            self.loop.abort(found)
-        return known or found is not None
-
-    def prefill(self, meta: common_pb2.RequestMetadata, timeout_s: float) -> PrefillResult:
-        """Blocking: returns once the first token is sampled and the KV is gathered."""
-        params = sampling_from_proto(meta.sampling)
-        eos = tuple(meta.eos_token_ids)
-        rows = self.inbox.expect(meta.request_id, [item.expected_rows for item in meta.items]) if meta.items else None
+    # ---- the router's calls -------------------------------------------------------------------
+    def admit(self, job: PrefillJob) -> PrefillTicket:
+        """Register the request (its rows may be pushed from now on) and queue it on the engine."""
+        ticket = PrefillTicket(job)
+        with self._lock:
+            if job.request_id in self._tickets:
+                raise InvalidRequest(f"request {job.request_id} is already being prefilled here")
+            self._tickets[job.request_id] = ticket
+        rows = self.inbox.expect(job.request_id, [item.length for item in job.items]) if job.items else None
         try:
-            seq, updates = self.loop.add_and_watch(lambda engine: self._add(engine, meta, params, rows))
-            update = self._wait_first_token(seq, updates, rows, timeout_s)
-        finally:
-            self.inbox.finish(meta.request_id)
-        kv = self._exports.pop(seq.seq_id)
-        first = update.token_ids[0]
-        return PrefillResult(first, update.logprobs[0] if update.logprobs else None, kv,
-                             seq.mm.mrope_delta if seq.mm else 0, seq.num_prompt_tokens, seq.num_cached_tokens,
-                             stop_reason(params, eos, 1, first))
+            mm = self._multimodal(job, rows)
+        except ValueError as err:
+            self._forget(job.request_id)
+            raise InvalidRequest(f"request {job.request_id}: {err}") from None
+        self.loop.watch(lambda engine: self._add(engine, ticket, mm), ticket.updates)
+        return ticket
 
-    def _add(self, engine: LLMEngine, meta, params, rows: ItemRows | None) -> Sequence:
-        mm = self._multimodal(meta, rows)
+    def wait(self, ticket: PrefillTicket, timeout_s: float) -> PrefillResult:
+        """Blocks until the first token (or the request fails, is aborted, or ``timeout_s`` passes)."""
+        request_id = ticket.job.request_id
+        try:
+            try:
+                update: TokenUpdate = ticket.updates.get(timeout=max(0.0, timeout_s))
+            except queue.Empty:
+                self.abort(request_id, "timeout")
+                raise DeadlineExceeded(f"request {request_id}: no first token within {timeout_s:.1f} s "
+                                       f"({self._rows_arrived(ticket)})") from None
+            if update.error:
+                raise UpstreamError(f"request {request_id}: {update.error}")
+            if not update.token_ids:
+                raise Cancelled(f"request {request_id}: {update.finish_reason or 'aborted'} before its first token")
+            seq = ticket.seq
+            return PrefillResult(update.token_ids[0], update.logprobs[0] if update.logprobs else None, ticket.kv,
+                                 seq.mm.mrope_delta if seq.mm else 0, seq.num_prompt_tokens, seq.num_cached_tokens,
+                                 ticket.finish_reason)
+        finally:
+            self._forget(request_id)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request wherever it is (the router cancelled it); a no-op once it is done."""
+        with self._lock:
+            ticket = self._tickets.get(request_id)
+        if ticket is not None:
+            self.loop.call(lambda engine: self._abort_on_loop(ticket, reason, None))
+
+    # ---- the encoders' pushes -----------------------------------------------------------------
+    def push(self, request_id: str, index: int, tensor: torch.Tensor, release=None) -> bool:
+        return self.inbox.push(request_id, index, tensor, release)
+
+    # ---- loop thread --------------------------------------------------------------------------
+    def _add(self, engine: LLMEngine, ticket: PrefillTicket, mm: SequenceMultimodal | None) -> Sequence | None:
+        job = ticket.job
+        with self._lock:
+            if self._tickets.get(job.request_id) is not ticket:
+                return None  # aborted before the loop got to it
         # prefill samples exactly one token; decode applies the request's real limits after it
-        one = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        seq = engine.add_request(list(meta.token_ids), one, request_id=meta.request_id, mm=mm,
-                                 mm_items=item_spans(meta))
+        one = dataclasses.replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
+        seq = engine.add_request(job.token_ids, one, request_id=job.request_id, mm=mm, mm_items=job.items)
         if mm is not None and mm.embeddings is not None:
             rows = mm.embeddings
             seq.inputs_ready_until = mm.inputs_ready_until if self.overlap_with_encode else (
                 lambda: None if rows.is_complete() else 0)
+        ticket.seq = seq
         return seq
 
-    def _multimodal(self, meta: common_pb2.RequestMetadata, rows: ItemRows | None) -> SequenceMultimodal | None:
-        if not meta.items:
+    def _multimodal(self, job: PrefillJob, rows: ItemRows | None) -> SequenceMultimodal | None:
+        if not job.items:
             return None  # text only: positions are the token indices, delta 0
-        items = [(item.offset, tuple(item.grid_thw)) for item in meta.items]
-        positions, delta = self.family.mrope_positions(self.spec, len(meta.token_ids), items)
-        cumsum = cumsum_from_proto(meta)
-        return SequenceMultimodal(rows, embed_positions_from_cumsum(cumsum), cumsum, positions, delta)
+        layout = self.family.prompt_layout(self.spec, job.token_ids, job.items)
+        return SequenceMultimodal.from_layout(layout, rows)
 
-    def _wait_first_token(self, seq: Sequence, updates, rows: ItemRows | None, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            error = rows.first_error() if rows is not None else None
-            if error is not None:
-                self.loop.abort(seq, reason="error")
-                raise PrefillError(f"request {seq.request_id}: embeddings unavailable: {error}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.loop.abort(seq, reason="timeout")
-                raise PrefillError(f"request {seq.request_id}: no first token within {timeout_s:.1f} s "
-                                   f"({rows.num_ready_rows() if rows else 0} embedding rows arrived)")
-            try:
-                update = updates.get(timeout=min(remaining, 0.05))
-            except Exception:  # queue.Empty: poll the encoder error again
-                continue
-            if update.error:
-                raise PrefillError(f"request {seq.request_id}: {update.error}")
-            if update.token_ids:
-                return update
-
-    def _export_kv(self, seq: Sequence) -> None:
-        """Runs on the loop thread before the blocks are freed: copy out the prompt's KV, then
-        strip everything multimodal but the mrope delta (seed §6.7)."""
-        if seq.finish_reason == "abort" or seq.num_output_tokens == 0:
+    def _on_finish(self, seq: Sequence) -> None:
+        """Before the blocks are freed: copy out the prompt's KV unless the first token ends the
+        request (then decode is never called and nobody would read it)."""
+        with self._lock:
+            ticket = self._tickets.get(seq.request_id)
+        if ticket is None or ticket.seq is not seq or seq.finish_reason == "abort" or seq.num_output_tokens == 0:
             return
-        self._exports[seq.seq_id] = self.engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
-        if seq.mm is not None:
-            seq.mm.strip_for_generation()
+        job = ticket.job
+        ticket.finish_reason = stop_reason(job.sampling, job.eos_token_ids, 1, seq.output_token_ids[0])
+        if ticket.finish_reason is None:
+            ticket.kv = self.engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+
+    def _fail(self, request_id: str, error: str) -> None:
+        """A push could not be used: fail the request (its caller gets ``error``)."""
+        with self._lock:
+            ticket = self._tickets.get(request_id)
+        if ticket is not None:
+            self.loop.call(lambda engine: self._abort_on_loop(ticket, "abort", f"embeddings unusable: {error}"))
+
+    def _abort_on_loop(self, ticket: PrefillTicket, reason: str, error: str | None) -> None:
+        if ticket.seq is not None:
+            self.loop.abort(ticket.seq, reason, error=error)
+        else:  # not added yet (or refused): tell the caller directly
+            ticket.updates.put(TokenUpdate([], finish_reason=reason, error=error))
+            self._forget(ticket.job.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._tickets.pop(request_id, None)
+        self.inbox.finish(request_id)
+
+    @staticmethod
+    def _rows_arrived(ticket: PrefillTicket) -> str:
+        mm = ticket.seq.mm if ticket.seq is not None else None
+        if mm is None or mm.embeddings is None:
+            return "no embedding rows needed"
+        return f"{mm.embeddings.num_ready_rows()} of {mm.embeddings.total_rows} embedding rows arrived"

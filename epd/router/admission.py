@@ -1,4 +1,4 @@
-"""Admission by budget (seed §4, §5.5): a request that can never fit is refused at once with the
+"""Admission by budget: a request that can never fit is refused at once with the
 limit it breaks (400); one that fits but finds the cluster saturated waits in a bounded queue
 with a deadline, then gets 429 with Retry-After."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import contextlib
 from dataclasses import dataclass
 
 from epd.config import RouterConfig
-from epd.engine.sampling_params import SamplingParams
-from epd.router.types import RouterError
+from epd.errors import InvalidRequest, Overloaded
+from epd.types import SamplingParams
 
 _DEFAULT_OUTPUT_ROWS = 4096  # the encoder's default output budget: 16384 encoder tokens / merge 2x2
 
@@ -30,28 +30,28 @@ class RequestLimits:
 
     def check_num_items(self, num_items: int) -> None:
         if num_items > self.max_items_per_request:
-            raise RouterError(400, f"request has {num_items} images; the limit is {self.max_items_per_request} "
-                                   f"per request (max_items_per_request)", param="messages")
+            raise InvalidRequest(f"request has {num_items} images; the limit is {self.max_items_per_request} "
+                                 f"per request (max_items_per_request)", param="messages")
 
     def check_item_tokens(self, encoder_tokens: list[int]) -> None:
         limit = self.encoder_max_item_tokens
         for index, tokens in enumerate(encoder_tokens):
             if limit is not None and tokens > limit:
-                raise RouterError(400, f"image {index} needs {tokens} encoder tokens; the limit per image is "
-                                       f"{limit} (encoder_max_item_tokens); send a smaller image", param="messages")
+                raise InvalidRequest(f"image {index} needs {tokens} encoder tokens; the limit per image is "
+                                     f"{limit} (encoder_max_item_tokens); send a smaller image", param="messages")
 
     def check_prompt(self, num_prompt_tokens: int, num_embedding_rows: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens
         if total > self.max_model_len:
-            raise RouterError(400, f"prompt ({num_prompt_tokens} tokens, images included) + max_tokens "
-                                   f"({params.max_tokens}) = {total} exceeds the model length {self.max_model_len}",
-                              param="max_tokens")
+            raise InvalidRequest(f"prompt ({num_prompt_tokens} tokens, images included) + max_tokens "
+                                 f"({params.max_tokens}) = {total} exceeds the model length {self.max_model_len}",
+                                 param="max_tokens")
         embedding_bytes = num_embedding_rows * self.bytes_per_embedding_row
         if embedding_bytes > self.encoder_output_budget_bytes:
-            raise RouterError(400, f"the images need {num_embedding_rows} embedding rows ({embedding_bytes} bytes); "
-                                   f"the encoder output budget is {self.encoder_output_budget_bytes} bytes "
-                                   f"({self.encoder_output_budget_bytes // self.bytes_per_embedding_row} rows); "
-                                   f"send fewer or smaller images", param="messages")
+            raise InvalidRequest(f"the images need {num_embedding_rows} embedding rows ({embedding_bytes} bytes); "
+                                 f"the encoder output budget is {self.encoder_output_budget_bytes} bytes "
+                                 f"({self.encoder_output_budget_bytes // self.bytes_per_embedding_row} rows); "
+                                 f"send fewer or smaller images", param="messages")
 
 
 class AdmissionGate:
@@ -67,16 +67,15 @@ class AdmissionGate:
     @contextlib.asynccontextmanager
     async def slot(self):
         if self._slots.locked() and self.num_queued >= self.max_queued:
-            raise RouterError(429, f"server saturated: {self.num_active} requests running and "
-                                   f"{self.num_queued} queued (max_queued_requests={self.max_queued})",
-                              error_type="rate_limit_error", retry_after_s=self.queue_timeout_s)
+            raise Overloaded(f"server saturated: {self.num_active} requests running and "
+                             f"{self.num_queued} queued (max_queued_requests={self.max_queued})",
+                             retry_after_s=self.queue_timeout_s)
         self.num_queued += 1
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except asyncio.TimeoutError:
-            raise RouterError(429, f"server saturated: no slot freed within {self.queue_timeout_s:.0f} s of "
-                                   f"queueing ({self.num_active} running)", error_type="rate_limit_error",
-                              retry_after_s=self.queue_timeout_s) from None
+            raise Overloaded(f"server saturated: no slot freed within {self.queue_timeout_s:.0f} s of "
+                             f"queueing ({self.num_active} running)", retry_after_s=self.queue_timeout_s) from None
         finally:
             self.num_queued -= 1
         self.num_active += 1

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP front end: translates HTTP <-> ``ChatRequest``/``StreamEvent`` and
-delegates everything else to the ``RouterCore``.
+delegates everything else (media, preprocessing, stop strings, detokenization) to the ``RouterCore``.
 
 A request's HTTP status is decided by its first event: admission failures (400 never fits, 429
 saturated, 503 no workers) come before it and are answered as real error statuses, also when
@@ -24,12 +24,34 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd.router.media_fetch import FetchLimits, MediaFetcher
-from epd.router.openai_protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice,
-                                        ChoiceLogprobs, DeltaMessage, ErrorResponse, ModelCard, ModelList,
-                                        ResponseMessage, StopStrings, StreamChoice, TokenLogprob, Usage,
-                                        logprobs_content, parse_chat_body, to_chat_request)
-from epd.router.types import ChatRequest, RouterCore, RouterError, StreamEvent
+from epd.errors import (
+    EPDError,
+    ErrorCode,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    UpstreamError,
+)
+from epd.router.api import RouterCore
+from epd.router.openai_protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    DeltaMessage,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ResponseMessage,
+    StreamChoice,
+    TokenLogprob,
+    Usage,
+    logprobs_content,
+    parse_chat_body,
+    to_chat_request,
+)
+from epd.types import ChatRequest, StreamEvent
 
 log = logging.getLogger("epd.router.http")
 
@@ -43,15 +65,12 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(core: RouterCore, *, allowed_local_media_path: str | None = None, allow_private_network: bool = False,
-              default_max_tokens: int = 256, tokenizer=None, fetch_limits: FetchLimits | None = None) -> FastAPI:
+def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings."""
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
-    fetcher = MediaFetcher(allowed_local_media_path=allowed_local_media_path,
-                           allow_private_network=allow_private_network, limits=fetch_limits or FetchLimits())
-    chat = _ChatCompletions(core, fetcher, _TokenText(tokenizer), default_max_tokens)
+    chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -66,9 +85,8 @@ def build_app(core: RouterCore, *, allowed_local_media_path: str | None = None, 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
         if model_id != core.model_name:
-            return error_response(RouterError(404, f"model {model_id!r} does not exist; this server serves "
-                                                   f"{core.model_name!r}", error_type="not_found_error",
-                                              param="model"))
+            return error_response(NotFound(f"model {model_id!r} does not exist; this server serves "
+                                           f"{core.model_name!r}", param="model"))
         return JSONResponse(ModelCard(id=core.model_name, created=created).model_dump())
 
     @app.get("/health")
@@ -85,30 +103,30 @@ def build_app(core: RouterCore, *, allowed_local_media_path: str | None = None, 
         return Response(await _maybe_await(core.metrics_text()), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return error_response(RouterError(exc.status_code, str(exc.detail), error_type=None))
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:  # unknown route, wrong method
+        code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.INVALID_ARGUMENT
+        body = ErrorResponse.of(exc.status_code, str(exc.detail), code.openai_type)
+        return JSONResponse(body.model_dump(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
     async def unexpected_error(_: Request, exc: Exception) -> Response:
         log.error("unhandled error in the HTTP app", exc_info=exc)
-        return error_response(RouterError(500, "internal server error", error_type="server_error"))
+        return error_response(InternalError("internal server error"))
 
     return app
 
 
-def error_response(err: RouterError) -> JSONResponse:
-    """A ``RouterError`` as OpenAI sends errors; 429 carries Retry-After in whole seconds."""
-    body = ErrorResponse.of(err.status, err.message, err.error_type, err.param)
+def error_response(err: EPDError) -> JSONResponse:
+    """An ``EPDError`` as OpenAI sends errors; 429 carries Retry-After in whole seconds."""
     headers = {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(0, math.ceil(err.retry_after_s)))
-    return JSONResponse(body.model_dump(), status_code=err.status, headers=headers)
+    return JSONResponse(ErrorResponse.of_error(err).model_dump(), status_code=err.http_status, headers=headers)
 
 
 class _ChatCompletions:
-    def __init__(self, core: RouterCore, fetcher: MediaFetcher, token_text: Callable[[int], str],
-                 default_max_tokens: int) -> None:
-        self.core, self.fetcher, self.token_text = core, fetcher, token_text
+    def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int) -> None:
+        self.core, self.token_text = core, token_text
         self.default_max_tokens = default_max_tokens
 
     async def handle(self, request: Request) -> Response:
@@ -117,25 +135,23 @@ class _ChatCompletions:
         try:
             body = parse_chat_body(await _read_json(request))
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
-            chat.messages = await self.fetcher.resolve(chat.messages)
             pump = _CorePump(self.core, chat)
             first = await pump.next(request)
             if first is None:
-                raise RouterError(502, "the router's stream ended before any output", error_type="server_error")
+                raise UpstreamError("the router's stream ended before any output")
             out = _Completion(request_id, self.core.model_name, body, chat, self.token_text)
             if body.stream:
                 stream, pump = self._stream(request, pump, first, out), None  # the stream owns the pump now
                 return StreamingResponse(stream, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
             return await self._complete(request, pump, first, out)
-        except RouterError as err:
+        except EPDError as err:
             return error_response(err)
         except _ClientGone:
             return Response(status_code=_STATUS_CLIENT_GONE)
         except Exception:
             log.exception("request %s failed", request_id)
-            return error_response(RouterError(500, f"internal server error (request {request_id})",
-                                              error_type="server_error"))
+            return error_response(InternalError(f"internal server error (request {request_id})"))
         finally:
             if pump is not None:
                 pump.close()
@@ -150,10 +166,10 @@ class _ChatCompletions:
             if out.finish_reason:
                 break
             event = await pump.next(request)
-            if event is None:
-                text.append(out.end_without_finish())
+            if event is None:  # the core's stream ended with no finish reason
+                out.finish_reason = "stop"
                 break
-        pump.close(cancel=out.stopped_by_string)
+        pump.close(cancel=False)
         response = ChatCompletionResponse(
             id=out.request_id, created=out.created, model=out.model, usage=out.usage(),
             prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None,
@@ -175,9 +191,9 @@ class _ChatCompletions:
                 if out.finish_reason:
                     break
                 event = await pump.next(request)
-            if event is None and (tail := out.end_without_finish()):
-                yield _sse(out.chunk(DeltaMessage(content=tail)))
-            cancel = out.stopped_by_string
+            if event is None:  # the core's stream ended with no finish reason
+                out.finish_reason = "stop"
+            cancel = False
             yield _sse(out.chunk(DeltaMessage(), finish_reason=out.finish_reason))
             if out.include_usage:
                 yield _sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
@@ -185,20 +201,20 @@ class _ChatCompletions:
             yield b"data: [DONE]\n\n"
         except _ClientGone:
             log.info("request %s: client went away; cancelling", out.request_id)
-        except RouterError as err:
-            yield _sse(ErrorResponse.of(err.status, err.message, err.error_type, err.param))
+        except EPDError as err:
+            yield _sse(ErrorResponse.of_error(err))
             yield b"data: [DONE]\n\n"
         except Exception:
             log.exception("request %s failed mid-stream", out.request_id)
-            yield _sse(ErrorResponse.of(500, f"internal server error (request {out.request_id})", "server_error"))
+            yield _sse(ErrorResponse.of_error(InternalError(f"internal server error (request {out.request_id})")))
             yield b"data: [DONE]\n\n"
         finally:  # also on the client leaving: the ASGI server cancels or closes this generator
             pump.close(cancel=cancel)
 
 
 class _Completion:
-    """One request's output as it accumulates: text through the stop-string filter, counts, and
-    the per-event pieces that go into chunks or the final response."""
+    """One request's output as it accumulates: counts, and the per-event pieces that go into
+    chunks or the final response."""
 
     def __init__(self, request_id: str, model: str, body: ChatCompletionRequest, chat: ChatRequest,
                  token_text: Callable[[int], str]) -> None:
@@ -206,11 +222,9 @@ class _Completion:
         self.return_token_ids, self.include_usage = bool(body.return_token_ids), body.include_usage
         self.num_logprobs = chat.sampling.logprobs
         self.token_text = token_text
-        self.stops = StopStrings(chat.stop_strings)
         self.prompt_token_ids: list[int] = []
         self.num_cached_tokens = self.num_completion_tokens = 0
         self.finish_reason: str | None = None
-        self.stopped_by_string = False
 
     def add(self, event: StreamEvent) -> tuple[str, list[int], list[TokenLogprob] | None]:
         """(text to send, token ids, logprobs entries or None when not asked for)."""
@@ -218,20 +232,10 @@ class _Completion:
             self.prompt_token_ids = list(event.prompt_token_ids)
             self.num_cached_tokens = event.num_cached_tokens
         self.num_completion_tokens += len(event.token_ids)
-        text, self.stopped_by_string = self.stops.feed(event.text)
-        if self.stopped_by_string:
-            self.finish_reason = "stop"
-        elif event.finish_reason:
-            text += self.stops.flush()
-            self.finish_reason = event.finish_reason
+        self.finish_reason = event.finish_reason or self.finish_reason
         logprobs = (logprobs_content(event.logprobs, self.token_text, self.num_logprobs)
                     if self.num_logprobs is not None else None)
-        return text, list(event.token_ids), logprobs
-
-    def end_without_finish(self) -> str:
-        """The core's stream ended with no finish reason: finish as "stop" with what was held back."""
-        self.finish_reason = "stop"
-        return self.stops.flush()
+        return event.text, list(event.token_ids), logprobs
 
     def usage(self) -> Usage:
         return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
@@ -264,7 +268,7 @@ class _CorePump:
             async for event in events:
                 self._queue.put_nowait(event)
             self._queue.put_nowait(None)
-        except Exception as exc:  # RouterError or a bug: the reader raises it
+        except Exception as exc:  # an EPDError or a bug: the reader raises it
             self._queue.put_nowait(exc)
         finally:
             aclose = getattr(events, "aclose", None)
@@ -328,7 +332,7 @@ async def _read_json(request: Request):
     try:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RouterError(400, f"the request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
 
 
 async def _maybe_await(value):

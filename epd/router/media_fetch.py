@@ -1,7 +1,6 @@
-"""Turn every ``image_url`` part of a request into bytes before the request reaches the core.
-
-``data:`` URLs and local files go through ``load_media_bytes`` (files only under the allowed
-root). ``http(s)`` URLs are fetched here, and everything about them is untrusted:
+"""Every image of a request, from either front end, becomes bytes here and only here: parts with
+bytes pass (checked), ``data:`` URLs and local files go through ``load_media_bytes`` (files only
+under the allowed root), ``http(s)`` URLs are fetched, and everything about them is untrusted:
 
 * the body is streamed and dropped once it passes ``max_bytes`` (a declared Content-Length over
   the limit is refused before reading);
@@ -12,7 +11,7 @@ root). ``http(s)`` URLs are fetched here, and everything about them is untrusted
   a private one (DNS rebinding);
 * environment proxies are ignored, so the checked address is the one connected to.
 
-Every failure is a ``RouterError(400)`` naming the URL (shortened) and what was wrong.
+Every failure is an ``InvalidRequest`` (400) naming the part, the URL (shortened) and what was wrong.
 """
 from __future__ import annotations
 
@@ -25,8 +24,16 @@ from dataclasses import dataclass
 
 import httpx
 
-from epd.multimodal.media import DEFAULT_LIMITS, MediaError, MediaLimits, load_media_bytes, read_image_size
-from epd.router.types import RouterError
+from epd.errors import InvalidRequest
+from epd.multimodal.media import (
+    DEFAULT_LIMITS,
+    LocalFileRefused,
+    MediaError,
+    MediaLimits,
+    load_media_bytes,
+    read_image_size,
+)
+from epd.multimodal.messages import IMAGE_PART_TYPES
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _URL_PREVIEW_CHARS = 100
@@ -62,21 +69,20 @@ class MediaFetcher:
                                         max_pixels=media_limits.max_pixels, max_side_px=media_limits.max_side_px)
 
     async def resolve(self, messages: list[dict]) -> list[dict]:
-        """A copy of ``messages`` with each ``image_url`` part replaced by ``{"type": "image",
-        "image": <bytes>}``; all images load concurrently."""
-        slots: list[tuple[int, int, str]] = []  # (message index, part index, url)
+        """A copy of ``messages`` with every image part (``image_url`` with a URL, ``image`` with
+        bytes or a URL) replaced by ``{"type": "image", "image": <bytes>}``; all load concurrently."""
+        slots: list[tuple[int, int, dict]] = []  # (message index, part index, part)
         for i, message in enumerate(messages):
             content = message.get("content")
             for j, part in enumerate(content if isinstance(content, list) else ()):
-                if isinstance(part, dict) and part.get("type") == "image_url":
-                    slots.append((i, j, _part_url(part)))
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    slots.append((i, j, part))
         if not slots:
             return messages
         if len(slots) > self.limits.max_items:
-            raise RouterError(400, f"request has {len(slots)} images; the limit is {self.limits.max_items} per "
-                                   f"request (max_items_per_request)", param="messages")
-        tasks = [asyncio.ensure_future(self.load(url, f"messages[{i}].content[{j}].image_url.url"))
-                 for i, j, url in slots]
+            raise InvalidRequest(f"request has {len(slots)} images; the limit is {self.limits.max_items} per "
+                                 f"request (max_items_per_request)", param="messages")
+        tasks = [asyncio.ensure_future(self._load_part(part, f"messages[{i}].content[{j}]")) for i, j, part in slots]
         try:
             loaded = await asyncio.gather(*tasks)
         finally:  # one bad image fails the request: stop downloading the others
@@ -86,6 +92,22 @@ class MediaFetcher:
         for (i, j, _), data in zip(slots, loaded):
             out[i]["content"][j] = {"type": "image", "image": data}
         return out
+
+    async def _load_part(self, part: dict, where: str) -> bytes:
+        source = part.get("image") if part.get("image") is not None else part.get("image_url")
+        if isinstance(source, dict):
+            source = source.get("url")
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            try:
+                data = load_media_bytes(bytes(source), limits=self.media_limits)
+                await asyncio.to_thread(read_image_size, data)
+                return data
+            except MediaError as exc:
+                raise InvalidRequest(f"{where}: {exc}", param="messages") from None
+        if not isinstance(source, str) or not source:
+            raise InvalidRequest(f"{where} needs image bytes or a non-empty URL, got {source!r:.80}",
+                                 param="messages")
+        return await self.load(source, f"{where}.image_url.url")
 
     async def load(self, url: str, param: str = "image_url") -> bytes:
         """One image's encoded bytes, checked to carry a readable image header."""
@@ -100,19 +122,17 @@ class MediaFetcher:
             reason = f"no complete response within {self.limits.timeout_s:g} s"
         except (_FetchError, MediaError) as exc:
             reason = str(exc)
-        raise RouterError(400, f"image_url {_preview(url)!r} ({param}): {reason}", param=param)
+        raise InvalidRequest(f"image_url {_preview(url)!r} ({param}): {reason}", param=param)
 
     # ---- data: and local files ----------------------------------------------------------------
     def _load_local(self, url: str) -> bytes:
         try:
             return load_media_bytes(url, allowed_local_root=self.allowed_local_media_path, limits=self.media_limits)
-        except MediaError as exc:
-            if self.allowed_local_media_path is None and _scheme(url) in (None, "file"):
+        except LocalFileRefused as exc:
+            if self.allowed_local_media_path is None:
                 raise _FetchError("local files are refused: this server was started without "
                                   "--allowed-local-media-path; send the image as a data: URL or http(s) URL") from None
-            if "outside the allowed root" in str(exc):
-                raise _FetchError(f"{exc} (--allowed-local-media-path)") from None
-            raise
+            raise _FetchError(f"{exc} (--allowed-local-media-path)") from None
 
     # ---- http(s) ------------------------------------------------------------------------------
     async def _fetch(self, url: str) -> bytes:
@@ -204,14 +224,6 @@ def non_public_kind(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | 
         if getattr(ip, f"is_{kind}"):
             return kind.replace("_", "-")
     return None if ip.is_global else "non-global"
-
-
-def _part_url(part: dict) -> str:
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
-    if not isinstance(url, str) or not url:
-        raise RouterError(400, f"image_url part needs a non-empty url, got {image_url!r:.80}", param="messages")
-    return url
 
 
 def _scheme(url: str) -> str | None:

@@ -3,9 +3,16 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ADMISSION_REASONS = {400: "never_fits", 429: "saturated", 503: "no_workers"}
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -41,6 +48,13 @@ class RouterMetrics:
         self.ttft.observe(ttft_s)
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_tokens.inc(num_cached_tokens)
+
+    def observe_error(self, err) -> None:
+        """A request that ended in an ``EPDError``: by status, and by reason when admission refused it."""
+        reason = _ADMISSION_REASONS.get(err.http_status)
+        if reason:
+            self.rejections.labels(reason).inc()
+        self.requests.labels(f"error_{err.http_status}").inc()
 
     def observe_done(self, start_s: float, first_token_s: float | None, num_tokens: int) -> None:
         """A finished request; times from ``time.monotonic()``."""

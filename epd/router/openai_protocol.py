@@ -14,9 +14,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from epd.engine.sampling_params import SamplingParams
-from epd.engine.sequence import TokenLogprobs
-from epd.router.types import ChatRequest, RouterError
+from epd.errors import EPDError, InvalidRequest
+from epd.types import ChatRequest, SamplingParams, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
@@ -99,21 +98,21 @@ class ChatCompletionRequest(_Lenient):
 def parse_chat_body(body: Any) -> ChatCompletionRequest:
     """A decoded JSON body -> the request model, or a 400 naming the first field that is wrong."""
     if not isinstance(body, Mapping):
-        raise RouterError(400, f"expected a JSON object as the request body, got {type(body).__name__}")
+        raise InvalidRequest(f"expected a JSON object as the request body, got {type(body).__name__}")
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
         raise _validation_error(exc.errors()) from None
 
 
-def _validation_error(errors: list[dict]) -> RouterError:
+def _validation_error(errors: list[dict]) -> InvalidRequest:
     # A union reports one error per member; the deepest one is what the client got wrong.
     deepest = max(errors, key=lambda e: len(e["loc"]))
     param = _error_location(deepest["loc"])
     same_place = [e for e in errors if _error_location(e["loc"]) == param]
     messages = list(dict.fromkeys(e["msg"] for e in same_place))
     got = "" if deepest["type"] == "missing" else f"; got {_short(deepest.get('input'))}"
-    return RouterError(400, f"{param or 'body'}: {', or '.join(messages)}{got}", param=param or None)
+    return InvalidRequest(f"{param or 'body'}: {', or '.join(messages)}{got}", param=param or None)
 
 
 _TYPE_LABELS = ("str", "int", "float", "bool")
@@ -143,13 +142,13 @@ def _short(value: Any, limit: int = 80) -> str:
 def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
                     default_max_tokens: int) -> ChatRequest:
     """Validate sampling values against OpenAI semantics and convert once into a ``ChatRequest``.
-    Image parts keep their ``image_url``; ``media_fetch`` turns them into bytes."""
+    Image parts keep their ``image_url``; the router's pipeline turns them into bytes."""
     if not isinstance(body, ChatCompletionRequest):
         body = parse_chat_body(body)
     if body.n not in (None, 1):
-        raise RouterError(400, f"n must be 1 (one choice per request), got {body.n}", param="n")
+        raise InvalidRequest(f"n must be 1 (one choice per request), got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
-        raise RouterError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,
                        default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop))
 
@@ -202,48 +201,7 @@ def _message_dict(message: ChatMessage) -> dict:
 
 def _require(ok: bool, param: str, expected: str, got: Any) -> None:
     if not ok:
-        raise RouterError(400, f"{param} must be {expected}, got {got!r}", param=param)
-
-
-# ---------------------------------------------------------------------------
-# Stop strings (applied by the front end to the detokenized text)
-# ---------------------------------------------------------------------------
-
-
-class StopStrings:
-    """Cuts the output at the first stop string. Text that could still grow into a stop string
-    is held back, so a stop split across two events is never partly sent."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._held = ""  # text received but not yet released: a suffix that is a prefix of a stop
-
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Returns (text that is safe to send now, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buffer[:min(hits)], True
-        keep = self._longest_stop_prefix_suffix(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return buffer[:len(buffer) - keep], False
-
-    def flush(self) -> str:
-        """The held-back text, once no more text will come."""
-        held, self._held = self._held, ""
-        return held
-
-    def _longest_stop_prefix_suffix(self, buffer: str) -> int:
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
-                if buffer.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+        raise InvalidRequest(f"{param} must be {expected}, got {got!r}", param=param)
 
 
 # ---------------------------------------------------------------------------
@@ -368,12 +326,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
     @classmethod
-    def of(cls, status: int, message: str, error_type: str | None = None, param: str | None = None
-           ) -> "ErrorResponse":
-        return cls(error=ErrorInfo(message=message, type=error_type or _default_error_type(status),
-                                   param=param, code=status))
+    def of(cls, status: int, message: str, error_type: str, param: str | None = None) -> "ErrorResponse":
+        return cls(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
 
-
-def _default_error_type(status: int) -> str:
-    return {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-            429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+    @classmethod
+    def of_error(cls, err: EPDError) -> "ErrorResponse":
+        return cls.of(err.http_status, err.message, err.code.openai_type, err.param)

@@ -10,7 +10,7 @@ import grpc
 import uvicorn
 
 from epd.config import RouterConfig, from_dict, load_yaml
-from epd.router.core import Router
+from epd.router.pipeline import RequestPipeline
 from epd.serving import GRPC_OPTIONS, READY_PREFIX, configure_logging
 
 log = logging.getLogger("epd.router")
@@ -47,7 +47,27 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return from_dict(RouterConfig, data)
 
 
-def add_admin_routes(app, router: Router) -> None:
+def build_pipeline(args: argparse.Namespace, config: RouterConfig) -> RequestPipeline:
+    """The pipeline over the backend the flags ask for (blocking: the in-process one loads the model)."""
+    from epd.models.presets import resolve_model
+    from epd.models.registry import family_for
+    from epd.router.media_fetch import FetchLimits, MediaFetcher
+
+    model_dir = resolve_model(config.model)
+    if getattr(args, "aggregated", False):
+        from epd.router.backends.in_process import InProcessBackend
+        backend = InProcessBackend(model_dir)
+    else:
+        from epd.router.backends.disaggregated import DisaggregatedBackend
+        row_bytes = family_for(model_dir).mm_spec(model_dir).embedding_dim * 4  # encoders emit float32 by default
+        backend = DisaggregatedBackend(config, embedding_row_bytes=row_bytes)
+    media = MediaFetcher(allowed_local_media_path=args.allowed_local_media_path,
+                         allow_private_network=args.allow_private_network,
+                         limits=FetchLimits(max_items=config.max_items_per_request))
+    return RequestPipeline(model_dir, config, backend, media=media)
+
+
+def add_admin_routes(app, router) -> None:
     """Scale a tier at run time: launchers (Ray, scripts) register new workers and drain old ones."""
     from fastapi import Body
     from fastapi.responses import JSONResponse
@@ -71,27 +91,19 @@ def add_admin_routes(app, router: Router) -> None:
 
 
 async def serve(args: argparse.Namespace, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
-    from epd.models.presets import resolve_model
     from epd.router.grpc_api import add_router_grpc
     from epd.router.http_app import build_app
-    from epd.router.media_fetch import FetchLimits
 
     config = router_config(args)
-    if getattr(args, "aggregated", False):
-        from epd.aggregated import AggregatedCore
-        router = await asyncio.to_thread(AggregatedCore, resolve_model(config.model), config)
-    else:
-        router = Router(resolve_model(config.model), config)
+    router = await asyncio.to_thread(build_pipeline, args, config)
     await router.start()
     grpc_server = grpc.aio.server(options=GRPC_OPTIONS)
-    add_router_grpc(grpc_server, router, allowed_local_media_path=args.allowed_local_media_path)
+    add_router_grpc(grpc_server, router)
     grpc_port = grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await grpc_server.start()
-    app = build_app(router, allowed_local_media_path=args.allowed_local_media_path,
-                    allow_private_network=args.allow_private_network, tokenizer=router.tokenizer,
-                    fetch_limits=FetchLimits(max_items=config.max_items_per_request))
-    if isinstance(router, Router):
-        add_admin_routes(app, router)
+    app = build_app(router, tokenizer=router.tokenizer)
+    if hasattr(router.backend, "workers"):
+        add_admin_routes(app, router.backend)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     if on_server is not None:

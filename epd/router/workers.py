@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from epd.router.routing import Candidate
+from epd.transport.channels import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("epd.router")
 
+TIERS = ("encoder", "prefill", "decode")
 _STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "prefill": prefill_pb2_grpc.PrefillStub,
           "decode": decode_pb2_grpc.DecodeStub}
 
@@ -49,14 +51,15 @@ class WorkerState:
 class WorkerRegistry:
     def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
                  health_timeout_s: float = 2.0, unhealthy_after: int = 2) -> None:
-        self._options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        self.workers = {tier: [WorkerState(tier, a, grpc.aio.insecure_channel(a, options=self._options))
-                               for a in addrs] for tier, addrs in workers.items()}
+        self._initial = {tier: list(addresses) for tier, addresses in workers.items()}
+        self.workers: dict[str, list[WorkerState]] = {tier: [] for tier in workers}
         self.health_period_s, self.health_timeout_s = health_period_s, health_timeout_s
         self.unhealthy_after = unhealthy_after
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
+        """Open the channels (on the running loop: grpc.aio channels belong to one) and check all."""
+        self.workers = {tier: [_state(tier, a) for a in addresses] for tier, addresses in self._initial.items()}
         await self.check_all()
         self._task = asyncio.create_task(self._poll_forever())
 
@@ -78,7 +81,7 @@ class WorkerRegistry:
         if existing:
             existing[0].draining = False
             return existing[0]
-        w = WorkerState(tier, address, grpc.aio.insecure_channel(address, options=self._options))
+        w = _state(tier, address)
         self.workers[tier].append(w)
         await self._check(w)
         return w
@@ -129,3 +132,7 @@ class WorkerRegistry:
         if not w.healthy:
             log.info("%s %s is healthy; in rotation", w.tier, w.address)
         w.healthy, w.consecutive_failures = True, 0
+
+
+def _state(tier: str, address: str) -> WorkerState:
+    return WorkerState(tier, address, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"j\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\x12\x14\n\x0ckv_transport\x18\x03 \x01(\t\"\x95\x01\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\'\n\x08logprobs\x18\x02 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r2\xb2\x01\n\x06\x44\x65\x63ode\x12\x39\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x12.epd.v1.TokenChunk0\x01\x12\x34\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x15.epd.v1.AbortResponse\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"c\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResult\"_\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\'\n\x08logprobs\x18\x02 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t2|\n\x06\x44\x65\x63ode\x12\x39\n\x08Generate\x12\x17.epd.v1.GenerateRequest\x1a\x12.epd.v1.TokenChunk0\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.decode_pb2', _global
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=52
-  _globals['_GENERATEREQUEST']._serialized_end=158
-  _globals['_TOKENCHUNK']._serialized_start=161
-  _globals['_TOKENCHUNK']._serialized_end=310
-  _globals['_DECODE']._serialized_start=313
-  _globals['_DECODE']._serialized_end=491
+  _globals['_GENERATEREQUEST']._serialized_end=151
+  _globals['_TOKENCHUNK']._serialized_start=153
+  _globals['_TOKENCHUNK']._serialized_end=248
+  _globals['_DECODE']._serialized_start=250
+  _globals['_DECODE']._serialized_end=374
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class DecodeStub:
-    """The decode tier: imports KV from prefill, holds only each request's mrope delta, streams tokens.
+    """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
+    tokens. Cancelling Generate aborts the request.
     """
 
     def __init__(self, channel):
@@ -41,11 +42,6 @@ class DecodeStub:
                 request_serializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_decode__pb2.TokenChunk.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/epd.v1.Decode/Abort',
-                request_serializer=epd_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=epd_dot_v1_dot_common__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.Health = channel.unary_unary(
                 '/epd.v1.Decode/Health',
                 request_serializer=epd_dot_v1_dot_common__pb2.HealthRequest.SerializeToString,
@@ -54,16 +50,11 @@ class DecodeStub:
 
 
 class DecodeServicer:
-    """The decode tier: imports KV from prefill, holds only each request's mrope delta, streams tokens.
+    """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
+    tokens. Cancelling Generate aborts the request.
     """
 
     def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,11 +74,6 @@ def add_DecodeServicer_to_server(servicer, server):
                     request_deserializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
                     response_serializer=epd_dot_v1_dot_decode__pb2.TokenChunk.SerializeToString,
             ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=epd_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=epd_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
-            ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
                     request_deserializer=epd_dot_v1_dot_common__pb2.HealthRequest.FromString,
@@ -102,7 +88,8 @@ def add_DecodeServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Decode:
-    """The decode tier: imports KV from prefill, holds only each request's mrope delta, streams tokens.
+    """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
+    tokens. Cancelling Generate aborts the request.
     """
 
     @staticmethod
@@ -122,33 +109,6 @@ class Decode:
             '/epd.v1.Decode/Generate',
             epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
             epd_dot_v1_dot_decode__pb2.TokenChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/epd.v1.Decode/Abort',
-            epd_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            epd_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -23,24 +23,25 @@ _sym_db = _symbol_database.Default()
 
 
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
-from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x13\x65pd/v1/tensor.proto\">\n\x15PushEmbeddingsRequest\x12%\n\x06pushes\x18\x01 \x03(\x0b\x32\x15.epd.v1.EmbeddingPush\".\n\x16PushEmbeddingsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\"P\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12\x14\n\x0ckv_transport\x18\x02 \x01(\t\"\xdc\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12-\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x15.epd.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.epd.v1.TensorHandle\x12\x13\n\x0bmrope_delta\x18\x04 \x01(\x03\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rfinish_reason\x18\x07 \x01(\t2\x85\x02\n\x07Prefill\x12O\n\x0ePushEmbeddings\x12\x1d.epd.v1.PushEmbeddingsRequest\x1a\x1e.epd.v1.PushEmbeddingsResponse\x12:\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x17.epd.v1.PrefillResponse\x12\x34\n\x05\x41\x62ort\x12\x14.epd.v1.AbortRequest\x1a\x15.epd.v1.AbortResponse\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\">\n\x15PushEmbeddingsRequest\x12%\n\x06pushes\x18\x01 \x03(\x0b\x32\x15.epd.v1.EmbeddingPush\".\n\x16PushEmbeddingsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\"P\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12\x14\n\x0ckv_transport\x18\x02 \x01(\t\"\x11\n\x0fPrefillAccepted\"m\n\x0cPrefillReply\x12+\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x17.epd.v1.PrefillAcceptedH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResultH\x00\x42\x07\n\x05reply2\xce\x01\n\x07Prefill\x12O\n\x0ePushEmbeddings\x12\x1d.epd.v1.PushEmbeddingsRequest\x1a\x1e.epd.v1.PushEmbeddingsResponse\x12\x39\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x14.epd.v1.PrefillReply0\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.prefill_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PUSHEMBEDDINGSREQUEST']._serialized_start=74
-  _globals['_PUSHEMBEDDINGSREQUEST']._serialized_end=136
-  _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_start=138
-  _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_end=184
-  _globals['_PREFILLREQUEST']._serialized_start=186
-  _globals['_PREFILLREQUEST']._serialized_end=266
-  _globals['_PREFILLRESPONSE']._serialized_start=269
-  _globals['_PREFILLRESPONSE']._serialized_end=489
-  _globals['_PREFILL']._serialized_start=492
-  _globals['_PREFILL']._serialized_end=753
+  _globals['_PUSHEMBEDDINGSREQUEST']._serialized_start=53
+  _globals['_PUSHEMBEDDINGSREQUEST']._serialized_end=115
+  _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_start=117
+  _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_end=163
+  _globals['_PREFILLREQUEST']._serialized_start=165
+  _globals['_PREFILLREQUEST']._serialized_end=245
+  _globals['_PREFILLACCEPTED']._serialized_start=247
+  _globals['_PREFILLACCEPTED']._serialized_end=264
+  _globals['_PREFILLREPLY']._serialized_start=266
+  _globals['_PREFILLREPLY']._serialized_end=375
+  _globals['_PREFILL']._serialized_start=378
+  _globals['_PREFILL']._serialized_end=584
 # @@protoc_insertion_point(module_scope)

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 
 class PrefillStub:
-    """The prefill tier. Also serves TensorStore for the KV handles it produced.
+    """The prefill tier: hears from the router (Prefill, and cancels of it) and from encoders (pushes).
+    Also serves TensorStore for the KV handles it produced.
     """
 
     def __init__(self, channel):
@@ -41,15 +42,10 @@ class PrefillStub:
                 request_serializer=epd_dot_v1_dot_prefill__pb2.PushEmbeddingsRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_prefill__pb2.PushEmbeddingsResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
+        self.Prefill = channel.unary_stream(
                 '/epd.v1.Prefill/Prefill',
                 request_serializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
-                _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/epd.v1.Prefill/Abort',
-                request_serializer=epd_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-                response_deserializer=epd_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                response_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/epd.v1.Prefill/Health',
@@ -59,7 +55,8 @@ class PrefillStub:
 
 
 class PrefillServicer:
-    """The prefill tier. Also serves TensorStore for the KV handles it produced.
+    """The prefill tier: hears from the router (Prefill, and cancels of it) and from encoders (pushes).
+    Also serves TensorStore for the KV handles it produced.
     """
 
     def PushEmbeddings(self, request, context):
@@ -70,14 +67,8 @@ class PrefillServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Prefill(self, request, context):
-        """decode -> prefill
+        """router -> prefill
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -96,15 +87,10 @@ def add_PrefillServicer_to_server(servicer, server):
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.PushEmbeddingsRequest.FromString,
                     response_serializer=epd_dot_v1_dot_prefill__pb2.PushEmbeddingsResponse.SerializeToString,
             ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
+            'Prefill': grpc.unary_stream_rpc_method_handler(
                     servicer.Prefill,
                     request_deserializer=epd_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=epd_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=epd_dot_v1_dot_common__pb2.AbortRequest.FromString,
-                    response_serializer=epd_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+                    response_serializer=epd_dot_v1_dot_prefill__pb2.PrefillReply.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -120,7 +106,8 @@ def add_PrefillServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Prefill:
-    """The prefill tier. Also serves TensorStore for the KV handles it produced.
+    """The prefill tier: hears from the router (Prefill, and cancels of it) and from encoders (pushes).
+    Also serves TensorStore for the KV handles it produced.
     """
 
     @staticmethod
@@ -161,39 +148,12 @@ class Prefill:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/epd.v1.Prefill/Prefill',
             epd_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            epd_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/epd.v1.Prefill/Abort',
-            epd_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
-            epd_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            epd_dot_v1_dot_prefill__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,

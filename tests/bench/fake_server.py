@@ -1,7 +1,8 @@
 """A fake EPD router for the bench tests: a scripted ``RouterCore`` with fixed delays (first token
 after ``first_delay_s``, then one token every ``itl_s``) behind the real OpenAI HTTP app (uvicorn)
-and the real public gRPC service, both on 127.0.0.1 in threads. Its ``/metrics`` counts requests,
-and "encodes" (counts) each distinct image once, as an encoder cache would."""
+and the real public gRPC service, both on 127.0.0.1 in threads. It resolves images with the
+router's real ``MediaFetcher`` (as the pipeline does), its ``/metrics`` counts requests, and it
+"encodes" (counts) each distinct image once, as an encoder cache would."""
 from __future__ import annotations
 
 import asyncio
@@ -15,9 +16,11 @@ from collections.abc import Iterator
 import grpc
 import uvicorn
 
+from epd.errors import Overloaded
 from epd.router.grpc_api import add_router_grpc
 from epd.router.http_app import build_app
-from epd.router.types import ChatRequest, RouterError, StreamEvent
+from epd.router.media_fetch import MediaFetcher
+from epd.types import ChatRequest, StreamEvent
 
 
 class DelayCore:
@@ -36,7 +39,8 @@ class DelayCore:
         self.active = 0
         self.cancelled = 0
 
-    def generate(self, request: ChatRequest):
+    async def generate(self, request: ChatRequest):
+        request.messages = await MediaFetcher().resolve(request.messages)
         with self._lock:
             self.requests.append(request)
             number = len(self.requests)
@@ -46,14 +50,11 @@ class DelayCore:
                         self.images_seen.add(hashlib.sha256(part["image"]).hexdigest())
                         self.num_images += 1
         if self.fail_every and number % self.fail_every == 0:
-            return self._fail()
-        return self._play(request)
-
-    async def _fail(self):
-        with self._lock:
-            self.outcomes["error_429"] = self.outcomes.get("error_429", 0) + 1
-        raise RouterError(429, "saturated (fake)", error_type="rate_limit_error", retry_after_s=1)
-        yield  # an async generator
+            with self._lock:
+                self.outcomes["error_429"] = self.outcomes.get("error_429", 0) + 1
+            raise Overloaded("saturated (fake)", retry_after_s=1)
+        async for event in self._play(request):
+            yield event
 
     async def _play(self, request: ChatRequest):
         n = request.sampling.max_tokens

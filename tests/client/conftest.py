@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from epd.router.media_fetch import MediaFetcher
 from tests.client.fakes import FakeCore, RouterServerThread
 
 
@@ -12,8 +13,8 @@ def media_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(media_root):
-    core = FakeCore()
-    with RouterServerThread(core, allowed_local_media_path=str(media_root)) as server:
+    core = FakeCore(MediaFetcher(allowed_local_media_path=str(media_root)))
+    with RouterServerThread(core) as server:
         yield server
 
 

@@ -1,4 +1,6 @@
-"""A scripted RouterCore and a real grpc.aio router server around it, on 127.0.0.1 in a thread."""
+"""A scripted RouterCore and a real grpc.aio router server around it, on 127.0.0.1 in a thread.
+The fake resolves media with the router's real ``MediaFetcher`` (as the pipeline does first), so
+SDK tests see what the backend would get; the rest (events, errors) is scripted."""
 from __future__ import annotations
 
 import asyncio
@@ -6,10 +8,10 @@ import threading
 
 import grpc
 
-from epd.engine.sequence import TokenLogprobs
 from epd.router.grpc_api import add_router_grpc
-from epd.router.types import ChatRequest, StreamEvent
+from epd.router.media_fetch import MediaFetcher
 from epd.serving import GRPC_OPTIONS
+from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
 
 def default_events() -> list[StreamEvent]:
@@ -28,7 +30,8 @@ class FakeCore:
 
     model_name = "fake-vl"
 
-    def __init__(self) -> None:
+    def __init__(self, media: MediaFetcher | None = None) -> None:
+        self.media = media or MediaFetcher()
         self.reset()
 
     def reset(self) -> None:
@@ -40,10 +43,11 @@ class FakeCore:
         self.closed, self.finished = threading.Event(), threading.Event()
 
     def generate(self, request: ChatRequest):
-        self.requests.append(request)
-        return self._play()
+        return self._play(request)
 
-    async def _play(self):
+    async def _play(self, request: ChatRequest):
+        request.messages = await self.media.resolve(request.messages)  # refused media: not recorded
+        self.requests.append(request)
         try:
             for i, event in enumerate(self.events):
                 if self.error is not None and i == self.error_after:
@@ -70,8 +74,8 @@ class FakeCore:
 class RouterServerThread:
     """The public Router service over ``core`` on a free 127.0.0.1 port, in a thread with its own loop."""
 
-    def __init__(self, core: FakeCore, *, allowed_local_media_path: str | None = None) -> None:
-        self.core, self.allowed_local_media_path = core, allowed_local_media_path
+    def __init__(self, core) -> None:
+        self.core = core
         self.address = ""
 
     def __enter__(self) -> RouterServerThread:
@@ -94,7 +98,7 @@ class RouterServerThread:
 
     async def _start(self) -> str:
         self._server = grpc.aio.server(options=GRPC_OPTIONS)
-        add_router_grpc(self._server, self.core, allowed_local_media_path=self.allowed_local_media_path)
+        add_router_grpc(self._server, self.core)
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         return f"127.0.0.1:{port}"

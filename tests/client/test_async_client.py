@@ -8,8 +8,15 @@ import grpc
 import pytest
 from PIL import Image
 
-from epd.client import AsyncEPDClient, DeadlineExceeded, EPDError, InvalidRequest, Overloaded, Unavailable
-from epd.router.types import RouterError
+from epd import errors
+from epd.client import (
+    AsyncEPDClient,
+    DeadlineExceeded,
+    EPDError,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+)
 from tests.conftest import make_image_bytes
 
 WAIT_S = 5.0
@@ -59,10 +66,12 @@ def test_images_arrive_as_the_same_bytes(address, core, tmp_path):
     assert content[3] == {"type": "text", "text": "Look"}
 
 
-@pytest.mark.parametrize("status, error_type", [
-    (400, InvalidRequest), (429, Overloaded), (503, Unavailable), (504, DeadlineExceeded), (500, EPDError)])
-def test_router_errors_map_to_typed_errors(address, core, status, error_type):
-    core.error = RouterError(status, "scripted", retry_after_s=0.25 if status == 429 else None)
+@pytest.mark.parametrize("raised, error_type", [
+    (errors.InvalidRequest, InvalidRequest), (errors.Overloaded, Overloaded), (errors.Unavailable, Unavailable),
+    (errors.DeadlineExceeded, DeadlineExceeded), (errors.InternalError, EPDError)])
+def test_router_errors_map_to_typed_errors(address, core, raised, error_type):
+    status = raised.code.http_status
+    core.error = raised("scripted", retry_after_s=0.25 if status == 429 else None)
 
     async def main():
         async with AsyncEPDClient(address) as client:
@@ -72,7 +81,7 @@ def test_router_errors_map_to_typed_errors(address, core, status, error_type):
         run(main())
     if status == 429:
         assert info.value.retry_after_s == 0.25
-        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.grpc_status() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_timeout_is_deadline_exceeded_and_cancels_the_core(address, core):

@@ -5,7 +5,6 @@ import pytest
 
 from epd.client import InvalidRequest
 from epd.client.request import build_request
-from epd.router.grpc_api import StopStringMatcher
 
 
 def test_prompt_becomes_one_user_message_with_images_first():
@@ -43,21 +42,3 @@ def test_sampling_unset_is_zero_and_set_fields_travel():
 def test_bad_inputs_are_invalid_before_any_call(messages, images, match):
     with pytest.raises(InvalidRequest, match=match):
         build_request(messages, images=images)
-
-
-def test_stop_string_split_across_deltas():
-    matcher = StopStringMatcher(["STOP"])
-    assert matcher.add("abc ST", is_last=False) == ("abc ", False)  # "ST" might begin STOP: held back
-    assert matcher.add("OP and more", is_last=False) == ("", True)
-
-
-def test_held_back_text_is_released_when_it_is_not_a_stop():
-    matcher = StopStringMatcher(["STOP", "\n\n"])
-    assert matcher.add("x\n", is_last=False) == ("x", False)
-    assert matcher.add("y S", is_last=False) == ("\ny ", False)
-    assert matcher.add("T", is_last=True) == ("ST", False)
-
-
-def test_earliest_stop_wins_and_no_stops_pass_through():
-    assert StopStringMatcher(["b", "a"]).add("xxabxx", is_last=False) == ("xx", True)
-    assert StopStringMatcher([]).add("anything", is_last=False) == ("anything", False)

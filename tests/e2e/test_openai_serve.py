@@ -15,6 +15,7 @@ from epd.models.presets import write_preset_checkpoint
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import ServeProcess, wait_until
 from tests.fidelity.reference import ReferenceModel, user_message
+from tests.router.fake_core import send_bytes, serve_files
 
 pytestmark = pytest.mark.slow
 ROUTER_YAML = """max_model_len: 2048
@@ -41,7 +42,7 @@ def server(model_dir, media_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text(ROUTER_YAML)
     serve = ServeProcess("--model", str(model_dir), "--allowed-local-media-path", str(media_dir),
-                         "--config", str(config))
+                         "--config", str(config), "--allow-private-network")  # http images from a loopback server
     yield serve
     serve.stop_and_check_clean(model_dir)
 
@@ -186,3 +187,30 @@ def test_sdk_sync_and_async_against_the_real_cluster(client, server, media_dir):
             return "".join([d.text async for d in stream])
 
     assert asyncio.run(streamed()) == result.text
+
+
+def test_sdk_and_public_grpc_take_an_http_image_like_a_data_url(client, server):
+    """Media are resolved by the router's one pipeline, so an http(s) image works through the public
+    gRPC API and the SDK exactly as through HTTP."""
+    import grpc
+
+    from epd.client import EPDClient
+    from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+    image = make_image_bytes(96, 64, seed=31)
+    with serve_files({"/pic.png": send_bytes(image)}) as files:
+        url = f"{files}/pic.png"
+        with EPDClient(server.grpc_address, timeout_s=120) as sdk:
+            by_url = sdk.chat("Describe it.", images=[url], max_tokens=12)
+            by_data = sdk.chat("Describe it.", images=[data_url(image)], max_tokens=12)
+        request = router_pb2.ChatGenerateRequest(
+            messages=[router_pb2.ChatMessage(role="user", content=[
+                router_pb2.ContentPart(image_url=url), router_pb2.ContentPart(text="Describe it.")])],
+            sampling=common_pb2.SamplingParams(max_tokens=12))
+        with grpc.insecure_channel(server.grpc_address) as channel:
+            raw = [t for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120) for t in r.token_ids]
+        via_http = client.chat.completions.create(model="m", messages=chat("Describe it.", [url]), max_tokens=12,
+                                                  temperature=0, extra_body={"return_token_ids": True})
+    assert len(by_data.token_ids) == 12 and by_url.token_ids == by_data.token_ids == raw
+    assert by_url.prompt_token_ids == by_data.prompt_token_ids
+    assert via_http.choices[0].model_extra.get("token_ids") == by_data.token_ids

@@ -1,8 +1,8 @@
 import pytest
 
 from epd.engine.block_manager import BlockManager
-from epd.engine.sampling_params import SamplingParams
-from epd.engine.sequence import MultimodalItemSpan, Sequence
+from epd.engine.sequence import Sequence
+from epd.types import MultimodalItemSpan, SamplingParams
 
 
 def seq(tokens, items=None):

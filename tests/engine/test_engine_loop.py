@@ -1,6 +1,7 @@
 """EngineLoop builds its engine on its own thread when given a factory (one thread runs every
 torch op of a tier process) and reports a factory's failure to the caller of start()."""
 import threading
+import time
 
 import pytest
 
@@ -48,3 +49,36 @@ def test_factory_error_reaches_start_and_the_thread_ends():
         loop.start(timeout_s=10)
     loop.stop(timeout_s=5)
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+class _WaitingEngine:
+    """One sequence that waits on inputs until ``ready`` is set; counts every step."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.num_steps = 0
+        self.num_step_calls = 0
+        self.has_unfinished = True
+
+    def step(self):
+        self.num_step_calls += 1
+        if self.ready.is_set():
+            self.num_steps += 1
+            self.has_unfinished = False
+        return []
+
+
+def test_a_loop_whose_sequences_wait_on_inputs_sleeps_until_woken():
+    engine = _WaitingEngine()
+    loop = EngineLoop(engine, name="test-loop").start(timeout_s=10)
+    try:
+        time.sleep(0.5)
+        assert engine.num_step_calls == 1, "the loop must not poll while every sequence waits on inputs"
+        engine.ready.set()
+        loop.wake()
+        deadline = time.monotonic() + 5
+        while engine.num_steps == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.num_steps == 1 and engine.num_step_calls == 2
+    finally:
+        loop.stop()

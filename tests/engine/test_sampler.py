@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from epd.engine.sampler import Sampler, _keep_top_k, _keep_top_p
-from epd.engine.sampling_params import SamplingParams
 from epd.engine.sequence import Sequence
+from epd.types import SamplingParams
 
 
 def seq(**params):

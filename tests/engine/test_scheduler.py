@@ -1,9 +1,9 @@
 import pytest
 
 from epd.engine.block_manager import BlockManager
-from epd.engine.sampling_params import SamplingParams
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.sequence import Sequence
+from epd.types import SamplingParams
 
 
 def make(num_blocks=64, block_size=4, budget=8, max_seqs=8, max_len=256):
@@ -87,3 +87,42 @@ def test_max_num_seqs_caps_admission():
         sched.add(seq(4))
     out = sched.schedule()
     assert len(out.chunks) == 2 and len(sched.waiting) == 1
+
+
+def imported(n, max_tokens=4):
+    """A decode worker's sequence: prompt computed elsewhere, first token already appended."""
+    s = seq(n, max_tokens=max_tokens)
+    s.append_token(7)
+    s.imported_kv = object()
+    return s
+
+
+def test_imported_sequences_wait_fifo_for_their_whole_budget_then_decode():
+    # 6 blocks of 4 slots; each import reserves prompt 8 + 4 tokens = 3 blocks
+    sched = make(num_blocks=6, block_size=4, budget=16)
+    first, second, third = imported(8), imported(8), imported(2, max_tokens=2)
+    for s in (first, second, third):
+        sched.add_imported(s, len(s.token_ids) - 1 + s.sampling_params.max_tokens)
+    out = sched.schedule()
+    assert out.imported == [first, second] and sched.importing == type(sched.importing)([third])
+    # each admitted import decodes at once: one token after its computed prompt, no prefill chunk
+    assert [(c.seq, c.start, c.num_tokens) for c in out.chunks] == [(first, 8, 1), (second, 8, 1)]
+    for _ in range(10):  # third fits only once one of them finished and freed its blocks
+        sched.update(out, {c.seq.seq_id: (5, None) for c in out.chunks})
+        out = sched.schedule()
+        if third in out.imported:
+            break
+    assert first.is_finished and second.is_finished and first.num_output_tokens == 4
+    assert third in sched.running and third.num_computed_tokens == 2 and [c.seq for c in out.chunks] == [third]
+
+
+def test_an_import_that_can_never_fit_is_refused_and_an_abort_reaches_the_queue():
+    sched = make(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError, match=r"20 tokens need 5 KV blocks, the cache has 2 in all"):
+        sched.add_imported(imported(16), 20)
+    waiting = imported(4)
+    sched.add_imported(waiting, 8)
+    sched.add_imported(other := imported(4), 8)  # 2 blocks each: the second waits
+    sched.schedule()
+    sched.abort(other)
+    assert not sched.importing and other.is_finished and other.imported_kv is None

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from epd.config import EngineConfig
-from epd.engine.sampling_params import SamplingParams
 from epd.llm import LLM
 from epd.models.presets import write_preset_checkpoint
+from epd.types import SamplingParams
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import ReferenceModel, user_message
 
@@ -107,3 +107,28 @@ def test_logprobs_match_transformers(llm, reference):
         assert list(ours.top) == top_ids, f"step {step}: top-5 differ"
         for tok, lp in ours.top.items():
             assert abs(lp - float(theirs[tok])) < 1e-4
+
+
+def test_prompts_are_stripped_once_done_and_a_preempted_one_re_encodes(model_dir, reference):
+    """After its prompt is computed a sequence keeps only the M-RoPE delta; if it is preempted
+    later it must recompute the prompt, so its images are encoded again (the rows are gone)."""
+    cases = [("Describe the picture in detail.", [IMG_B]), ("What colour dominates here?", [IMG_B])]
+    conversations = [user_message(text, imgs) for text, imgs in cases]
+    probe = make_llm(model_dir)
+    prompt_lens = [len(probe.processor.process_messages(*probe.extract_images(c)).prompt_token_ids)
+                   for c in conversations]
+    block = 4
+    # both prompts and one request's output fit, both outputs do not: the newest is preempted
+    llm = make_llm(model_dir, block_size=block, num_kv_blocks=(sum(prompt_lens) + MAX_NEW) // block + 2)
+    encodes = []
+    encode = llm._encode
+    llm._encode = lambda prompt: encodes.append(len(prompt.items)) or encode(prompt)
+    seqs = [llm.add_conversation(c, GREEDY) for c in conversations]
+    stripped_after_first_token = []
+    while not all(s.is_finished for s in seqs):
+        llm.engine.step()
+        stripped_after_first_token += [s.mm.is_stripped for s in seqs if s.num_output_tokens == 1]
+    assert stripped_after_first_token and all(stripped_after_first_token)
+    assert len(encodes) > len(seqs), "no request was preempted after its prompt: the KV budget is too large"
+    for (text, imgs), conv, seq in zip(cases, conversations, seqs):
+        check_same(reference.generate(conv, imgs), llm._output(seq))

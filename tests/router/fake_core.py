@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 
-from epd.engine.sequence import TokenLogprobs
-from epd.router.types import ChatRequest, RouterError, StreamEvent
+from epd.errors import UpstreamError
+from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
 PROMPT_TOKEN_IDS = [11, 12, 13, 14]
 FIRST_TOKEN_ID = 100
@@ -68,7 +68,7 @@ class FakeRouterCore:
                 if i == self.hang_after:
                     await asyncio.Event().wait()
                 if i == self.fail_after:
-                    raise RouterError(502, "decode worker 127.0.0.1:1 failed", error_type="server_error")
+                    raise UpstreamError("decode worker 127.0.0.1:1 failed")
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 yield event

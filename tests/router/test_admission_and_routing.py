@@ -4,10 +4,10 @@ from collections import Counter
 import pytest
 
 from epd.config import RouterConfig
-from epd.engine.sampling_params import SamplingParams
+from epd.errors import EPDError
 from epd.router.admission import AdmissionGate, RequestLimits
 from epd.router.routing import ROUTING_POLICIES, Candidate
-from epd.router.types import RouterError
+from epd.types import SamplingParams
 
 LIMITS = RequestLimits.from_config(RouterConfig(max_model_len=100, max_items_per_request=2,
                                                 encoder_output_budget_bytes=1000, encoder_max_item_tokens=64), 10)
@@ -20,9 +20,9 @@ LIMITS = RequestLimits.from_config(RouterConfig(max_model_len=100, max_items_per
     (lambda: LIMITS.check_item_tokens([16, 80]), "image 1 needs 80 encoder tokens"),
 ])
 def test_never_fitting_requests_name_their_limit(check, match):
-    with pytest.raises(RouterError, match=match) as err:
+    with pytest.raises(EPDError, match=match) as err:
         check()
-    assert err.value.status == 400
+    assert err.value.http_status == 400
 
 
 def test_requests_within_limits_pass():
@@ -37,14 +37,14 @@ def test_gate_queues_then_refuses_with_retry_after():
         async with gate.slot():
             waiter = asyncio.create_task(_enter(gate))
             await asyncio.sleep(0.05)
-            with pytest.raises(RouterError) as full:  # the queue (1) is taken: refused at once
+            with pytest.raises(EPDError) as full:  # the queue (1) is taken: refused at once
                 await _enter(gate)
-            with pytest.raises(RouterError) as timed_out:
+            with pytest.raises(EPDError) as timed_out:
                 await waiter
         return full.value, timed_out.value
 
     full, timed_out = asyncio.run(scenario())
-    assert full.status == timed_out.status == 429 and full.retry_after_s == 0.2
+    assert full.http_status == timed_out.http_status == 429 and full.retry_after_s == 0.2
     assert "no slot freed within" in timed_out.message
 
 

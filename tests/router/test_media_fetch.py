@@ -7,8 +7,8 @@ import ipaddress
 
 import pytest
 
+from epd.errors import EPDError
 from epd.router.media_fetch import FetchLimits, MediaFetcher, non_public_kind
-from epd.router.types import RouterError
 from tests.conftest import make_image_bytes
 from tests.router.fake_core import redirect_to, send_bytes, serve_files, slow
 
@@ -28,9 +28,9 @@ def resolve(fetcher: MediaFetcher, url: str) -> bytes:
 
 
 def refusal(fetcher: MediaFetcher, url: str) -> str:
-    with pytest.raises(RouterError) as info:
+    with pytest.raises(EPDError) as info:
         resolve(fetcher, url)
-    assert info.value.status == 400 and info.value.param == "messages[0].content[1].image_url.url"
+    assert info.value.http_status == 400 and info.value.param == "messages[0].content[1].image_url.url"
     return info.value.message
 
 
@@ -134,5 +134,5 @@ def test_too_many_images_are_refused_before_any_loads():
     fetcher = MediaFetcher(limits=FetchLimits(max_items=2))
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://192.0.2.1/x.png"}}
                                              for _ in range(3)]}]
-    with pytest.raises(RouterError, match=r"request has 3 images; the limit is 2 per request \(max_items_per_request\)"):
+    with pytest.raises(EPDError, match=r"request has 3 images; the limit is 2 per request \(max_items_per_request\)"):
         asyncio.run(fetcher.resolve(messages))

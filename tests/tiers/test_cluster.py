@@ -1,5 +1,6 @@
-"""Real tier processes on 127.0.0.1: E -> P -> D over gRPC, tensors as handles (shm / inline).
-Output must be token-identical to the in-process engine (itself checked against transformers)."""
+"""Real tier processes on 127.0.0.1 driven by the router's own pipeline (the production routing
+policies and request order): E -> P, then D over gRPC, tensors as handles (shm / inline). Output
+must be token-identical to the in-process engine (itself checked against transformers)."""
 from __future__ import annotations
 
 import threading
@@ -7,12 +8,13 @@ import threading
 import pytest
 
 from epd.config import EngineConfig
-from epd.engine.sampling_params import SamplingParams
 from epd.launch import LocalCluster
 from epd.llm import LLM
 from epd.models.presets import write_preset_checkpoint
-from epd.router.driver import ClusterDriver
+from epd.router.routing import Candidate, HashAffinity
+from epd.router.sync import SyncRouter
 from epd.transport import get_channel
+from epd.types import SamplingParams
 from epd.v1 import common_pb2, encoder_pb2_grpc
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import ReferenceModel, user_message
@@ -40,8 +42,9 @@ def driver(request, model_dir):
     tier_args = {} if two_encoders else {"prefill": ["--max-num-batched-tokens", "13"]}
     with LocalCluster(str(model_dir), num_encoders=2 if two_encoders else 1,
                       transport="inline" if two_encoders else "", tier_args=tier_args) as cluster:
-        yield ClusterDriver(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
-                            decodes=cluster.decodes, transport="inline" if two_encoders else "")
+        with SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                     decodes=cluster.decodes, transport="inline" if two_encoders else "") as router:
+            yield router
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -63,10 +66,9 @@ def test_cluster_equals_transformers(driver, model_dir):
 
 def test_second_request_reuses_the_prefix_cache(driver, llm):
     messages = user_message("What colour is most common?", [IMG_B])
-    chunks = [list(driver.stream(messages, GREEDY)) for _ in range(2)]
-    first_head, second_head = chunks[0][0][0], chunks[1][0][0]
-    assert second_head.num_cached_tokens > first_head.num_cached_tokens
-    tokens = [[t for chunk, _ in run for t in chunk.token_ids] for run in chunks]
+    runs = [list(driver.stream(messages, GREEDY)) for _ in range(2)]
+    assert runs[1][0].num_cached_tokens > runs[0][0].num_cached_tokens
+    tokens = [[t for event in run for t in event.token_ids] for run in runs]
     assert tokens[0] == tokens[1] == llm.chat(messages, GREEDY)[0].token_ids
 
 
@@ -91,25 +93,35 @@ def test_same_image_in_ten_concurrent_requests_is_encoded_once(driver):
 
 
 def test_items_spread_over_encoders_come_back_in_order(driver, llm):
-    if len(driver.encoders) < 2:
+    if len(encoders(driver)) < 2:
         pytest.skip("needs two encoders")
-    # content hashes include the checkpoint path, so pick images until both encoders get some
+    # content hashes include the checkpoint path, so pick images until the router's own encoder
+    # policy (rendezvous hashing; idle workers: equal load) sends some to each encoder
+    policy = HashAffinity()
+    idle = [Candidate(address, 0.0) for address in encoders(driver)]
     images, homes = [], set()
     for i in range(40):
         image = make_image_bytes(56 + 8 * (i % 6), 64, seed=100 + i)
-        prompt = llm.processor.process_messages(*llm.extract_images(user_message("x", [image])))
+        prompt = driver.pipeline.processor.process_messages(*llm.extract_images(user_message("x", [image])))
         images.append(image)
-        homes.add(int(prompt.items[0].mm_hash[:15], 16) % 2)
-        if len(images) >= 4 and homes == {0, 1}:
+        homes.add(policy.pick(prompt.items[0].mm_hash, idle))
+        if len(images) >= 4 and homes == set(encoders(driver)):
             break
-    assert homes == {0, 1}, "40 images all hashed to one encoder"
+    assert homes == set(encoders(driver)), "40 images all routed to one encoder"
+    before = {address: _encoded_items_at(address) for address in encoders(driver)}
     messages = user_message("List them.", images)
     assert driver.chat(messages, GREEDY).token_ids == llm.chat(messages, GREEDY)[0].token_ids
+    assert all(_encoded_items_at(address) > before[address] for address in encoders(driver))
 
 
 def _encoded_items(driver) -> int:
-    total = 0
-    for address in driver.encoders:
-        health = encoder_pb2_grpc.EncoderStub(get_channel(address)).Health(common_pb2.HealthRequest(), timeout=10)
-        total += health.num_encoded_items
-    return total
+    return sum(_encoded_items_at(address) for address in encoders(driver))
+
+
+def _encoded_items_at(address: str) -> int:
+    health = encoder_pb2_grpc.EncoderStub(get_channel(address)).Health(common_pb2.HealthRequest(), timeout=10)
+    return health.num_encoded_items
+
+
+def encoders(driver: SyncRouter) -> list[str]:
+    return list(driver.pipeline.config.encoders)

@@ -1,5 +1,5 @@
-"""Workers that die mid-service: requests fail fast with a clear error, nothing hangs, the rest
-of the cluster keeps serving."""
+"""Workers that die mid-service: requests through the router's pipeline fail fast with a clear error
+naming the tier, nothing hangs, the rest of the cluster keeps serving."""
 from __future__ import annotations
 
 import signal
@@ -7,11 +7,12 @@ import time
 
 import pytest
 
-from epd.engine.sampling_params import SamplingParams
+from epd.errors import EPDError
 from epd.launch import LocalCluster
 from epd.models.presets import resolve_model
-from epd.router.driver import ClusterDriver, RequestFailed
+from epd.router.sync import SyncRouter
 from epd.transport import cleanup_stale_segments
+from epd.types import SamplingParams
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
 
@@ -32,23 +33,26 @@ def kill(cluster, tier):
     cleanup_stale_segments()  # what the tier's restart does first
 
 
+def router(cluster) -> SyncRouter:
+    return SyncRouter.over_workers(resolve_model("tiny-qwen2-vl"), encoders=cluster.encoders,
+                                   prefills=cluster.prefills, decodes=cluster.decodes, request_timeout_s=60)
+
+
 def test_dead_encoder_fails_image_requests_fast_and_text_still_works(cluster):
-    driver = ClusterDriver(resolve_model("tiny-qwen2-vl"), encoders=cluster.encoders, prefills=cluster.prefills,
-                           decodes=cluster.decodes, timeout_s=60)
-    assert driver.chat(user_message("warm up", [make_image_bytes(40, 40, seed=1)]), PARAMS).token_ids
-    kill(cluster, "encoder")
-    start = time.monotonic()
-    with pytest.raises(RequestFailed, match="encoder"):
-        driver.chat(user_message("Describe.", [make_image_bytes(50, 50, seed=2)]), PARAMS)
-    assert time.monotonic() - start < 15, "a dead encoder must not leave the request waiting for its timeout"
-    assert len(driver.chat(user_message("Text only.", []), PARAMS).token_ids) == 4
+    with router(cluster) as driver:
+        assert driver.chat(user_message("warm up", [make_image_bytes(40, 40, seed=1)]), PARAMS).token_ids
+        kill(cluster, "encoder")
+        start = time.monotonic()
+        with pytest.raises(EPDError, match="encoder"):
+            driver.chat(user_message("Describe.", [make_image_bytes(50, 50, seed=2)]), PARAMS)
+        assert time.monotonic() - start < 15, "a dead encoder must not leave the request waiting for its timeout"
+        assert len(driver.chat(user_message("Text only.", []), PARAMS).token_ids) == 4
 
 
 def test_dead_prefill_fails_requests_clearly(cluster):
-    driver = ClusterDriver(resolve_model("tiny-qwen2-vl"), encoders=cluster.encoders, prefills=cluster.prefills,
-                           decodes=cluster.decodes, timeout_s=60)
-    kill(cluster, "prefill")
-    start = time.monotonic()
-    with pytest.raises(RequestFailed, match="prefill"):
-        driver.chat(user_message("Text only.", []), PARAMS)
-    assert time.monotonic() - start < 15
+    with router(cluster) as driver:
+        kill(cluster, "prefill")
+        start = time.monotonic()
+        with pytest.raises(EPDError, match="prefill"):
+            driver.chat(user_message("Text only.", []), PARAMS)
+        assert time.monotonic() - start < 15

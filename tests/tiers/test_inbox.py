@@ -1,38 +1,49 @@
+import pytest
 import torch
 
 from epd.prefill.inbox import EmbeddingInbox
 
 
-def test_pushes_before_the_request_are_applied_when_it_arrives():
-    inbox = EmbeddingInbox()
+def test_pushes_in_any_order_fill_the_request_and_release_on_finish():
+    arrivals = []
+    inbox = EmbeddingInbox(on_arrival=lambda: arrivals.append(1))
     released = []
-    inbox.push("r", 1, torch.ones(3, 4), None, release=lambda: released.append("b"))
     rows = inbox.expect("r", [2, 3])
+    assert inbox.push("r", 1, torch.ones(3, 4), release=lambda: released.append("b"))
     assert rows.num_ready_rows() == 0  # item 0 still missing
-    inbox.push("r", 0, torch.zeros(2, 4), None, release=lambda: released.append("a"))
-    assert rows.is_complete() and rows.num_ready_rows() == 5
+    assert inbox.push("r", 0, torch.zeros(2, 4), release=lambda: released.append("a"))
+    assert rows.is_complete() and rows.num_ready_rows() == 5 and len(arrivals) == 2
+    assert released == []  # held while the request is prefilled
     inbox.finish("r")
     assert sorted(released) == ["a", "b"]
 
 
-def test_an_abort_that_overtakes_its_request_fails_it_on_arrival():
+def test_a_push_for_a_request_not_held_here_is_released_at_once():
     inbox = EmbeddingInbox()
-    assert inbox.fail_request("r", "encoder 1.2.3.4 failed") is False
-    rows = inbox.expect("r", [2])
-    assert rows.first_error() == "item 0: encoder 1.2.3.4 failed"
-
-
-def test_parked_pushes_expire_and_release_their_leases():
-    now = [0.0]
-    inbox = EmbeddingInbox(park_ttl_s=5, clock=lambda: now[0])
     released = []
-    inbox.push("gone", 0, torch.ones(1, 2), None, release=lambda: released.append(1))
-    now[0] = 10
-    assert inbox.sweep() == 1 and released == [1] and inbox.num_parked == 0
+    assert not inbox.push("gone", 0, torch.ones(1, 2), release=lambda: released.append(1))
+    assert released == [1] and inbox.num_late_pushes == 1 and inbox.num_requests == 0
 
 
-def test_a_wrong_row_count_fails_the_item_not_the_worker():
-    inbox = EmbeddingInbox()
+def test_a_wrong_row_count_fails_the_request_not_the_worker():
+    failures = []
+    inbox = EmbeddingInbox(on_failure=lambda request_id, error: failures.append((request_id, error)))
     rows = inbox.expect("r", [4])
-    inbox.push("r", 0, torch.ones(3, 8), None)
-    assert "expected 4 embedding rows" in rows.first_error()
+    assert inbox.push("r", 0, torch.ones(3, 8))
+    assert failures == [("r", "item 0: expected 4 embedding rows, got a tensor of shape (3, 8)")]
+    assert rows.num_ready_rows() == 0
+
+
+def test_an_item_index_out_of_range_fails_the_request():
+    failures = []
+    inbox = EmbeddingInbox(on_failure=lambda request_id, error: failures.append(error))
+    inbox.expect("r", [4])
+    inbox.push("r", 3, torch.ones(4, 8))
+    assert failures == ["encoder pushed item 3 but the request has 1 items"]
+
+
+def test_the_same_request_twice_is_refused():
+    inbox = EmbeddingInbox()
+    inbox.expect("r", [1])
+    with pytest.raises(ValueError, match="already being prefilled"):
+        inbox.expect("r", [1])

@@ -9,10 +9,10 @@ import pytest
 
 from epd.config import EngineConfig
 from epd.decode.worker import DecodeWorker
-from epd.engine.sampling_params import SamplingParams
 from epd.llm import LLM
 from epd.prefill.worker import PrefillWorker
-from epd.protocol import request_metadata
+from epd.protocol import DecodeJob, prefill_job_from_proto, request_metadata
+from epd.types import SamplingParams
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
 
@@ -35,24 +35,31 @@ def workers(llm):
 
 
 def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1"):
+    """What the router does, minus gRPC: register at prefill, push the rows (late, from another
+    thread, as an encoder would), take the first token and the KV, continue on decode."""
     conv, images = llm.extract_images(messages)
     prompt = llm.processor.process_messages(conv, images)
-    meta = request_metadata(request_id, prompt, params, (llm.tokenizer.eos_token_id,))
+    eos = (llm.tokenizer.eos_token_id,)
+    job = prefill_job_from_proto(request_metadata(request_id, prompt, params, eos))
     rows = llm.vision.encode_images(images) if images else []
+    ticket = prefill.admit(job)
 
     def push():
         time.sleep(push_delay_s)
         for i, r in enumerate(rows):
-            prefill.inbox.push(request_id, i, r, None)
+            assert prefill.push(request_id, i, r)
 
     pusher = threading.Thread(target=push)
     pusher.start()
-    result = prefill.prefill(meta, timeout_s=60)
+    result = prefill.wait(ticket, timeout_s=60)
     pusher.join()
+    assert ticket.seq.mm is None or ticket.seq.mm.is_stripped, "prefill must strip its own sequence"
     tokens = [result.first_token_id]
     if result.finish_reason is None:
-        seq, updates = decode.start(request_id, list(meta.token_ids), result.first_token_id, result.first_logprobs,
-                                    result.kv, result.mrope_delta, params, (llm.tokenizer.eos_token_id,), 60)
+        added, updates = decode.start(DecodeJob(request_id, prompt.prompt_token_ids, params, eos,
+                                                result.first_token_id, result.first_logprobs, result.mrope_delta),
+                                      result.kv)
+        seq = added.result(60)
         assert seq.mm.is_stripped and seq.mm.mrope_delta == result.mrope_delta
         while True:
             update = updates.get(timeout=60)
@@ -87,11 +94,11 @@ def test_text_before_the_image_is_prefilled_while_the_encoder_works(llm, workers
     computed_at_push = []
     original_push = prefill.inbox.push
 
-    def spy(request_id, index, tensor, error, release=None):
+    def spy(request_id, index, tensor, release=None):
         seq = next(s for s in prefill.engine.scheduler.running if s.request_id == request_id)
         assert seq.num_computed_tokens == seq.mm_items[0].offset  # stopped exactly at the image
         computed_at_push.append((seq.num_computed_tokens - seq.num_cached_tokens, seq.mm_items[0].offset))
-        original_push(request_id, index, tensor, error, release)
+        return original_push(request_id, index, tensor, release)
 
     prefill.inbox.push = spy
     try:

@@ -1,7 +1,8 @@
-"""Qwen2-VL and Qwen2.5-VL: identical LLM (Qwen2 decoder), different vision towers."""
+"""Qwen2-VL and Qwen2.5-VL: identical LLM (Qwen2 decoder), different vision towers. This module
+owns both families: weights, the vision tower, the input processor and the M-RoPE layout."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -9,25 +10,14 @@ import torch
 from epd.models.checkpoint import iter_weights, read_config
 from epd.models.layers import PackedLinear, default_weight_loader
 from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
-from epd.models.registry import MODEL_FAMILIES
+from epd.models.spec import MultimodalSpec
+from epd.multimodal.layout import PromptLayout, build_prompt_layout
+from epd.types import MultimodalItemSpan
 
 # checkpoints name the LLM weights in two layouts: transformers 4.x/5.x saves
 # "model.layers.*"/"lm_head.*"; some exports use "model.language_model.layers.*"
 _LLM_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 _SKIP_PREFIXES = ("visual.", "model.visual.")
-
-
-@dataclass(frozen=True)
-class MultimodalSpec:
-    """What the data layer needs to know about a checkpoint's multimodal tokens."""
-
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    vision_end_token_id: int
-    spatial_merge_size: int
-    vocab_size: int
-    embedding_dim: int  # width of one embedding row (the LLM hidden size)
 
 
 def text_config_from_hf(hf: dict) -> Qwen2TextConfig:
@@ -121,14 +111,18 @@ class QwenVLFamily:
             spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2),
             vocab_size=text_config_from_hf(hf).vocab_size, embedding_dim=text_config_from_hf(hf).hidden_size)
 
+    def input_processor(self, model_dir: Path, tokenizer):
+        from epd.models.qwen2_vl.processor import QwenVLInputProcessor
+        model_dir = Path(model_dir)
+        return QwenVLInputProcessor(model_dir, tokenizer, self.mm_spec(model_dir), model_id=str(model_dir))
 
-    @staticmethod
-    def mrope_positions(spec: MultimodalSpec, prompt_len: int,
-                        items: list[tuple[int, tuple[int, int, int]]]) -> tuple[torch.Tensor, int]:
-        """(placeholder offset, grid_thw) per item -> positions [3, L] and the decode delta."""
+    def prompt_layout(self, spec: MultimodalSpec, token_ids: Sequence[int],
+                      items: Sequence[MultimodalItemSpan]) -> PromptLayout:
         from epd.models.qwen2_vl.mrope import compute_mrope_positions
-        return compute_mrope_positions(prompt_len, items, spec.spatial_merge_size)
+        return build_prompt_layout(token_ids, items, mm_token_ids=spec.mm_token_ids,
+                                   positions_fn=lambda n, spans: compute_mrope_positions(
+                                       n, spans, spec.spatial_merge_size))
 
 
-for _name in ("qwen2_vl", "qwen2_5_vl"):
-    MODEL_FAMILIES.register(_name)(QwenVLFamily(_name))
+QWEN2_VL = QwenVLFamily("qwen2_vl")
+QWEN2_5_VL = QwenVLFamily("qwen2_5_vl")

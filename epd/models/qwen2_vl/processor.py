@@ -1,28 +1,27 @@
 """Prompt preprocessing for Qwen2-VL / Qwen2.5-VL, from the image headers alone (no pixels):
 chat template -> token ids -> each image's placeholder expanded to its embedding-row count ->
-content hashes, masks, embed-mask cumsum, item metadata and M-RoPE positions.
+content hashes and item metadata.
 
-This is the router's half of the work; the encoder turns the same bytes into pixels and rows,
-and the two must agree (the placeholder-count invariant, seed §3.3).
+This is the router's half of the work; the encoder turns the same bytes into pixels and rows, and
+the two must agree on every item's row count (both come from ``multimodal.geometry``). Where a
+sequence is built (prefill, the in-process engine), ``family.prompt_layout`` derives the masks,
+the embed-mask cumsum and the M-RoPE positions from the ids and the items and checks them again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from epd.models.checkpoint import read_preprocessor_config
-from epd.models.qwen2_vl.family import MultimodalSpec
-from epd.models.qwen2_vl.mrope import compute_mrope_positions
-from epd.multimodal.geometry import ImageGeometry, VisionGeometryConfig, image_geometry_from_bytes
-from epd.multimodal.hashing import hash_encoded_media
-from epd.multimodal.masks import (
-    MultimodalEncoderItemMetadata,
-    compute_mm_masks,
-    embed_mask_cumsum,
-    find_mm_embedding_lengths_from_masks,
+from epd.models.spec import MultimodalSpec
+from epd.multimodal.geometry import (
+    ImageGeometry,
+    VisionGeometryConfig,
+    image_geometry_from_bytes,
 )
+from epd.multimodal.hashing import hash_encoded_media
+from epd.multimodal.masks import MultimodalEncoderItemMetadata
+from epd.types import MultimodalItemSpan
 
 
 @dataclass(frozen=True)
@@ -37,16 +36,22 @@ class ProcessedItem:
     def num_rows(self) -> int:
         return self.geometry.num_embedding_rows
 
+    @property
+    def span(self) -> MultimodalItemSpan:
+        return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw))
+
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
+    """A prompt ready for a backend: ids with every placeholder span expanded, and its items."""
+
     prompt_token_ids: list[int]
     items: list[ProcessedItem]
     item_metadata: MultimodalEncoderItemMetadata
-    embed_mask_cumsum: torch.Tensor  # [L] int64 CPU
-    embed_positions: torch.Tensor  # [rows] int64 CPU
-    mrope_positions: torch.Tensor  # [3, L] int64 CPU
-    mrope_delta: int
+
+    @property
+    def num_embedding_rows(self) -> int:
+        return sum(item.num_rows for item in self.items)
 
 
 class QwenVLInputProcessor:
@@ -84,22 +89,12 @@ class QwenVLInputProcessor:
                                   model_id=self.model_id)
 
     def _build(self, token_ids: list[int], items: list[ProcessedItem]) -> ProcessedPrompt:
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        masks = compute_mm_masks(ids, mm_token_ids=torch.tensor([self.spec.image_token_id,
-                                                                 self.spec.video_token_id]))
-        rows = [item.num_rows for item in items]
-        # the invariant: placeholders in the prompt == rows the encoder will produce, per item
-        find_mm_embedding_lengths_from_masks(masks.mm_mask, masks.embed_mask, rows)
         metadata = MultimodalEncoderItemMetadata(
             item_refs=[("image", i) for i in range(len(items))],
             encoder_token_lengths=[item.geometry.num_patches for item in items],
-            output_embedding_lengths=rows)
+            output_embedding_lengths=[item.num_rows for item in items])
         metadata.validate()
-        positions, delta = compute_mrope_positions(
-            len(token_ids), [(item.offset, item.geometry.grid_thw) for item in items],
-            self.spec.spatial_merge_size)
-        return ProcessedPrompt(token_ids, items, metadata, embed_mask_cumsum(masks.embed_mask),
-                               masks.embed_mask.nonzero().squeeze(1), positions, delta)
+        return ProcessedPrompt(token_ids, items, metadata)
 
 
 def _expand_placeholders(token_ids: list[int], pad: int, rows: list[int]) -> tuple[list[int], list[int]]:

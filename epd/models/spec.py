@@ -1,0 +1,48 @@
+"""What every model family provides (``ModelFamily``) and what the data layer needs to know about a
+checkpoint's multimodal tokens (``MultimodalSpec``); families implement these, callers see no more."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from epd.multimodal.layout import PromptLayout
+from epd.types import MultimodalItemSpan
+
+
+@dataclass(frozen=True)
+class MultimodalSpec:
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    spatial_merge_size: int
+    vocab_size: int
+    embedding_dim: int  # width of one embedding row (the LLM hidden size)
+
+    @property
+    def mm_token_ids(self) -> tuple[int, ...]:
+        """Placeholder ids whose rows come from the encoder (in the vocabulary: one embedding lookup)."""
+        return (self.image_token_id, self.video_token_id)
+
+
+class ModelFamily(Protocol):
+    name: str
+
+    def load_llm(self, model_dir: Path) -> torch.nn.Module:
+        """The language model on our engine, weights loaded."""
+
+    def load_vision(self, model_dir: Path, *, dtype: torch.dtype, device: str):
+        """The vision encoder (an ``epd.encoder.runner.EncoderModel``)."""
+
+    def mm_spec(self, model_dir: Path) -> MultimodalSpec: ...
+
+    def input_processor(self, model_dir: Path, tokenizer):
+        """The router's preprocessing: chat template, ids, item geometry and hashes -> ProcessedPrompt."""
+
+    def prompt_layout(self, spec: MultimodalSpec, token_ids: Sequence[int],
+                      items: Sequence[MultimodalItemSpan]) -> PromptLayout:
+        """Masks, embed-mask cumsum and positions of a prompt, where its sequence is built."""

@@ -1,0 +1,24 @@
+"""What the front ends (HTTP, public gRPC) need from the router: ``RequestPipeline`` is the one
+implementation; tests give the front ends a scripted one."""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from epd.types import ChatRequest, StreamEvent
+
+
+class RouterCore(Protocol):
+    model_name: str  # what /v1/models lists and responses echo
+
+    def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
+        """Stream a request's events. Raises ``epd.errors.EPDError`` before the first event for what
+        admission refuses (400 never fits, 429 saturated with ``retry_after_s``, 503 no healthy
+        workers) and during the stream for failures (502/504). Closing the iterator early (client
+        gone) cancels the request on every tier."""
+
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded", "model": ..., "workers": {tier: [{"address", "healthy", ...}]}}"""
+
+    def metrics_text(self) -> bytes:
+        """Prometheus exposition of the router's own metrics plus the cluster view."""

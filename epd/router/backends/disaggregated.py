@@ -1,0 +1,233 @@
+"""The disaggregated backend: one request through the tiers over grpc.aio, in the order the router
+alone decides (workers never call each other, except encoders pushing rows to prefill):
+
+1. ``Prefill`` to the chosen prefill worker; its first reply says the request is registered there;
+2. ``Encode`` to the encoders the items route to (by content hash); they push rows to that prefill;
+3. prefill's second reply: the first token and the prompt's KV as a handle;
+4. ``Generate`` to a decode worker with that handle; its token stream is the rest of the output.
+
+Closing the output stream early (client gone, stop string) cancels every call still open, which
+aborts the request on the tier that holds it; a KV handle decode never took is released at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+
+import grpc
+
+from epd.config import RouterConfig
+from epd.errors import (DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError,
+                        code_for_grpc)
+from epd.models.qwen2_vl.processor import ProcessedPrompt
+from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
+from epd.router.backends.base import BackendOutput, Job
+from epd.router.routing import ROUTING_POLICIES
+from epd.router.workers import TIERS, WorkerRegistry, WorkerState
+from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2, tensor_pb2_grpc
+
+log = logging.getLogger("epd.router")
+_PREFIX_KEY_TOKENS = 64  # how much of the prompt decides prefill affinity
+_ENCODE_ATTEMPTS = 2
+_RELEASE_TIMEOUT_S = 5.0
+# what a tier said about the request itself keeps its meaning; anything else is that tier failing it
+_PASSED_THROUGH = {ErrorCode.INVALID_ARGUMENT: InvalidRequest, ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded}
+
+
+class DisaggregatedBackend:
+    def __init__(self, config: RouterConfig, *, embedding_row_bytes: int) -> None:
+        self.config = config
+        self.embedding_row_bytes = embedding_row_bytes
+        self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
+                                       "decode": list(config.decodes)}, health_period_s=config.health_period_s)
+        self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}
+        # content hash -> (encoder address, number of encode calls carrying it now): an item already
+        # being encoded goes to that encoder, where it waits on the one producer instead of being
+        # encoded again elsewhere because its home looked busy
+        self._encoding: dict[str, tuple[str, int]] = {}
+
+    async def start(self) -> None:
+        await self.workers.start()
+
+    async def close(self) -> None:
+        await self.workers.close()
+
+    def health(self) -> dict:
+        counts = self.workers.healthy_counts()
+        ok = all(counts.get(tier, 0) > 0 for tier in TIERS)
+        return {"status": "ok" if ok else "degraded",
+                "workers": {tier: [w.as_dict() for w in states] for tier, states in self.workers.workers.items()}}
+
+    def refresh_metrics(self, metrics) -> None:
+        metrics.refresh_cluster(self.workers.workers)
+
+    # ---- one request ----------------------------------------------------------------------------
+    async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
+        with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
+            result = await self._prefill(job, prefill)
+        first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField("first_logprobs") else []
+        yield BackendOutput([result.first_token_id], first_logprobs, result.finish_reason or None,
+                            result.num_cached_tokens)
+        if result.finish_reason:
+            return
+        async for output in self._decode(job, result, prefill):
+            yield output
+
+    async def _prefill(self, job: Job, prefill: WorkerState) -> common_pb2.PrefillResult:
+        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids)
+        call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
+                                    timeout=job.remaining_s())
+        encodes, result = _Encodes(), None
+        try:
+            accepted = await call.read()
+            if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
+                raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
+            # registered there: from now on the encoders may push its rows
+            for address, indices in self._encoder_groups(job.prompt).items():
+                encodes.add(self._encode(address, job, indices, prefill.address))
+            reply = await encodes.race(call.read())
+            if reply is grpc.aio.EOF or not reply.HasField("result"):
+                raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
+            result = reply.result
+            return result
+        except grpc.aio.AioRpcError as err:
+            raise self._tier_error("prefill", prefill.address, err) from None
+        finally:
+            call.cancel()  # no-op once it finished; otherwise prefill aborts the request
+            if result is None:
+                encodes.cancel()
+
+    def _encoder_groups(self, prompt: ProcessedPrompt) -> dict[str, list[int]]:
+        """Items by the encoder their content hash routes to: a repeated image finds its cache."""
+        groups: dict[str, list[int]] = {}
+        healthy = {c.address for c in self.workers.candidates("encoder")}
+        for index, item in enumerate(prompt.items):
+            producing = self._encoding.get(item.mm_hash, ("", 0))[0]
+            address = producing if producing in healthy else self._pick("encoder", item.mm_hash)
+            groups.setdefault(address, []).append(index)
+        return groups
+
+    async def _encode(self, address: str, job: Job, indices: list[int], prefill_address: str) -> None:
+        hashes = [job.prompt.items[i].mm_hash for i in indices]
+        for mm_hash in hashes:
+            self._encoding[mm_hash] = (address, self._encoding.get(mm_hash, ("", 0))[1] + 1)
+        try:
+            await self._encode_on(address, job, indices, prefill_address)
+        finally:
+            for mm_hash in hashes:
+                home, count = self._encoding.pop(mm_hash)
+                if count > 1:
+                    self._encoding[mm_hash] = (home, count - 1)
+
+    async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str) -> None:
+        items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
+        request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
+                                            transport=self.config.transport)
+        for attempt in range(_ENCODE_ATTEMPTS):
+            with self._holding("encoder", address=address) as encoder:
+                try:
+                    await encoder.stub.Encode(request, timeout=job.remaining_s())
+                    return
+                except grpc.aio.AioRpcError as err:
+                    if err.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == _ENCODE_ATTEMPTS:
+                        raise self._tier_error("encoder", address, err) from None
+            # a restarted worker's first call can fail on the old connection; try again, on another
+            # encoder when one is healthy
+            others = [c for c in self.workers.candidates("encoder") if c.address != address]
+            if others:
+                address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
+
+    async def _decode(self, job: Job, result: common_pb2.PrefillResult,
+                      prefill: WorkerState) -> AsyncIterator[BackendOutput]:
+        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False)
+        with self._holding("decode", job.request_id) as decode:
+            call = decode.stub.Generate(decode_pb2.GenerateRequest(request=meta, prefill=result),
+                                        timeout=job.remaining_s())
+            is_finished = False
+            try:
+                async for chunk in call:
+                    is_finished = bool(chunk.finish_reason)
+                    yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
+                                        chunk.finish_reason or None)
+            except grpc.aio.AioRpcError as err:
+                raise self._tier_error("decode", decode.address, err) from None
+            finally:
+                if not is_finished:
+                    call.cancel()
+                    await _release_lease(prefill, result.kv)
+
+    # ---- workers --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _holding(self, tier: str, key: str = "", *, address: str | None = None):
+        """Pick a worker (or take ``address``) and count the request on it while the block runs.
+        The state itself is held: a worker being drained stays reachable until we let go."""
+        worker = self.workers.get(tier, address or self._pick(tier, key))
+        worker.in_flight += 1
+        try:
+            yield worker
+        finally:
+            worker.in_flight -= 1
+
+    def _pick(self, tier: str, key: str) -> str:
+        candidates = self.workers.candidates(tier)
+        if not candidates:
+            raise Unavailable(f"no healthy {tier} worker ({len(self.workers.workers[tier])} configured)")
+        return self.policies[tier].pick(key, candidates)
+
+    def _tier_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            self.workers.mark_failed(tier, address)
+        error_type = _PASSED_THROUGH.get(code_for_grpc(err.code()), UpstreamError)
+        return error_type(f"{tier} {address} failed the request: {err.details() or err.code().name}")
+
+
+class _Encodes:
+    """A request's encode calls: the first failure wins a race against prefill's result (prefill
+    would otherwise wait for rows that will never come)."""
+
+    def __init__(self) -> None:
+        self._tasks: list[asyncio.Task] = []
+        self._failed: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def add(self, call: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(call)
+        task.add_done_callback(self._on_done)
+        self._tasks.append(task)
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not self._failed.done():
+            self._failed.set_result(task.exception())
+
+    async def race(self, result: Awaitable):
+        reader = asyncio.ensure_future(result)
+        try:
+            await asyncio.wait({reader, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reader.done():
+                reader.cancel()
+        if reader.done() and not reader.cancelled():
+            return reader.result()
+        raise self._failed.result()
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+async def _release_lease(worker: WorkerState, handle) -> None:
+    """Give a handle back to the worker that made it (decode never took it): no wait for its TTL."""
+    if not handle.lease_id:
+        return  # the bytes travelled inside the handle: nothing is held
+    try:
+        await tensor_pb2_grpc.TensorStoreStub(worker.channel).Release(
+            tensor_pb2.ReleaseRequest(lease_ids=[handle.lease_id]), timeout=_RELEASE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:  # the lease expires on its own; this only frees it sooner
+        log.debug("could not release KV lease %s at %s: %s", handle.lease_id, worker.address, err.code())
+
+
+def _prefix_key(prompt: ProcessedPrompt) -> str:
+    head = prompt.prompt_token_ids[:_PREFIX_KEY_TOKENS]
+    hashes = [i.mm_hash for i in prompt.items if i.offset < _PREFIX_KEY_TOKENS]
+    return ",".join(map(str, head)) + "|" + ",".join(hashes)

@@ -1,0 +1,91 @@
+"""The in-process backend: the whole model (vision tower + engine, ``epd.LLM``) in the router's own
+process, behind the same pipeline and front ends as the tiers. It is the baseline the EPD tiers
+are measured against, and a fair choice on one small machine.
+
+Like an aggregated vLLM engine, images are encoded on the engine thread between steps, so a long
+encode stalls the decode of every running request: the interference EPD removes.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from epd.config import EngineConfig
+from epd.engine.engine_loop import EngineLoop, TokenUpdate
+from epd.errors import DeadlineExceeded, UpstreamError
+from epd.router.backends.base import BackendOutput, Job
+
+
+class InProcessBackend:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None) -> None:
+        from epd.llm import LLM
+
+        built: dict[str, LLM] = {}
+
+        def build():  # on the loop thread: one thread runs every torch op (see epd.engine.engine_loop)
+            built["llm"] = LLM(str(model_dir), engine_config=engine_config, allowed_local_media_path=None)
+            return built["llm"].engine
+
+        self.loop = EngineLoop(build, name="in-process-loop").start()
+        self.llm = built["llm"]
+        self.embedding_row_bytes = self.llm.mm_spec.embedding_dim * self.llm.engine_config.torch_dtype.itemsize
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        self.loop.stop()
+
+    def health(self) -> dict:
+        sched = self.llm.engine.scheduler  # lengths only: a snapshot is enough for a health answer
+        return {"status": "ok", "mode": "aggregated", "workers": {},
+                "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
+
+    def refresh_metrics(self, metrics) -> None:
+        pass
+
+    async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
+        updates: asyncio.Queue[TokenUpdate] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        # the images are encoded there, on the engine thread
+        added = self.loop.watch(lambda engine: self.llm.add_processed(job.prompt, job.sampling, job.request_id),
+                                _ThreadSafePut(loop, updates))
+        try:
+            seq = await asyncio.wrap_future(added)
+        except asyncio.CancelledError:  # the client left while its images were encoding
+            added.add_done_callback(self._abort_when_added)
+            raise
+        is_first, is_finished = True, False
+        try:
+            while not is_finished:
+                try:
+                    update = await asyncio.wait_for(updates.get(), job.remaining_s())
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(f"request {job.request_id} timed out") from None
+                if update.error:
+                    raise UpstreamError(f"request {job.request_id} failed: {update.error}")
+                is_finished = update.is_last
+                yield BackendOutput(update.token_ids, update.logprobs, update.finish_reason,
+                                    seq.num_cached_tokens if is_first else 0)
+                is_first = False
+        finally:
+            if not is_finished:
+                self.loop.abort(seq, reason="cancelled")
+
+    def _abort_when_added(self, added) -> None:
+        if not added.cancelled() and added.exception() is None and added.result() is not None:
+            self.loop.abort(added.result(), reason="cancelled")
+
+
+class _ThreadSafePut:
+    """``put`` from the engine thread into an asyncio queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> None:
+        self.loop, self.target = loop, target
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.target.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass

@@ -1,0 +1,164 @@
+"""The router's one request pipeline, for both front ends and any backend:
+
+    admit -> resolve media -> preprocess -> check limits -> run on the backend -> detokenize,
+    stop strings, metrics -> stream events
+
+The front ends (HTTP, public gRPC) only translate to ``ChatRequest`` and from ``StreamEvent``; the
+backend (the tiers over gRPC, or the whole model in this process) only runs prepared jobs. This
+is the one place that owns a request from arrival to its last byte.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from epd.config import RouterConfig
+from epd.errors import DeadlineExceeded, EPDError, InvalidRequest
+from epd.models.qwen2_vl.processor import ProcessedPrompt
+from epd.models.registry import family_for
+from epd.models.tokenizer_loading import load_tokenizer
+from epd.multimodal.messages import IMAGE_PART_TYPES, extract_images
+from epd.router.admission import AdmissionGate, RequestLimits
+from epd.router.backends.base import Backend, BackendOutput, Job
+from epd.router.detok import IncrementalDetokenizer
+from epd.router.media_fetch import FetchLimits, MediaFetcher
+from epd.router.metrics import RouterMetrics
+from epd.router.stop_strings import StopStrings
+from epd.types import ChatRequest, StreamEvent
+
+log = logging.getLogger("epd.router")
+
+
+class RequestPipeline:
+    """A ``RouterCore`` (what the front ends call) over one ``Backend``."""
+
+    def __init__(self, model_dir: str | Path, config: RouterConfig, backend: Backend, *,
+                 media: MediaFetcher | None = None) -> None:
+        model_dir = Path(model_dir)
+        self.config = config
+        self.model_name = config.model
+        self.backend = backend
+        self.tokenizer = load_tokenizer(model_dir)
+        self.processor = family_for(model_dir).input_processor(model_dir, self.tokenizer)
+        self.eos_token_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
+        self.limits = RequestLimits.from_config(config, backend.embedding_row_bytes)
+        self.gate = AdmissionGate(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
+        self.metrics = RouterMetrics()
+
+    async def start(self) -> None:
+        await self.backend.start()
+
+    async def close(self) -> None:
+        await self.backend.close()
+
+    # ---- RouterCore -----------------------------------------------------------------------------
+    def health(self) -> dict:
+        return {"model": self.model_name, **self.backend.health()}
+
+    def metrics_text(self) -> bytes:
+        self.metrics.queue_depth.set(self.gate.num_queued)
+        self.metrics.in_flight.set(self.gate.num_active)
+        self.backend.refresh_metrics(self.metrics)
+        return self.metrics.render()
+
+    async def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
+        """Stream a request's events; raises ``EPDError`` before the first event for what admission
+        refuses (400, 429, 503) and during the stream for failures. Closing the iterator early
+        cancels the request on the backend."""
+        try:
+            self.limits.check_num_items(count_media_parts(request.messages))
+            async with self.gate.slot():
+                async for event in self._run(request):
+                    yield event
+        except EPDError as err:
+            self.metrics.observe_error(err)
+            raise
+
+    # ---- the request path -----------------------------------------------------------------------
+    async def _run(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
+        start = time.monotonic()
+        deadline = start + (request.timeout_s or self.config.request_timeout_s)
+        prompt = await self._prepare(request)
+        job = Job(request.request_id, prompt, request.sampling, self.eos_token_ids, deadline)
+        text = _TextStream(self.tokenizer, request.stop_strings)
+        outputs = self.backend.run(job)
+        first_at, num_tokens = None, 0
+        try:
+            while True:
+                output = await _next_before(outputs, deadline, request.request_id)
+                if output is None:
+                    break
+                event = text.event(output, prompt if first_at is None else None)
+                if first_at is None:
+                    first_at = time.monotonic()
+                    self.metrics.observe_first_token(first_at - start, len(prompt.prompt_token_ids),
+                                                     output.num_cached_tokens)
+                num_tokens += len(event.token_ids)
+                yield event
+                if event.finish_reason:
+                    break
+        finally:
+            await outputs.aclose()  # before the last output: cancels the request wherever it is
+        self.metrics.observe_done(start, first_at, num_tokens)
+
+    async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
+        messages = await self.media.resolve(request.messages)
+        prompt = await asyncio.to_thread(self._preprocess, messages)
+        self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
+        self.limits.check_prompt(len(prompt.prompt_token_ids), prompt.num_embedding_rows, request.sampling)
+        return prompt
+
+    def _preprocess(self, messages: list[dict]) -> ProcessedPrompt:
+        """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
+        conversation, images = extract_images(messages)
+        try:
+            return self.processor.process_messages(conversation, images)
+        except EPDError:
+            raise
+        except ValueError as err:
+            raise InvalidRequest(str(err), param="messages") from None
+
+
+class _TextStream:
+    """Backend outputs -> events: incremental text, then stop strings (which may end the request)."""
+
+    def __init__(self, tokenizer, stop_strings: list[str]) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopStrings(stop_strings)
+
+    def event(self, output: BackendOutput, prompt: ProcessedPrompt | None) -> StreamEvent:
+        text, is_stopped = self.stops.feed(self.detok.add(output.token_ids))
+        finish_reason = "stop" if is_stopped else output.finish_reason
+        if finish_reason and not is_stopped:
+            text += self.stops.flush()
+        return StreamEvent(token_ids=list(output.token_ids), text=text, logprobs=list(output.logprobs),
+                           finish_reason=finish_reason,
+                           prompt_token_ids=list(prompt.prompt_token_ids) if prompt is not None else None,
+                           num_cached_tokens=output.num_cached_tokens if prompt is not None else 0)
+
+
+async def _next_before(outputs: AsyncIterator[BackendOutput], deadline: float, request_id: str
+                       ) -> BackendOutput | None:
+    """The next output, None at the end; no wait outlives the request's deadline (monotonic clock,
+    which is the event loop's)."""
+    try:
+        if _timeout_at is None:  # Python 3.10
+            return await asyncio.wait_for(outputs.__anext__(), max(0.0, deadline - time.monotonic()))
+        async with _timeout_at(deadline):
+            return await outputs.__anext__()
+    except StopAsyncIteration:
+        return None
+    except (asyncio.TimeoutError, TimeoutError):
+        raise DeadlineExceeded(f"request {request_id} timed out") from None
+
+
+_timeout_at = getattr(asyncio, "timeout_at", None)
+
+
+def count_media_parts(messages: list[dict]) -> int:
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for p in m["content"] if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES)

@@ -1,0 +1,103 @@
+"""The plain types every layer shares: what a request asks for (``SamplingParams``, ``ChatRequest``),
+what comes back (``TokenLogprobs``, ``StreamEvent``, ``RequestOutput``). No torch, no proto: the
+engine, the router, the SDK and the front ends all import these, and wire types are converted to
+and from them at each process edge (``epd.protocol``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for, per token
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k
+
+    def __post_init__(self) -> None:
+        _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
+        _check(0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"in [0, max_tokens={self.max_tokens}]",
+               self.min_tokens)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1", self.top_k)
+        _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"None or in [0, {MAX_LOGPROBS}]", self.logprobs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, name: str, expected: str, got: object) -> None:
+    if not ok:
+        from epd.errors import InvalidRequest
+        raise InvalidRequest(f"SamplingParams.{name} must be {expected}, got {got!r}", param=name)
+
+
+@dataclass(frozen=True)
+class MultimodalItemSpan:
+    """Where one multimodal item sits in a prompt and what identifies its content: what the block
+    manager hashes into KV-prefix keys and what a sequence's layout is built from."""
+
+    offset: int  # first placeholder position in the prompt
+    length: int  # placeholder span == embedding rows (Qwen-VL has no special tokens inside a span)
+    mm_hash: str = ""  # content hash of the item (bytes + processor kwargs + model id)
+    grid_thw: tuple[int, ...] = ()  # the item's patch grid (temporal, height, width)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the chosen token plus the top-k alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class ChatRequest:
+    """One chat completion as both front ends hand it to the router's pipeline. ``messages`` are
+    OpenAI-style: content is a string or a list of parts ``{"type": "text", "text": ...}`` /
+    ``{"type": "image_url", "image_url": {"url": ...}}`` / ``{"type": "image", "image": bytes | url}``.
+    Media are resolved by the pipeline, never by a front end."""
+
+    messages: list[dict]
+    sampling: SamplingParams
+    request_id: str
+    stop_strings: list[str] = field(default_factory=list)  # the output ends before the first match
+    timeout_s: float | None = None  # per-request deadline; None: the router's default
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request. The first event also carries the prompt."""
+
+    token_ids: list[int]
+    text: str  # the detokenized text of exactly these tokens (incremental, UTF-8 safe, stop strings applied)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
+    prompt_token_ids: list[int] | None = None  # first event only
+    num_cached_tokens: int = 0  # first event only: prompt tokens served from the prefix cache
+
+
+@dataclass
+class RequestOutput:
+    """A finished request, as ``epd.LLM`` and the router's blocking wrapper return it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_cached_tokens: int = 0

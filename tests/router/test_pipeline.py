@@ -1,0 +1,192 @@
+"""The router's one request pipeline over a scripted backend, reached through both real front ends
+(the official openai client over HTTP, the SDK over gRPC): media, stop strings, detokenization,
+admission and deadlines behave the same way whichever front end a request came through."""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import time
+
+import openai
+import pytest
+
+from epd.client import DeadlineExceeded as SdkDeadlineExceeded
+from epd.client import EPDClient
+from epd.client import InvalidRequest as SdkInvalidRequest
+from epd.config import RouterConfig
+from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
+from epd.models.presets import resolve_model
+from epd.router.http_app import build_app
+from epd.router.media_fetch import FetchLimits, MediaFetcher
+from epd.router.pipeline import RequestPipeline
+from epd.types import ChatRequest, SamplingParams
+from tests.client.fakes import RouterServerThread
+from tests.conftest import make_image_bytes
+from tests.router.fake_backend import ScriptedBackend
+from tests.router.fake_core import send_bytes, serve_app, serve_files
+
+PNG = make_image_bytes(28, 28, seed=5)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from epd.models.tokenizer_loading import load_tokenizer
+    return load_tokenizer(model_dir)
+
+
+def pieces(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def make_pipeline(model_dir, backend, *, media: MediaFetcher | None = None, **config) -> RequestPipeline:
+    return RequestPipeline(model_dir, RouterConfig(model="tiny", **config), backend, media=media)
+
+
+@contextlib.contextmanager
+def both_front_ends(pipeline: RequestPipeline):
+    """(openai client over HTTP, SDK client over gRPC), both in front of ``pipeline``."""
+    with serve_app(build_app(pipeline, tokenizer=pipeline.tokenizer)) as base, RouterServerThread(pipeline) as grpc:
+        with EPDClient(grpc.address, timeout_s=30) as sdk:
+            yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30), sdk
+
+
+def image_chat(url: str, text: str = "What is this?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+# ---- stop strings ---------------------------------------------------------------------------------
+def test_a_stop_string_truncates_the_output_and_cancels_the_backend_on_both_front_ends(model_dir, tokenizer):
+    outputs = pieces(tokenizer, ["Hello", " wor", "ld and", " more"])
+    backend = ScriptedBackend(outputs, finish_reason=None, hang_after=3)
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        response = http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                stop="world")
+        assert backend.wait_cancelled(5)
+        result = sdk.chat("Hi", stop="o w")
+    assert response.choices[0].message.content == "Hello " and response.choices[0].finish_reason == "stop"
+    assert response.usage.completion_tokens == sum(len(ids) for ids in outputs[:3])  # tokens are never held back
+    assert result.text == "Hell" and result.finish_reason == "stop" and len(backend.cancelled) == 2
+
+
+def test_a_stop_string_split_across_streamed_events_is_never_sent(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["Hi, wo", "rld!", " more"]), finish_reason=None, hang_after=2)
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        chunks = list(http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                   stream=True, stop=["world", "zzz"]))
+        deltas = [d.text for d in sdk.stream("Hi", stop=["world"])]
+    texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+    assert "".join(texts) == "Hi, " and not any("wo" in t for t in texts)
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(deltas) == "Hi, " and not any("wo" in d for d in deltas)
+
+
+# ---- detokenization -------------------------------------------------------------------------------
+def test_text_is_streamed_without_splitting_a_character(model_dir, tokenizer):
+    text = "naïve 你好 🎉 done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    backend = ScriptedBackend([[t] for t in ids])
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        deltas = [d.text for d in sdk.stream("Hi")]
+        chunks = list(http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+                                                   stream=True))
+    assert "".join(deltas) == text == tokenizer.decode(ids)
+    assert "\ufffd" not in "".join(deltas) and "" in deltas  # some tokens carried half a character
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
+
+
+# ---- media, the same for both front ends ----------------------------------------------------------
+def test_a_data_url_image_reaches_the_backend_as_its_bytes(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        http.chat.completions.create(model="m", messages=image_chat(data_url(PNG)))
+        sdk.chat(image_chat(data_url(PNG)))
+        sdk.chat("What is this?", images=[PNG])
+    assert [[item.data for item in job.prompt.items] for job in backend.jobs] == [[PNG]] * 3
+    assert len({tuple(job.prompt.prompt_token_ids) for job in backend.jobs}) == 1
+
+
+def test_local_files_only_under_the_allowed_root(model_dir, tokenizer, tmp_path):
+    root = tmp_path / "media"
+    root.mkdir()
+    (root / "ok.png").write_bytes(PNG)
+    (tmp_path / "secret.png").write_bytes(PNG)
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    media = MediaFetcher(allowed_local_media_path=str(root))
+    with both_front_ends(make_pipeline(model_dir, backend, media=media)) as (http, sdk):
+        http.chat.completions.create(model="m", messages=image_chat(f"file://{root / 'ok.png'}"))
+        with pytest.raises(openai.BadRequestError, match="outside the allowed root"):
+            http.chat.completions.create(model="m", messages=image_chat(f"file://{tmp_path / 'secret.png'}"))
+        with pytest.raises(SdkInvalidRequest, match="outside the allowed root") as info:
+            sdk.chat(image_chat(f"file://{tmp_path / 'secret.png'}"))
+    assert "messages[0].content[0]" in str(info.value)
+    assert [job.prompt.items[0].data for job in backend.jobs] == [PNG]
+
+
+def test_http_images_come_only_from_public_addresses_unless_allowed(model_dir, tokenizer):
+    routes = {"/cat.png": send_bytes(PNG), "/huge.png": send_bytes(PNG + b"\0" * 20000, declare_length=False)}
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with serve_files(routes) as files:
+        with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+            with pytest.raises(openai.BadRequestError, match="loopback address; private-network targets"):
+                http.chat.completions.create(model="m", messages=image_chat(f"{files}/cat.png"))
+            with pytest.raises(SdkInvalidRequest, match="loopback address; private-network targets"):
+                sdk.chat("What is this?", images=[f"{files}/cat.png"])
+        assert backend.jobs == []
+        allowing = MediaFetcher(allow_private_network=True, limits=FetchLimits(max_bytes=10000))
+        with both_front_ends(make_pipeline(model_dir, backend, media=allowing)) as (http, sdk):
+            http.chat.completions.create(model="m", messages=image_chat(f"{files}/cat.png"))
+            sdk.chat("What is this?", images=[f"{files}/cat.png"])
+            with pytest.raises(openai.BadRequestError, match="exceeds the limit of 10000 bytes"):
+                http.chat.completions.create(model="m", messages=image_chat(f"{files}/huge.png"))
+    assert [job.prompt.items[0].data for job in backend.jobs] == [PNG, PNG]
+
+
+# ---- admission, deadlines, failures -----------------------------------------------------------------
+def test_a_request_that_can_never_fit_is_refused_before_the_backend(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    pipeline = make_pipeline(model_dir, backend, max_items_per_request=1, max_model_len=64)
+    two_images = [{"role": "user", "content": [{"type": "image", "image": PNG}, {"type": "image", "image": PNG}]}]
+    with pytest.raises(InvalidRequest, match=r"2 images; the limit is 1 per request"):
+        run(pipeline, two_images)
+    with pytest.raises(InvalidRequest, match=r"exceeds the model length 64"):
+        run(pipeline, [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=60))
+    assert backend.jobs == []
+
+
+def test_no_wait_outlives_the_request_deadline(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["a", "b"]), hang_after=1)
+    pipeline = make_pipeline(model_dir, backend)
+    start = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match="timed out"):
+        run(pipeline, [{"role": "user", "content": "Hi"}], timeout_s=0.5)
+    assert time.monotonic() - start < 5 and backend.cancelled == [backend.jobs[0].request_id]
+    with both_front_ends(pipeline) as (_, sdk):
+        with pytest.raises(SdkDeadlineExceeded):
+            sdk.chat("Hi", timeout_s=0.5)
+
+
+def test_a_backend_failure_mid_stream_ends_the_request_with_its_error(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["a", "b", "c"]), fail_after=1,
+                              error=UpstreamError("decode 127.0.0.1:9 failed the request: gone"))
+    pipeline = make_pipeline(model_dir, backend)
+    with pytest.raises(UpstreamError, match="decode 127.0.0.1:9"):
+        run(pipeline, [{"role": "user", "content": "Hi"}])
+    assert 'epd_requests_total{outcome="error_502"} 1.0' in pipeline.metrics_text().decode()
+
+
+def run(pipeline: RequestPipeline, messages: list[dict], params: SamplingParams = SamplingParams(),
+        timeout_s: float | None = None) -> list:
+    async def collect():
+        return [e async for e in pipeline.generate(ChatRequest(messages, params, "r-1", timeout_s=timeout_s))]
+    return asyncio.run(collect())

@@ -190,7 +190,7 @@ class _ChatCompletions:
                     yield _sse(out.chunk(DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
                 if out.finish_reason:
                     break
-                event = await pump.next(request)
+                event = await pump.next(None)  # Starlette cancels this stream when the client leaves
             if event is None:  # the core's stream ended with no finish reason
                 out.finish_reason = "stop"
             cancel = False
@@ -275,12 +275,16 @@ class _CorePump:
             if aclose is not None:  # the contract's "close the iterator"; a no-op once it has ended
                 await aclose()
 
-    async def next(self, request: Request) -> StreamEvent | None:
-        """The next event, None at the end; raises what the core raised, or ``_ClientGone``."""
-        if await request.is_disconnected():
-            raise _ClientGone()
+    async def next(self, request: Request | None) -> StreamEvent | None:
+        """The next event, None at the end; raises what the core raised, or ``_ClientGone``.
+        ``request``: watch that client while waiting (a streaming response needs not: Starlette
+        cancels it when its client leaves). Asking is not free (~50 us), so never per token."""
         if not self._queue.empty():  # tokens arrive faster than they are sent: no waiting needed
             return self._unwrap(self._queue.get_nowait())
+        if request is None:
+            return self._unwrap(await self._queue.get())
+        if await request.is_disconnected():
+            raise _ClientGone()
         getter = asyncio.ensure_future(self._queue.get())
         try:
             while not getter.done():

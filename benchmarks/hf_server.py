@@ -28,7 +28,7 @@ from epd.models.presets import load_processor, resolve_model  # noqa: E402
 from epd.router.backends.base import BackendOutput, Job  # noqa: E402
 from epd.router.http_app import build_app  # noqa: E402
 from epd.router.pipeline import RequestPipeline  # noqa: E402
-from epd.serving import READY_PREFIX  # noqa: E402
+from epd.server.process import READY_PREFIX  # noqa: E402
 
 
 class _QueueStreamer(BaseStreamer):

@@ -12,8 +12,9 @@ again for every new token) on the same token ids, in this process.
 
     python benchmarks/router_cpu.py [--model tiny-qwen2-vl] [--tokens 4000] [--only-cluster]
 
-(3) runs against any checkout whose ``epd.launch`` has ``LocalCluster.start_router`` (set
-PYTHONPATH to the checkout, with ``--only-cluster``, to measure another one). Only loopback;
+(3) runs against any checkout whose ``LocalCluster`` has ``start_router`` (``epd.server.local``, or
+``epd.launch`` before it moved): set PYTHONPATH to the checkout, with ``--only-cluster``, to measure
+another one. Only loopback;
 every process started is stopped.
 """
 from __future__ import annotations
@@ -27,10 +28,12 @@ import sys
 import time
 
 import httpx
-
 from common import BENCH_DIR  # noqa: F401  (also puts the checkout on sys.path)
 
-from epd.launch import LocalCluster  # noqa: E402
+try:
+    from epd.server.local import LocalCluster  # noqa: E402
+except ImportError:  # a checkout from before epd/server/ (measuring the old router)
+    from epd.launch import LocalCluster  # noqa: E402
 from epd.models.presets import resolve_model  # noqa: E402
 from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
 

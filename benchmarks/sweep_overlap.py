@@ -13,7 +13,7 @@ from pathlib import Path
 
 from common import run_bench
 
-from epd.launch import LocalCluster  # noqa: E402
+from epd.server.local import LocalCluster  # noqa: E402
 
 
 def ttft_p50(url: str, out: Path, text_len: int, args: argparse.Namespace) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import common  # noqa: F401  (puts the checkout on sys.path)
 
-from epd.launch import LocalCluster  # noqa: E402
+from epd.server.local import LocalCluster  # noqa: E402
 
 
 def bench(url: str, ratio: float, args: argparse.Namespace, out: Path) -> dict:

@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_TIER_MAINS = {"encoder": "epd.encoder.server", "prefill": "epd.prefill.server", "decode": "epd.decode.server",
-               "router": "epd.router.server", "serve": "epd.serve", "bench": "epd.bench.cli"}
+_PROCESS_MAINS = {"router": "epd.server.router", "serve": "epd.server.serve", "bench": "epd.bench.cli"}
+_TIERS = ("encoder", "prefill", "decode")
 _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + decode processes on loopback",
                  "router": "run the router (OpenAI HTTP + public gRPC) over running workers",
                  "encoder": "run one encoder worker", "prefill": "run one prefill worker",
@@ -68,10 +68,13 @@ _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + de
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in _TIER_MAINS:
-        # one tier process: its own parser (epd/tier_cli.py), started by launchers, Kubernetes, Ray
+    if argv and argv[0] in _TIERS:
+        # one tier process (flags from epd/server/flags.py), started by launchers, Kubernetes, Ray
+        from epd.server.tier import main as tier_main
+        return tier_main(argv[0], argv[1:]) or 0
+    if argv and argv[0] in _PROCESS_MAINS:
         import importlib
-        return importlib.import_module(_TIER_MAINS[argv[0]]).main(argv[1:]) or 0
+        return importlib.import_module(_PROCESS_MAINS[argv[0]]).main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

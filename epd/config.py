@@ -1,50 +1,84 @@
-"""Frozen configuration dataclasses, validated on construction, loadable from YAML.
+"""The one configuration tree, typed and validated once (pydantic), from YAML, flags or Ray values:
 
-One dataclass per concern; tiers (later) compose these rather than redefine fields.
+    ServeConfig           epd serve: what to start, plus
+      RouterConfig        the router: workers, admission limits, routing, media policy, listeners
+      WorkerConfig        every tier process: where it serves and how it hands tensors on, plus
+        EngineConfig      the LLM engine of prefill and decode
+        EncoderConfig     the encoder's budgets and cache
+    RayDeployment         epd serve --launcher ray: per-tier TierSpec (replicas, resources, WorkerConfig)
+
+Configs are frozen. A wrong key, type or value anywhere is a ``ConfigError`` with one line naming
+the key, what was expected and what came (``load_config``), never a traceback.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+import re
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 MiB = 1024 * 1024
-C = TypeVar("C")
+C = TypeVar("C", bound=BaseModel)
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+def _check_device(value: str) -> str:
+    if not _DEVICE_PATTERN.fullmatch(value):
+        raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+    return value
+
+
+def _no_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # YAML's yes/no must not pass as 1/0
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+Device = Annotated[str, AfterValidator(_check_device)]
+PositiveInt = Annotated[int, Field(gt=0)]
+Port = Annotated[int, Field(ge=0, le=65535)]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message is one line naming key, expected and value."""
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integers_are_not_booleans(cls, value: Any, info) -> Any:
+        annotation = str(cls.model_fields[info.field_name].annotation)
+        return _no_bool(value) if "int" in annotation and "bool" not in annotation else value
+
+
+def _torch_dtype(name: str):
+    import torch  # keep configs importable without paying for torch
+    return getattr(torch, name)
+
+
+class EngineConfig(_Config):
     """The LLM engine: paged KV cache, continuous batching, chunked prefill, prefix caching."""
 
-    block_size: int = 16
-    kv_cache_bytes: int = 256 * MiB
-    num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    attention_backend: str = "sdpa"
-    dtype: str = "float32"
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"EngineConfig.num_kv_blocks must be >= 1 or None, got {self.num_kv_blocks}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"EngineConfig.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+    block_size: PositiveInt = Field(16, description="tokens per KV block")
+    kv_cache_bytes: PositiveInt = Field(256 * MiB, description="KV cache size in bytes")
+    num_kv_blocks: PositiveInt | None = Field(None, description="KV blocks (overrides kv_cache_bytes)")
+    max_num_seqs: PositiveInt = Field(64, description="sequences running at once")
+    max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
+    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
+    attention_backend: str = Field("sdpa", description="attention backend")
+    dtype: Dtype = Field("float32", description="weights and activations")
+    device: Device = Field("cpu", description="cpu, cuda or cuda:N")
 
     @property
     def torch_dtype(self):
-        import torch  # keep config importable without paying for torch
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        return _torch_dtype(self.dtype)
 
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:
@@ -52,85 +86,199 @@ class EngineConfig:
         return max(1, self.kv_cache_bytes // (bytes_per_token * self.block_size))
 
 
-@dataclass(frozen=True)
-class WorkerConfig:
+class EncoderConfig(_Config):
+    """One encoder worker's budgets, each in its own unit:
+      (A) ``encoder_batch_size``      atomic items per encoder batch;
+      (B) ``encoder_max_num_tokens``  encoder attention tokens per batch (raised to the largest item);
+      (C) ``output_budget_bytes``     output bytes of one iteration, or ``max_output_rows`` rows of it;
+                                      default: the rows (B) can produce;
+      (D) ``encoder_cache_max_bytes`` the reuse cache, >= (C): the same pool, grown; default (C).
+    """
+
+    encoder_batch_size: PositiveInt = Field(32, description="items per encoder batch")
+    encoder_max_num_tokens: PositiveInt = Field(16384, description="encoder attention tokens per batch")
+    output_budget_bytes: PositiveInt | None = Field(None, description="output bytes of one encoder iteration")
+    max_output_rows: PositiveInt | None = Field(None, description="output rows of one encoder iteration")
+    encoder_cache_max_bytes: PositiveInt | None = Field(None, description="encoder cache size in bytes")
+    dtype: Dtype = Field("float32", description="weights and activations")
+    device: Device = Field("cpu", description="cpu, cuda or cuda:N")
+    cuda_graph_buckets: tuple[tuple[PositiveInt, PositiveInt], ...] = Field(
+        (), description="(total_tokens, num_contexts) per captured CUDA graph; empty: eager")
+
+    @model_validator(mode="after")
+    def _budgets_agree(self) -> "EncoderConfig":
+        if self.output_budget_bytes is not None and self.max_output_rows is not None:
+            raise ValueError(f"give output_budget_bytes or max_output_rows, not both (got "
+                             f"{self.output_budget_bytes} bytes and {self.max_output_rows} rows)")
+        if (self.output_budget_bytes is not None and self.encoder_cache_max_bytes is not None
+                and self.encoder_cache_max_bytes < self.output_budget_bytes):
+            raise ValueError(f"encoder_cache_max_bytes={self.encoder_cache_max_bytes} must be >= "
+                             f"output_budget_bytes={self.output_budget_bytes}: one iteration's outputs live in the cache")
+        buckets = self.cuda_graph_buckets
+        for total_tokens, num_contexts in buckets:
+            if total_tokens < num_contexts:
+                raise ValueError(f"cuda_graph_buckets entry {(total_tokens, num_contexts)}: total_tokens must be >= "
+                                 f"num_contexts (every context holds at least one token)")
+        if len(set(buckets)) != len(buckets):
+            raise ValueError(f"cuda_graph_buckets has duplicates: {list(buckets)}")
+        if buckets and not self.device.startswith("cuda"):
+            raise ValueError(f"cuda_graph_buckets needs a CUDA device, got device={self.device!r}")
+        return self
+
+    @property
+    def torch_dtype(self):
+        return _torch_dtype(self.dtype)
+
+
+class WorkerConfig(_Config):
     """One tier process: what it serves, where, and how it hands tensors on."""
 
-    model: str = "tiny-qwen2-vl"
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: pick a free port and print it in the ready line
+    model: str = Field("tiny-qwen2-vl", description="preset name or Hugging Face checkpoint directory")
+    host: str = Field("127.0.0.1", description="address the worker binds and advertises")
+    port: Port = Field(0, description="gRPC port (0: a free one, printed in the ready line)")
     engine: EngineConfig = EngineConfig()
-    transport: str = ""  # "" = automatic (shm on one host); "inline", "shm", "cuda_ipc", "nccl"
-    lease_ttl_s: float = 60.0
-    request_timeout_s: float = 120.0
-    max_workers: int = 32  # gRPC handler threads
-    metrics_port: int = 0  # Prometheus /metrics over HTTP; 0 picks a free port (in the ready line)
-    overlap_prefill_with_encode: bool = True  # prefill: compute text before images while encoding
-    # encoder tier only: EncoderConfig fields (epd/encoder/config.py), validated by that tier
-    encoder: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"WorkerConfig.port must be in [0, 65535], got {self.port}")
-        for name in ("lease_ttl_s", "request_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"WorkerConfig.{name} must be > 0, got {getattr(self, name)}")
-        if isinstance(self.engine, dict):
-            object.__setattr__(self, "engine", from_dict(EngineConfig, self.engine))
+    encoder: EncoderConfig = EncoderConfig()
+    transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
+    lease_ttl_s: float = Field(60.0, gt=0, description="seconds an exported tensor is kept for its consumer")
+    request_timeout_s: float = Field(120.0, gt=0, description="longest wait for one request when the caller sets none")
+    max_workers: PositiveInt = Field(32, description="gRPC handler threads")
+    metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
+    overlap_prefill_with_encode: bool = Field(True, description="prefill text before images while encoding",
+                                              json_schema_extra={"flag": "overlap"})
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    """Admission limits, routing policies and health checking of the router."""
+class RouterConfig(_Config):
+    """The router: its workers, admission limits, routing policies, media policy and listeners."""
+
+    model: str = Field("tiny-qwen2-vl", description="preset name or Hugging Face checkpoint directory")
+    encoders: tuple[str, ...] = Field((), description="encoder addresses (host:port)")
+    prefills: tuple[str, ...] = Field((), description="prefill addresses (host:port)")
+    decodes: tuple[str, ...] = Field((), description="decode addresses (host:port)")
+    host: str = Field("127.0.0.1", description="where the router listens")
+    port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
+    grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
+    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    default_max_tokens: PositiveInt = Field(256, description="max_tokens of a request that gives none")
+    max_items_per_request: PositiveInt = Field(16, description="images per request")
+    encoder_output_budget_bytes: PositiveInt | None = Field(
+        None, description="embedding bytes of one request (default: 4096 rows, the encoder's default)")
+    encoder_max_item_tokens: PositiveInt | None = Field(None, description="encoder tokens of one image")
+    max_concurrent_requests: PositiveInt = Field(64, description="requests on the tiers at once")
+    max_queued_requests: int = Field(256, ge=0, description="requests waiting for a slot; beyond: 429")
+    queue_timeout_s: float = Field(10.0, gt=0, description="longest wait for a slot; then 429")
+    request_timeout_s: float = Field(300.0, gt=0, description="deadline of a request that sets none")
+    health_period_s: float = Field(1.0, gt=0, description="seconds between worker health checks")
+    encoder_policy: str = Field("hash_affinity", description="routing policy for encoders")
+    prefill_policy: str = Field("prefix_affinity", description="routing policy for prefill")
+    decode_policy: str = Field("least_loaded", description="routing policy for decode")
+    transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
+    allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
+    allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
+    aggregated: bool = Field(False, description="no tiers: run the whole model in the router process")
+
+    @field_validator("encoders", "prefills", "decodes", mode="before")
+    @classmethod
+    def _addresses(cls, value: Any) -> Any:
+        return [a for a in value.split(",") if a] if isinstance(value, str) else value
+
+
+class ServeConfig(_Config):
+    """``epd serve``: how many of each tier to start and how, plus the router's and the workers' own."""
+
+    encoders: Annotated[int, Field(ge=0)] = Field(1, description="encoder processes")
+    prefills: Annotated[int, Field(ge=0)] = Field(1, description="prefill processes")
+    decodes: Annotated[int, Field(ge=0)] = Field(1, description="decode processes")
+    threads_per_tier: PositiveInt | None = Field(
+        None, description="intra-op threads of each tier process (default: the host's cores split between them)")
+    timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
+    launcher: Literal["local", "ray"] = Field("local", description="local processes or Ray actors")
+    ray_address: str | None = Field(None, description="an existing Ray cluster ('auto'); default: start a local one")
+    ray_config: str | None = Field(None, description="RayDeployment YAML (deploy/ray/cluster.yaml)")
+    router: RouterConfig = RouterConfig()
+    worker: WorkerConfig = WorkerConfig()
+
+
+TIERS = ("encoder", "prefill", "decode")
+
+
+class TierSpec(_Config):
+    """One tier on Ray: how many actors, what each asks of Ray, and its workers' config."""
+
+    replicas: Annotated[int, Field(ge=0)] = 1
+    num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float = Field(0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per actor")
+    max_restarts: Annotated[int, Field(ge=-1)] = 3
+    config: WorkerConfig = WorkerConfig()  # model, host, port and transport are the deployment's
+
+
+class RayDeployment(_Config):
+    """EPD on Ray (``deploy/ray/cluster.yaml``)."""
 
     model: str = "tiny-qwen2-vl"
-    encoders: tuple[str, ...] = ()
-    prefills: tuple[str, ...] = ()
-    decodes: tuple[str, ...] = ()
-    max_model_len: int = 4096
-    max_items_per_request: int = 16
-    encoder_output_budget_bytes: int | None = None  # None: 4096 embedding rows (the encoder default)
-    encoder_max_item_tokens: int | None = None  # encoder attention tokens of one image; None: no extra cap
-    max_concurrent_requests: int = 64  # in flight on the tiers
-    max_queued_requests: int = 256  # waiting for a slot; beyond this: 429 at once
-    queue_timeout_s: float = 10.0  # waiting longer than this: 429
-    request_timeout_s: float = 300.0
-    health_period_s: float = 1.0
-    encoder_policy: str = "hash_affinity"
-    prefill_policy: str = "prefix_affinity"
-    decode_policy: str = "least_loaded"
+    host: str = Field("127.0.0.1", description="the address workers bind and advertise ('node': the Ray node's IP)")
+    http_port: Port = 8000
+    grpc_port: Port = 50051
     transport: str = ""
+    colocate_prefill_decode: bool = Field(False, description="STRICT_PACK placement: a CUDA-IPC / shm pair")
+    tiers: dict[Literal["encoder", "prefill", "decode"], TierSpec] = Field(
+        default_factory=lambda: {tier: TierSpec() for tier in TIERS})
+    router: RouterConfig = RouterConfig()
 
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_items_per_request", "max_concurrent_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"RouterConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("queue_timeout_s", "request_timeout_s", "health_period_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"RouterConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"RouterConfig.max_queued_requests must be >= 0, got {self.max_queued_requests}")
-        for name in ("encoders", "prefills", "decodes"):
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+    @field_validator("tiers", mode="after")
+    @classmethod
+    def _every_tier(cls, tiers: dict) -> dict:
+        return {tier: tiers.get(tier, TierSpec()) for tier in TIERS}
+
+
+# ---- loading ---------------------------------------------------------------------------------------
+def load_config(cls: type[C], data: dict[str, Any] | None = None, *, source: str = "config") -> C:
+    """Validate ``data`` as ``cls``; any problem is a one-line ``ConfigError`` naming the key."""
+    try:
+        return cls.model_validate(data or {})
+    except ValidationError as err:
+        raise ConfigError(describe(err, source)) from None
 
 
 def from_dict(cls: type[C], data: dict[str, Any] | None) -> C:
-    """Build a config dataclass from a mapping, rejecting unknown keys by name."""
-    data = dict(data or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown keys {unknown}; expected some of {sorted(known)}")
-    return cls(**data)
+    return load_config(cls, data, source=cls.__name__)
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror or err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
     return data
+
+
+def describe(err: ValidationError, source: str) -> str:
+    """The first problem as ``source: key: what was expected, got value`` (+ how many more)."""
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    message = first["msg"].removeprefix("Value error, ")
+    if not first["loc"]:  # a rule across fields: the message names them and their values
+        return f"{source}: {message}{more}"
+    key = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"{source}: unknown key {key!r}{more}"
+    got = "" if first["type"] == "missing" or "got " in message else f", got {first['input']!r}"
+    return f"{source}: {key}: {message}{got}{more}"
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """``overrides`` on top of ``base``, nested mappings merged key by key."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out

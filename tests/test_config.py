@@ -1,32 +1,84 @@
+"""The config tree: typed, validated once, every mistake one line naming key, expectation and value;
+flags come from the same definitions for every command (``epd/server/flags.py``)."""
+import subprocess
+import sys
+
 import pytest
 
-from epd.config import EngineConfig, WorkerConfig
-from epd.tier_cli import worker_config_from_args
+from epd.config import ConfigError, EncoderConfig, EngineConfig, RouterConfig, WorkerConfig, load_config
+from epd.server.router import router_config_from_args
+from epd.server.serve import serve_command, serve_config_from_args
+from epd.server.tier import tier_command, worker_config_from_args
 
 
 def test_yaml_config_with_overrides(tmp_path):
     path = tmp_path / "prefill.yaml"
-    path.write_text("model: small-qwen2-vl\nport: 7001\nengine:\n  block_size: 32\n  max_num_batched_tokens: 512\n"
-                    "encoder:\n  encoder_batch_size: 4\n")
-    cfg = worker_config_from_args("prefill", ["--config", str(path), "--port", "0", "--no-overlap"])
+    path.write_text("model: small-qwen2-vl\nport: 7001\nengine:\n  block_size: 32\n  max_num_batched_tokens: 512\n")
+    cfg = worker_config_from_args("prefill", ["--config", str(path), "--port", "0", "--no-overlap",
+                                              "--max-num-batched-tokens", "256"])
     assert cfg.model == "small-qwen2-vl" and cfg.port == 0
-    assert cfg.engine == EngineConfig(block_size=32, max_num_batched_tokens=512)
-    assert cfg.encoder == {"encoder_batch_size": 4} and cfg.overlap_prefill_with_encode is False
+    assert cfg.engine == EngineConfig(block_size=32, max_num_batched_tokens=256)  # the flag wins over the file
+    assert cfg.overlap_prefill_with_encode is False
 
 
-def test_unknown_keys_are_named(tmp_path):
-    path = tmp_path / "bad.yaml"
-    path.write_text("modle: x\n")
-    with pytest.raises(ValueError, match=r"unknown keys \['modle'\]"):
+def test_the_encoder_section_is_typed(tmp_path):
+    path = tmp_path / "encoder.yaml"
+    path.write_text("encoder:\n  encoder_batch_size: 4\n  cuda_graph_buckets: [[1024, 4]]\n  device: cuda\n")
+    cfg = worker_config_from_args("encoder", ["--config", str(path), "--encoder-max-num-tokens", "2048"])
+    assert cfg.encoder == EncoderConfig(encoder_batch_size=4, encoder_max_num_tokens=2048,
+                                        cuda_graph_buckets=((1024, 4),), device="cuda")
+
+
+@pytest.mark.parametrize("yaml_text, message", [
+    ("modle: x\n", "unknown key 'modle'"),
+    ("engine:\n  block_size: many\n", "engine.block_size: Input should be a valid integer"),
+    ("lease_ttl_s: 0\n", "lease_ttl_s: Input should be greater than 0, got 0"),
+    ("engine:\n  max_num_seqs: true\n", "engine.max_num_seqs: expected an integer, got True"),
+    ("engine:\n  dtype: float64\n", "engine.dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'float64'"),
+    ("port: 70000\n", "port: Input should be less than or equal to 65535, got 70000"),
+])
+def test_a_wrong_key_or_value_is_one_line_naming_it(tmp_path, yaml_text, message):
+    path = tmp_path / "decode.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError) as info:
         worker_config_from_args("decode", ["--config", str(path)])
+    assert message in str(info.value) and str(info.value).startswith(str(path)) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs,field", [(dict(port=70000), "port"), (dict(lease_ttl_s=0), "lease_ttl_s")])
-def test_invalid_worker_config_names_the_field(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        WorkerConfig(**kwargs)
+def test_a_wrong_flag_value_is_one_line_on_stderr_and_exit_2():
+    done = subprocess.run([sys.executable, "-m", "epd", "router", "--max-concurrent-requests", "lots"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == ("epd router: error: command line: max_concurrent_requests: Input should be a valid "
+                                   "integer, unable to parse string as an integer, got 'lots'")
 
 
-def test_engine_config_validates():
+def test_one_flag_sets_every_field_of_its_name():
+    config = serve_config_from_args(["--model", "m", "--max-model-len", "1024", "--dtype", "bfloat16",
+                                     "--transport", "inline", "--allow-private-network", "--no-overlap"])
+    assert config.router.model == config.worker.model == "m"
+    assert config.router.max_model_len == config.worker.engine.max_model_len == 1024
+    assert config.worker.engine.dtype == config.worker.encoder.dtype == "bfloat16"
+    assert config.router.transport == config.worker.transport == "inline"
+    assert config.router.allow_private_network and not config.worker.overlap_prefill_with_encode
+
+
+def test_commands_take_their_flags_from_the_same_definitions():
+    def flags(command):
+        return set(command.flags)
+    router = {path[1] for flag in serve_command().flags.values() for path in flag.paths if path[0] == "router"}
+    # epd serve has every router flag the router process has, but the worker lists it assigns itself
+    assert router == set(RouterConfig.model_fields) - {"encoders", "prefills", "decodes"}
+    assert {"allow_private_network", "allowed_local_media_path"} <= router
+    assert "max_num_batched_tokens" in flags(tier_command("prefill"))
+    assert "max_num_batched_tokens" not in flags(tier_command("encoder"))  # an encoder has no LLM engine
+    assert "encoder_batch_size" not in flags(tier_command("decode"))
+    assert router_config_from_args(["--encoders", "a:1,b:2"]).encoders == ("a:1", "b:2")
+
+
+def test_configs_validate_on_construction_too():
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="float64")
+    with pytest.raises(ConfigError, match="RouterConfig: queue_timeout_s: Input should be greater than 0"):
+        load_config(RouterConfig, {"queue_timeout_s": 0}, source="RouterConfig")
+    assert WorkerConfig().engine == EngineConfig() and hash(WorkerConfig())

@@ -1,7 +1,7 @@
 """LocalCluster's thread split for co-located tier processes."""
 import os
 
-from epd.launch import LocalCluster, tier_threads
+from epd.server.local import LocalCluster, tier_threads
 
 
 def test_cores_are_split_between_tiers_at_least_one_each():

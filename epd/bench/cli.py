@@ -17,8 +17,14 @@ from epd.bench import report
 from epd.bench.client import GrpcDriver, OpenAIDriver, RequestRecord, normalize_base_url
 from epd.bench.metrics import MetricsSampler, server_summary, summarize
 from epd.bench.runner import rate_label, run_once
-from epd.bench.workload import (RequestSpec, WorkloadConfig, build_workload, parse_image_sizes, parse_rates,
-                                render_images)
+from epd.bench.workload import (
+    RequestSpec,
+    WorkloadConfig,
+    build_workload,
+    parse_image_sizes,
+    parse_rates,
+    render_images,
+)
 
 _WARMUP_RUN_INDEX = 1_000_003  # its own seed space: warm-up images never repeat in a measured run
 

@@ -8,11 +8,8 @@ import grpc
 from epd.client.errors import error_from_rpc
 from epd.client.request import ImageInput, Messages, build_request
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
+from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # requests carry encoded images
-CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
 
 
 class ChatStream:

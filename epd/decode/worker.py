@@ -5,7 +5,6 @@ multimodal (no pixels, embeddings or grids). It never preempts: it could not rec
 whose images it never saw, so a request waits (FIFO, no polling) until its budget fits."""
 from __future__ import annotations
 
-import dataclasses
 import queue
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +25,7 @@ class DecodeWorker:
         model_dir = Path(model_dir)
         family = family_for(model_dir)
         # prefix caching buys nothing here: the KV arrives computed
-        cfg = dataclasses.replace(engine_config, enable_prefix_caching=False)
+        cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(family.load_llm(model_dir), cfg, eos_token_ids=()),
                                name="decode-loop").start()

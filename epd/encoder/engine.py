@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from epd.config import EncoderConfig
 from epd.encoder.cache import CacheMetrics, EncoderCacheKey
-from epd.encoder.config import EncoderConfig
 from epd.encoder.errors import MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import (
     EncoderItem,

@@ -26,7 +26,7 @@ from epd.encoder.cache import CacheEntry, CacheEntryState, EncoderCacheKey, Tens
 from epd.encoder.errors import MultimodalEncoderAdmissionError
 
 if TYPE_CHECKING:
-    from epd.encoder.config import EncoderConfig
+    from epd.config import EncoderConfig
 
 logger = logging.getLogger(__name__)
 

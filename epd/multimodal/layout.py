@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from epd.multimodal.masks import (
-    compute_mm_masks,
-    embed_mask_cumsum,
-    find_mm_embedding_lengths_from_masks,
-)
+from epd.multimodal.masks import compute_mm_masks, embed_mask_cumsum, find_mm_embedding_lengths_from_masks
 from epd.types import MultimodalItemSpan
 
 

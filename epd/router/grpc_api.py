@@ -23,7 +23,7 @@ log = logging.getLogger("epd.router.grpc")
 
 class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     """A grpc.aio servicer. The server that hosts it should raise the message size limits
-    (``epd.serving.GRPC_OPTIONS``): requests carry encoded images."""
+    (``epd.rpc.SERVER_OPTIONS``): requests carry encoded images."""
 
     def __init__(self, core: RouterCore, *, default_max_tokens: int = 256) -> None:
         self.core = core

@@ -24,14 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd.errors import (
-    EPDError,
-    ErrorCode,
-    InternalError,
-    InvalidRequest,
-    NotFound,
-    UpstreamError,
-)
+from epd.errors import EPDError, ErrorCode, InternalError, InvalidRequest, NotFound, UpstreamError
 from epd.router.api import RouterCore
 from epd.router.openai_protocol import (
     ChatCompletionChunk,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from epd.router.routing import Candidate
-from epd.transport.channels import CHANNEL_OPTIONS
+from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("epd.router")

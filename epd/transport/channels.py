@@ -9,13 +9,7 @@ import threading
 
 import grpc
 
-MiB = 1024 * 1024
-# Fetch chunks stay under 4 MiB, but other callers of these channels may carry bigger messages
-MAX_MESSAGE_BYTES = 64 * MiB
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-)
+from epd.rpc import CHANNEL_OPTIONS
 
 
 class ChannelPool:

@@ -5,7 +5,7 @@ from concurrent import futures
 
 import grpc
 
-from epd.transport.channels import CHANNEL_OPTIONS
+from epd.rpc import SERVER_OPTIONS
 from epd.transport.handles import LeaseExpiredError, TransportError
 from epd.transport.inline import iter_chunks
 from epd.transport.leases import TensorStore
@@ -50,7 +50,7 @@ def serve_tensor_store(store: TensorStore, host: str = "127.0.0.1", port: int = 
                        max_workers: int = 8) -> grpc.Server:
     """Start a server for ``store`` alone (tests, benchmarks, a bare producer) and set ``store.address``.
     Tiers instead call ``add_tensor_store`` on the server they already run. Stop it with ``server.stop(0)``."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     add_tensor_store(server, store)
     bound_port = server.add_insecure_port(f"{host}:{port}")
     if bound_port == 0:

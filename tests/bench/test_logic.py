@@ -13,13 +13,34 @@ import pytest
 from PIL import Image
 
 from epd.bench.client import OpenAIDriver, RequestRecord, normalize_base_url
-from epd.bench.metrics import (distribution_ms, meets_slo, metric_sum, parse_prometheus, percentile,
-                               queue_snapshot, server_summary, summarize)
+from epd.bench.metrics import (
+    distribution_ms,
+    meets_slo,
+    metric_sum,
+    parse_prometheus,
+    percentile,
+    queue_snapshot,
+    server_summary,
+    summarize,
+)
 from epd.bench.report import format_sweep, format_table, write_json
 from epd.bench.runner import Progress
-from epd.bench.workload import (WORDS, ImageSize, ImageSpec, RequestSpec, WorkloadConfig, arrival_intervals,
-                                arrival_times, build_workload, choose_images, make_prompt, parse_image_sizes,
-                                parse_rates, render_image, render_images)
+from epd.bench.workload import (
+    WORDS,
+    ImageSize,
+    ImageSpec,
+    RequestSpec,
+    WorkloadConfig,
+    arrival_intervals,
+    arrival_times,
+    build_workload,
+    choose_images,
+    make_prompt,
+    parse_image_sizes,
+    parse_rates,
+    render_image,
+    render_images,
+)
 
 # ---- workload ------------------------------------------------------------------------------------
 

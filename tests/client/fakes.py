@@ -10,7 +10,7 @@ import grpc
 
 from epd.router.grpc_api import add_router_grpc
 from epd.router.media_fetch import MediaFetcher
-from epd.serving import GRPC_OPTIONS
+from epd.rpc import SERVER_OPTIONS as GRPC_OPTIONS
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
 

@@ -9,14 +9,7 @@ import pytest
 from PIL import Image
 
 from epd import errors
-from epd.client import (
-    AsyncEPDClient,
-    DeadlineExceeded,
-    EPDError,
-    InvalidRequest,
-    Overloaded,
-    Unavailable,
-)
+from epd.client import AsyncEPDClient, DeadlineExceeded, EPDError, InvalidRequest, Overloaded, Unavailable
 from tests.conftest import make_image_bytes
 
 WAIT_S = 5.0

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.router.metrics import RouterMetrics
-from epd.tier_metrics import TierMetrics
+from epd.server.metrics import TierMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "epd-dashboard.json"
 # labels Prometheus attaches to every target (the chart's ServiceMonitor adds epd_tier / epd_release)

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from epd.deploy.ray_cluster import RayDeployment, RayEPDCluster, TierSpec
+    from epd.config import RayDeployment, TierSpec
+    from epd.server.ray import RayEPDCluster
 
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)

@@ -1,9 +1,10 @@
 """EncoderEngine over a fake encoder (fast) and over the real tiny-qwen2-vl vision tower (slow)."""
 import threading
+
 import pytest
 import torch
 
-from epd.encoder.config import EncoderConfig
+from epd.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.errors import MultimodalEncoderAdmissionError, MultimodalEncoderRequestError
 

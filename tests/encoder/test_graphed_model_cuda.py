@@ -3,7 +3,7 @@ reused without stale data, and what fits no bucket runs eager. Runs on any CUDA 
 import pytest
 import torch
 
-from epd.encoder.config import EncoderConfig
+from epd.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.graphed_model import GraphedVisionEncoder
 from epd.models.presets import resolve_model

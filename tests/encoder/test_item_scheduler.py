@@ -2,8 +2,8 @@ import logging
 
 import pytest
 
+from epd.config import EncoderConfig
 from epd.encoder.cache import CacheEntryState, TensorLRUCache
-from epd.encoder.config import EncoderConfig
 from epd.encoder.errors import MultimodalEncoderAdmissionError
 from epd.encoder.item_scheduler import EncoderBudgets, EncoderItem, MultimodalItemScheduler
 

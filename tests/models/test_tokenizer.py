@@ -8,7 +8,6 @@ import unicodedata
 import pytest
 
 from epd.models.cache import epd_cache_dir
-
 from epd.models.tokenizer import (
     NUM_BPE_RANKS,
     QWEN2_VL_CHAT_TEMPLATE,

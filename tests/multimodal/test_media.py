@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd.multimodal.media import (
-    MediaError,
-    MediaLimits,
-    decode_image,
-    load_media_bytes,
-    read_image_size,
-)
+from epd.multimodal.media import MediaError, MediaLimits, decode_image, load_media_bytes, read_image_size
 
 
 def _encode(image: Image.Image, fmt: str = "PNG", **save_kwargs) -> bytes:

@@ -8,11 +8,11 @@ import threading
 import pytest
 
 from epd.config import EngineConfig
-from epd.launch import LocalCluster
 from epd.llm import LLM
 from epd.models.presets import write_preset_checkpoint
 from epd.router.routing import Candidate, HashAffinity
 from epd.router.sync import SyncRouter
+from epd.server.local import LocalCluster
 from epd.transport import get_channel
 from epd.types import SamplingParams
 from epd.v1 import common_pb2, encoder_pb2_grpc

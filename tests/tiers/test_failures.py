@@ -8,9 +8,9 @@ import time
 import pytest
 
 from epd.errors import EPDError
-from epd.launch import LocalCluster
 from epd.models.presets import resolve_model
 from epd.router.sync import SyncRouter
+from epd.server.local import LocalCluster
 from epd.transport import cleanup_stale_segments
 from epd.types import SamplingParams
 from tests.conftest import make_image_bytes

@@ -14,11 +14,7 @@ from pathlib import Path
 
 from epd.models.checkpoint import read_preprocessor_config
 from epd.models.spec import MultimodalSpec
-from epd.multimodal.geometry import (
-    ImageGeometry,
-    VisionGeometryConfig,
-    image_geometry_from_bytes,
-)
+from epd.multimodal.geometry import ImageGeometry, VisionGeometryConfig, image_geometry_from_bytes
 from epd.multimodal.hashing import hash_encoded_media
 from epd.multimodal.masks import MultimodalEncoderItemMetadata
 from epd.types import MultimodalItemSpan

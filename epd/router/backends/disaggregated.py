@@ -19,8 +19,7 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 
 from epd.config import RouterConfig
-from epd.errors import (DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError,
-                        code_for_grpc)
+from epd.errors import DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError, code_for_grpc
 from epd.models.qwen2_vl.processor import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job

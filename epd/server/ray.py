@@ -1,6 +1,7 @@
-"""EPD on Ray: each tier worker and the router are Ray actors. Ray places them (per-tier CPUs,
-GPUs, custom resources), restarts them when they die (``max_restarts``) and scales a tier at run
-time; the workers still talk gRPC and move tensors as handles.
+"""EPD on Ray (``epd serve --launcher ray``): each tier worker and the router are Ray actors. Ray
+places them (per-tier CPUs, GPUs, custom resources), restarts them when they die
+(``max_restarts``) and scales a tier at run time; the workers still talk gRPC and move tensors
+as handles. The deployment is ``epd.config.RayDeployment``.
 
 A worker keeps its port across restarts (ports are assigned once, by the launcher), so the
 router's address list stays valid: a dead worker drops out of rotation at the next health check
@@ -14,51 +15,19 @@ import socket
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 
 import ray
 
-from epd.config import EngineConfig, WorkerConfig, from_dict
-
-TIERS = ("encoder", "prefill", "decode")
-
-
-@dataclass(frozen=True)
-class TierSpec:
-    replicas: int = 1
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    resources: dict = field(default_factory=dict)  # custom resources, e.g. {"encoder_host": 1}
-    max_restarts: int = 3
-    config: dict = field(default_factory=dict)  # WorkerConfig fields (engine: {...}, encoder: {...})
-
-
-@dataclass(frozen=True)
-class RayDeployment:
-    model: str = "tiny-qwen2-vl"
-    host: str = "127.0.0.1"  # the address workers bind and advertise ("node": the Ray node's IP)
-    http_port: int = 8000
-    grpc_port: int = 50051
-    transport: str = ""
-    colocate_prefill_decode: bool = False  # STRICT_PACK placement: a CUDA-IPC / shm pair on one node
-    tiers: dict = field(default_factory=lambda: {t: TierSpec() for t in TIERS})
-    router: dict = field(default_factory=dict)  # RouterConfig fields
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "RayDeployment":
-        data = dict(data)
-        tiers = {t: from_dict(TierSpec, (data.pop("tiers", {}) or {}).get(t)) for t in TIERS}
-        return cls(**data, tiers=tiers)
+from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, load_config, load_yaml
 
 
 @ray.remote
 class TierActor:
     """One encoder/prefill/decode worker, serving gRPC from inside the actor process."""
 
-    def __init__(self, tier: str, config: dict) -> None:
-        import importlib
-        module = importlib.import_module(f"epd.{tier}.server")
-        self.running = module.start(from_dict(WorkerConfig, config))
+    def __init__(self, tier: str, config: WorkerConfig) -> None:
+        from epd.server.tier import start_tier
+        self.running = start_tier(tier, config)
 
     def address(self) -> str:
         return self.running.address
@@ -78,21 +47,14 @@ class TierActor:
 class RouterActor:
     """The router (HTTP + public gRPC) on its own event loop thread inside the actor."""
 
-    def __init__(self, argv: list[str], router_config: dict | None = None) -> None:
-        from epd.router.server import parse_args, serve
-        if router_config:
-            import tempfile
-
-            import yaml
-            with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-                yaml.safe_dump(router_config, f)
-            argv = [*argv, "--config", f.name]
+    def __init__(self, config: RouterConfig) -> None:
+        from epd.server.router import serve
         self._urls: tuple[str, str] | None = None
         self._server = None
         ready = threading.Event()
 
         def run() -> None:
-            asyncio.run(serve(parse_args(argv), handle_signals=False,
+            asyncio.run(serve(config, handle_signals=False,
                               on_ready=lambda h, g: (setattr(self, "_urls", (h, g)), ready.set()),
                               on_server=lambda s: setattr(self, "_server", s)))
             ready.set()
@@ -147,10 +109,8 @@ class RayEPDCluster:
     def _add_worker(self, tier: str):
         spec = self.d.tiers[tier]
         host = self._host()
-        config = {**spec.config, "model": self.d.model, "host": host, "port": _free_port(host),
-                  "transport": self.d.transport}
-        if "engine" in config:
-            config["engine"] = from_dict(EngineConfig, config["engine"])
+        config = spec.config.model_copy(update={"model": self.d.model, "host": host, "port": _free_port(host),
+                                                 "transport": self.d.transport})
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
                        max_restarts=spec.max_restarts, max_task_retries=spec.max_restarts)
         if self._group is not None and tier in ("prefill", "decode") and self._group_next < self._group_size:
@@ -160,7 +120,7 @@ class RayEPDCluster:
             self._group_next += 1
         actor = TierActor.options(**options).remote(tier, config)
         self.actors[tier].append(actor)
-        self.addresses[tier].append(f"{host}:{config['port']}")
+        self.addresses[tier].append(f"{host}:{config.port}")
         return actor
 
     def _wait_workers(self, timeout_s: float) -> None:
@@ -168,13 +128,10 @@ class RayEPDCluster:
         ray.get(refs, timeout=timeout_s)
 
     def _start_router(self, timeout_s: float) -> None:
-        argv = ["--model", self.d.model, "--host", self._host(), "--port", str(self.d.http_port),
-                "--grpc-port", str(self.d.grpc_port)]
-        for tier in TIERS:
-            argv += [f"--{tier}s", ",".join(self.addresses[tier])]
-        if self.d.transport:
-            argv += ["--transport", self.d.transport]
-        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(argv, self.d.router)
+        config = self.d.router.model_copy(update={
+            "model": self.d.model, "host": self._host(), "port": self.d.http_port, "grpc_port": self.d.grpc_port,
+            "transport": self.d.transport, **{f"{tier}s": tuple(self.addresses[tier]) for tier in TIERS}})
+        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(config)
         self.http_url, self.grpc_address = ray.get(self.router.urls.remote(), timeout=timeout_s)
 
     # ---- run-time scaling --------------------------------------------------------------------------
@@ -229,3 +186,30 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
+    """``epd serve --launcher ray``: the deployment from ``--ray-config`` with the command line's
+    model, ports, transport, router settings and tier counts on top."""
+    data = load_yaml(config.ray_config) if config.ray_config else {}
+    router = config.router
+    data.update(model=router.model, http_port=router.port, grpc_port=router.grpc_port, transport=router.transport,
+                router={**data.get("router", {}), **router.model_dump(exclude_defaults=True)})
+    data.setdefault("host", "127.0.0.1" if config.ray_address is None else "node")
+    tiers = data.setdefault("tiers", {})
+    for tier, count in zip(TIERS, (config.encoders, config.prefills, config.decodes)):
+        tiers.setdefault(tier, {})["replicas"] = count
+    deployment = load_config(RayDeployment, data, source=config.ray_config or "epd serve --launcher ray")
+    ray.init(address=config.ray_address, include_dashboard=False,
+             **({} if config.ray_address else {"_node_ip_address": "127.0.0.1"}))
+    cluster = RayEPDCluster(deployment)
+    try:
+        cluster.start(timeout_s=config.timeout_s)
+        cluster.wait_healthy(config.timeout_s)
+        print(f"epd serve (ray): ready\n  OpenAI API  {cluster.http_url}/v1\n  gRPC API    {cluster.grpc_address}\n"
+              f"(Ctrl-C stops everything)", flush=True)
+        stop.wait()
+    finally:
+        print("epd serve (ray): stopping ...", flush=True)
+        cluster.stop()
+        ray.shutdown()

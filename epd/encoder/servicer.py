@@ -9,48 +9,20 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from epd.config import WorkerConfig, from_dict
-from epd.encoder.config import EncoderConfig
+from epd.config import WorkerConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
-from epd.errors import (
-    Cancelled,
-    DeadlineExceeded,
-    EPDError,
-    InvalidRequest,
-    UpstreamError,
-    as_epd_error,
-)
+from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_processor_kwargs
-from epd.serving import (
-    RunningTier,
-    abort_with,
-    bind_server,
-    remaining_s,
-    run_tier_main,
-    start_tier,
-)
-from epd.tier_metrics import TierMetrics
-from epd.transport import (
-    TensorStore,
-    add_tensor_store,
-    choose_transport,
-    cleanup_stale_segments,
-    get_channel,
-)
-from epd.v1 import (
-    common_pb2,
-    encoder_pb2,
-    encoder_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
+from epd.rpc import abort_with, remaining_s
+from epd.transport import TensorStore, choose_transport, get_channel
+from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("epd.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig, metrics: TierMetrics) -> None:
+    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig, metrics) -> None:
         self.engine, self.store, self.config, self.metrics = engine, store, config, metrics
 
     def Encode(self, request, context):
@@ -114,24 +86,11 @@ def _item(msg: common_pb2.MultimodalItem) -> EncoderItem:
                        expected_rows=msg.expected_rows, encoder_tokens=msg.encoder_tokens)
 
 
-def start(config: WorkerConfig) -> RunningTier:
+def build(ctx):
+    """The encoder tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
     from epd.models.presets import resolve_model
-    cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
-    engine = EncoderEngine.from_model_dir(resolve_model(config.model), from_dict(EncoderConfig, config.encoder))
-    server, address = bind_server(config)
-    store = TensorStore(address=address)
-    store.start_sweeper()
-    metrics = TierMetrics("encoder")
-    metrics.watch_encoder(engine)
-    metrics.watch_store(store)
-    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderServicer(engine, store, config, metrics), server)
-    add_tensor_store(server, store)
-    return start_tier("encoder", config, server, address, lambda: (engine.close(), store.close()), metrics)
 
-
-def main(argv: list[str] | None = None) -> None:
-    run_tier_main("encoder", start, argv)
-
-
-if __name__ == "__main__":
-    main()
+    engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder)
+    ctx.metrics.watch_encoder(engine)
+    servicer = EncoderServicer(engine, ctx.store, ctx.config, ctx.metrics)
+    return lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server), engine.close

@@ -1,21 +1,28 @@
-"""Start tier processes on this machine and stop every one of them again.
+"""Start tier processes (and the router) on this machine and stop every one of them again.
 
 Each tier runs as ``python -m epd <tier> --port 0 ...`` and prints ``EPD_READY <tier> <address>``
 once serving; the launcher waits for those lines (bounded) and keeps draining the output so a
-chatty worker can never block on a full pipe.
+chatty worker can never block on a full pipe. Validated configs reach the children as YAML files
+(mode 0600) in a private directory that is removed with the cluster.
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from epd.serving import READY_PREFIX
+import yaml
+from pydantic import BaseModel
+
+from epd.server.process import READY_PREFIX
 
 
 @dataclass
@@ -64,8 +71,10 @@ class LocalCluster:
 
     def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
-                 env: dict[str, str] | None = None, threads_per_tier: int | None = None) -> None:
-        """``threads_per_tier``: intra-op threads of each tier process (default: ``tier_threads``)."""
+                 env: dict[str, str] | None = None, threads_per_tier: int | None = None,
+                 worker_config: BaseModel | None = None) -> None:
+        """``threads_per_tier``: intra-op threads of each tier process (default: ``tier_threads``);
+        ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -73,6 +82,8 @@ class LocalCluster:
         self.threads_per_tier = threads
         self.env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
         self.processes: list[TierProcess] = []
+        self._config_dir: Path | None = None
+        self._worker_config = worker_config
 
     def addresses(self, tier: str) -> list[str]:
         return [p.address for p in self.processes if p.tier == tier]
@@ -106,12 +117,15 @@ class LocalCluster:
         return self
 
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
-                     extra_args: Sequence[str] = (), timeout_s: float = 120.0) -> TierProcess:
+                     extra_args: Sequence[str] = (), timeout_s: float = 120.0,
+                     config: BaseModel | None = None) -> TierProcess:
         """Start the router over the running workers; its ready line names the HTTP URL and the
-        public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``)."""
-        args = ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
-                "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
-                "--decodes", ",".join(self.decodes), *extra_args]
+        public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
+        ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win)."""
+        args = ["--config", str(self._write_config("router", config))] if config is not None else []
+        args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
+                 "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
+                 "--decodes", ",".join(self.decodes), *extra_args]
         if self.transport:
             args += ["--transport", self.transport]
         proc = self._spawn("router", args, with_defaults=False)
@@ -122,8 +136,21 @@ class LocalCluster:
                                f"(exit code {proc.proc.poll()}); its last output:\n{proc.tail()}")
         return proc
 
+    def _write_config(self, name: str, config: BaseModel) -> Path:
+        """A validated config as YAML a child loads with ``--config`` (private dir, mode 0600)."""
+        if self._config_dir is None:
+            self._config_dir = Path(tempfile.mkdtemp(prefix="epd-configs-"))
+        path = self._config_dir / f"{name}.yaml"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), f)
+        return path
+
     def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True) -> TierProcess:
-        cmd = [sys.executable, "-m", "epd", tier, "--model", self.model]
+        cmd = [sys.executable, "-m", "epd", tier]
+        if with_defaults and self._worker_config is not None:
+            cmd += ["--config", str(self._write_config("worker", self._worker_config))]
+        cmd += ["--model", self.model]
         if with_defaults:
             cmd += ["--host", "127.0.0.1", "--port", "0", *self.tier_args.get(tier, ())]
             if self.transport:
@@ -149,6 +176,9 @@ class LocalCluster:
                 os.killpg(p.proc.pid, signal.SIGKILL)
                 p.proc.wait(5)
         self.processes.clear()
+        if self._config_dir is not None:
+            shutil.rmtree(self._config_dir, ignore_errors=True)
+            self._config_dir = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

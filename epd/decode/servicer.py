@@ -9,15 +9,7 @@ from epd.config import WorkerConfig
 from epd.decode.worker import DecodeWorker
 from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
 from epd.protocol import decode_job_from_proto, logprobs_to_proto
-from epd.serving import (
-    RunningTier,
-    abort_with,
-    bind_server,
-    remaining_s,
-    run_tier_main,
-    start_tier,
-)
-from epd.tier_metrics import TierMetrics
+from epd.rpc import abort_with, remaining_s
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
@@ -26,7 +18,7 @@ log = logging.getLogger("epd.decode")
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, config: WorkerConfig, metrics: TierMetrics) -> None:
+    def __init__(self, worker: DecodeWorker, config: WorkerConfig, metrics) -> None:
         self.worker, self.config, self.metrics = worker, config, metrics
 
     def Generate(self, request, context):
@@ -74,19 +66,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                          kv_usage=self.worker.engine.block_manager.usage)
 
 
-def start(config: WorkerConfig) -> RunningTier:
+def build(ctx):
+    """The decode tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
     from epd.models.presets import resolve_model
-    worker = DecodeWorker(resolve_model(config.model), config.engine)
-    server, address = bind_server(config)
-    metrics = TierMetrics("decode")
-    metrics.watch_engine(worker.engine)
-    decode_pb2_grpc.add_DecodeServicer_to_server(DecodeServicer(worker, config, metrics), server)
-    return start_tier("decode", config, server, address, worker.close, metrics)
 
-
-def main(argv: list[str] | None = None) -> None:
-    run_tier_main("decode", start, argv)
-
-
-if __name__ == "__main__":
-    main()
+    worker = DecodeWorker(resolve_model(ctx.config.model), ctx.config.engine)
+    ctx.metrics.watch_engine(worker.engine)
+    servicer = DecodeServicer(worker, ctx.config, ctx.metrics)
+    return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server), worker.close

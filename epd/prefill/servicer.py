@@ -7,22 +7,8 @@ from epd.config import WorkerConfig
 from epd.errors import EPDError
 from epd.prefill.worker import PrefillWorker
 from epd.protocol import logprobs_to_proto, prefill_job_from_proto
-from epd.serving import (
-    RunningTier,
-    abort_with,
-    bind_server,
-    remaining_s,
-    run_tier_main,
-    start_tier,
-)
-from epd.tier_metrics import TierMetrics
-from epd.transport import (
-    TensorStore,
-    add_tensor_store,
-    choose_transport,
-    cleanup_stale_segments,
-    import_tensor,
-)
+from epd.rpc import abort_with, remaining_s
+from epd.transport import TensorStore, choose_transport, import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -30,7 +16,7 @@ log = logging.getLogger("epd.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, store: TensorStore, config: WorkerConfig, metrics: TierMetrics) -> None:
+    def __init__(self, worker: PrefillWorker, store: TensorStore, config: WorkerConfig, metrics) -> None:
         self.worker, self.store, self.config, self.metrics = worker, store, config, metrics
 
     def PushEmbeddings(self, request, context):
@@ -81,25 +67,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                          kv_usage=self.worker.engine.block_manager.usage)
 
 
-def start(config: WorkerConfig) -> RunningTier:
+def build(ctx):
+    """The prefill tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
     from epd.models.presets import resolve_model
-    cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
+
+    config = ctx.config
     worker = PrefillWorker(resolve_model(config.model), config.engine,
                            overlap_with_encode=config.overlap_prefill_with_encode)
-    server, address = bind_server(config)
-    store = TensorStore(address=address)
-    store.start_sweeper()
-    metrics = TierMetrics("prefill")
-    metrics.watch_engine(worker.engine)
-    metrics.watch_store(store)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, store, config, metrics), server)
-    add_tensor_store(server, store)
-    return start_tier("prefill", config, server, address, lambda: (worker.close(), store.close()), metrics)
-
-
-def main(argv: list[str] | None = None) -> None:
-    run_tier_main("prefill", start, argv)
-
-
-if __name__ == "__main__":
-    main()
+    ctx.metrics.watch_engine(worker.engine)
+    servicer = PrefillServicer(worker, ctx.store, config, ctx.metrics)
+    return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), worker.close

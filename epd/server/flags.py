@@ -1,0 +1,133 @@
+"""The one definition of every process's command-line flags: a flag is a config field
+(``epd/config.py``), named after it (``max_num_batched_tokens`` -> ``--max-num-batched-tokens``),
+described by its description, parsed by the config's own validation. A command lists the config
+classes it takes; a name that appears in several (``--model``, ``--max-model-len``) is one flag
+that sets all of them, so no two commands can drift apart.
+
+Precedence: a field's default < the ``--config`` YAML < a flag given on the command line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from epd.config import ConfigError, deep_merge, load_config, load_yaml
+
+Path = tuple[str, ...]
+
+
+@dataclass
+class _Flag:
+    dest: str
+    paths: list[Path] = field(default_factory=list)
+
+
+@dataclass
+class Command:
+    """The flags of one command, built from config classes, and what they set."""
+
+    parser: argparse.ArgumentParser
+    flags: dict[str, _Flag] = field(default_factory=dict)
+
+    def add(self, cls: type[BaseModel], at: Path = (), *, skip: tuple[str, ...] = ()) -> "Command":
+        """Flags for ``cls``'s fields (nested configs flattened into the same names), whose values
+        go to ``at + field path`` of the command's config data."""
+        for name, info in cls.model_fields.items():
+            if name in skip:
+                continue
+            annotation = info.annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                self.add(annotation, (*at, name), skip=skip)
+                continue
+            if not _flaggable(annotation):
+                continue  # structured values (e.g. CUDA graph buckets) come from the YAML only
+            flag_name = (info.json_schema_extra or {}).get("flag", name) if isinstance(
+                info.json_schema_extra, dict) else name
+            self._flag(flag_name, (*at, name), annotation, info)
+        return self
+
+    def _flag(self, name: str, path: Path, annotation, info) -> None:
+        if name in self.flags:  # the same setting in several configs: one flag sets them all
+            self.flags[name].paths.append(path)
+            return
+        option, dest = "--" + name.replace("_", "-"), f"flag_{name}"
+        help_text = info.description or ""
+        if info.default is not None and info.default not in ((), ""):
+            help_text += f" (default: {info.default})"
+        if _is_bool(annotation):
+            self.parser.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                     help=help_text)
+        else:
+            self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation), help=help_text)
+        self.flags[name] = _Flag(dest, [path])
+
+    def overrides(self, args: argparse.Namespace) -> dict:
+        """The values given on the command line, as nested config data."""
+        out: dict = {}
+        for flag in self.flags.values():
+            value = getattr(args, flag.dest)
+            if value is None:
+                continue
+            for path in flag.paths:
+                node = out
+                for key in path[:-1]:
+                    node = node.setdefault(key, {})
+                node[path[-1]] = value
+        return out
+
+
+def load(cls: type[BaseModel], command: Command, args: argparse.Namespace, *, yaml_path: str | None,
+         yaml_at: Path = (), prog: str) -> BaseModel:
+    """``cls`` from defaults, then the YAML file (placed at ``yaml_at``), then the flags."""
+    data: dict = {}
+    if yaml_path:
+        loaded = load_yaml(yaml_path)
+        for key in reversed(yaml_at):
+            loaded = {key: loaded}
+        data = loaded
+    data = deep_merge(data, command.overrides(args))
+    return load_config(cls, data, source=yaml_path or "command line")
+
+
+def run_or_exit(prog: str, build):
+    """``build()``, or one line on stderr and exit code 2 (argparse's) when the configuration is wrong."""
+    try:
+        return build()
+    except ConfigError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def _base(annotation):
+    """``X`` of ``X | None`` and of ``Annotated[X, ...]``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _base(args[0])
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _base(typing.get_args(annotation)[0])
+    return annotation
+
+
+def _flaggable(annotation) -> bool:
+    base = _base(annotation)
+    if typing.get_origin(base) is tuple:
+        return typing.get_args(base) == (str, Ellipsis)  # tuple[str, ...]: comma-separated
+    return base in (str, int, float, bool) or typing.get_origin(base) is typing.Literal
+
+
+def _is_bool(annotation) -> bool:
+    return _base(annotation) is bool
+
+
+def _metavar(annotation) -> str:
+    base = _base(annotation)
+    if typing.get_origin(base) is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(base))) + "}"
+    if typing.get_origin(base) is tuple:
+        return "A,B,..."
+    return {int: "N", float: "X", str: "TEXT"}.get(base, "VALUE")

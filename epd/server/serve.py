@@ -1,0 +1,103 @@
+"""``epd serve``: the embedded default. Starts each tier and the router as local processes on
+loopback (or as Ray actors with ``--launcher ray``), waits until all are healthy, prints the URLs,
+and on Ctrl-C / SIGTERM stops every process it started (workers clean their shared memory as they
+stop). Its flags are the router's and the workers' own (``epd/server/flags.py``), so a setting has
+one name everywhere; the validated configs reach the children as files.
+
+    epd serve [--model M] [--encoders N --prefills N --decodes N] [--config router.yaml]
+              [--worker-config worker.yaml] [any RouterConfig / WorkerConfig flag]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from epd.config import RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.server.flags import Command, run_or_exit
+
+# set by the launcher for each worker, never by the user: where a worker listens
+_WORKER_ASSIGNED = ("host", "port", "metrics_port")
+
+
+def serve_command() -> Command:
+    parser = argparse.ArgumentParser(prog="epd serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
+    parser.add_argument("--worker-config", help="YAML with every worker's settings (WorkerConfig fields)")
+    command = Command(parser).add(ServeConfig, skip=("router", "worker"))
+    command.add(RouterConfig, ("router",), skip=("encoders", "prefills", "decodes"))
+    return command.add(WorkerConfig, ("worker",), skip=_WORKER_ASSIGNED)
+
+
+def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
+    command = serve_command()
+    args = command.parser.parse_args(argv)
+    data = {"router": load_yaml(args.config) if args.config else {},
+            "worker": load_yaml(args.worker_config) if args.worker_config else {}}
+    data = deep_merge(data, command.overrides(args))
+    return load_config(ServeConfig, data, source="command line")
+
+
+def wait_healthy(url: str, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                body = json.loads(resp.read())
+                if body.get("status") == "ok":
+                    return body
+                last = body
+        except OSError as err:
+            last = str(err)
+        time.sleep(0.2)
+    raise RuntimeError(f"the cluster did not become healthy within {timeout_s:.0f} s; last answer: {last}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = run_or_exit("epd serve", lambda: serve_config_from_args(argv))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if config.launcher == "ray":
+        from epd.server.ray import serve_on_ray
+        serve_on_ray(config, stop)
+        return
+    serve_locally(config, stop)
+
+
+def serve_locally(config: ServeConfig, stop: threading.Event) -> None:
+    from epd.server.local import LocalCluster
+
+    router = config.router
+    counts = (0, 0, 0) if router.aggregated else (config.encoders, config.prefills, config.decodes)
+    cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
+                           transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
+                           worker_config=config.worker)
+    try:
+        what = "the aggregated engine (no tiers)" if router.aggregated else \
+            f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
+            f"{cluster.threads_per_tier or 'default'} thread(s) each"
+        print(f"epd serve: starting {what} for {router.model} ...", flush=True)
+        cluster.start(timeout_s=config.timeout_s)
+        process = cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
+                                       timeout_s=config.timeout_s, config=router)
+        url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
+        wait_healthy(url, config.timeout_s)
+        print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
+              f"  metrics     {url}/metrics\n  health      {url}/health\n(Ctrl-C stops everything)", flush=True)
+        while not stop.is_set():
+            dead = [p for p in cluster.processes if p.proc.poll() is not None]
+            if dead:
+                print(f"epd serve: {dead[0].tier} exited with {dead[0].proc.returncode}; stopping.\n"
+                      f"{dead[0].tail()}", file=sys.stderr, flush=True)
+                break
+            stop.wait(0.5)
+    finally:
+        print("epd serve: stopping ...", flush=True)
+        cluster.stop()
+        print("epd serve: stopped", flush=True)

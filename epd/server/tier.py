@@ -1,0 +1,118 @@
+"""The scaffold every tier process runs in: bind the gRPC server (a taken port is an error, never a
+shared one), reclaim what a previous life of a producer left in /dev/shm, give producers a
+TensorStore with its lease sweeper, serve Prometheus metrics, add the tier's servicer, start, and
+print the ready line; on SIGTERM stop in order. A tier module only builds its servicer and says
+what to close: ``build(ctx: TierContext) -> (add_to_server(server), close())``.
+
+    epd encoder|prefill|decode [--config worker.yaml] [--port 0] [flags from WorkerConfig]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+
+from epd.config import WorkerConfig
+from epd.rpc import SERVER_OPTIONS
+from epd.server.flags import Command, load, run_or_exit
+from epd.server.metrics import TierMetrics
+from epd.server.process import announce_ready, configure_logging, wait_for_stop_signal
+from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
+
+log = logging.getLogger("epd.server")
+
+# tier -> (module with build(ctx), whether it exports tensors: those get a TensorStore)
+_TIERS = {"encoder": ("epd.encoder.servicer", True), "prefill": ("epd.prefill.servicer", True),
+          "decode": ("epd.decode.servicer", False)}
+# worker flags a tier does not take (their settings belong to other tiers)
+_SKIPPED = {"encoder": ("engine", "overlap_prefill_with_encode"), "prefill": ("encoder",),
+            "decode": ("encoder", "overlap_prefill_with_encode")}
+
+
+@dataclass
+class TierContext:
+    """What the scaffold gives a tier's ``build``."""
+
+    tier: str
+    config: WorkerConfig
+    address: str  # host:port the server is bound to (the port is final)
+    metrics: TierMetrics
+    store: TensorStore | None  # for producers (they export tensors); None for decode
+
+
+@dataclass
+class RunningTier:
+    """A started tier in this process (a tier main, or a Ray actor)."""
+
+    tier: str
+    server: grpc.Server
+    address: str
+    metrics_url: str
+    on_stop: Callable[[], None]
+
+    def stop(self) -> None:
+        log.info("stopping %s at %s", self.tier, self.address)
+        self.server.stop(grace=2).wait(5)
+        self.on_stop()
+
+
+def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
+    module_name, exports = _TIERS[tier]
+    store = None
+    if exports:
+        cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
+    server = grpc.server(ThreadPoolExecutor(max_workers=config.max_workers), options=SERVER_OPTIONS)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise RuntimeError(f"{tier}: cannot bind {config.host}:{config.port} (taken, or not an address of this host)")
+    address = f"{config.host}:{port}"
+    metrics = TierMetrics(tier)
+    if exports:
+        store = TensorStore(address=address)
+        store.start_sweeper()
+        metrics.watch_store(store)
+        add_tensor_store(server, store)
+    try:
+        add_to_server, close = importlib.import_module(module_name).build(
+            TierContext(tier, config, address, metrics, store))
+    except BaseException:
+        if store is not None:
+            store.close()
+        raise
+    add_to_server(server)
+    server.start()
+    metrics_url = f"http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
+
+    def on_stop() -> None:
+        close()
+        if store is not None:
+            store.close()  # unlinks every segment this worker made
+
+    return RunningTier(tier, server, address, metrics_url, on_stop)
+
+
+def tier_command(tier: str) -> Command:
+    parser = argparse.ArgumentParser(prog=f"epd {tier}", description=f"run one {tier} worker")
+    parser.add_argument("--config", help="YAML with WorkerConfig fields (engine: {...}, encoder: {...} nested)")
+    return Command(parser).add(WorkerConfig, skip=_SKIPPED[tier])
+
+
+def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
+    command = tier_command(tier)
+    args = command.parser.parse_args(argv)
+    return load(WorkerConfig, command, args, yaml_path=args.config, prog=f"epd {tier}")
+
+
+def main(tier: str, argv: list[str] | None = None) -> None:
+    """``epd <tier>``: start the tier, print the ready line, serve until SIGTERM/SIGINT."""
+    configure_logging()
+    config = run_or_exit(f"epd {tier}", lambda: worker_config_from_args(tier, argv))
+    running = start_tier(tier, config)
+    announce_ready(tier, running.address, f"metrics={running.metrics_url}")
+    wait_for_stop_signal()
+    running.stop()

@@ -42,8 +42,8 @@ class GraphedVisionEncoder:
         return self.model.embedding_dtype
 
     @property
-    def multimodal_data_device_paths(self):
-        return getattr(self.model, "multimodal_data_device_paths", None)
+    def device_inputs(self):
+        return getattr(self.model, "device_inputs", None)
 
     def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model.preprocess(images)

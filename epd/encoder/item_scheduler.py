@@ -82,12 +82,10 @@ class MultimodalEncoderRequestState:
     """A request's items, their cache keys and pinned entries, and which are ready."""
 
     request_id: str
-    items: list[EncoderItem]
+    items: list[EncoderItem | None]  # None once stripped: the request no longer needs its media
     cache_keys: list[EncoderCacheKey]
     entries: list[CacheEntry]
     ready: list[bool]
-    # raw encoder payload, dropped by strip_mm_encoder_inputs once every item is ready
-    multimodal_data: dict = field(default_factory=dict)
 
     @property
     def is_ready(self) -> bool:
@@ -100,6 +98,11 @@ class MultimodalEncoderRequestState:
         for i, key in enumerate(self.cache_keys):
             if key in keys and self.entries[i].state is CacheEntryState.READY:
                 self.ready[i] = True
+
+    def strip_encoder_inputs(self) -> None:
+        """Every item is encoded: its raw media are dead weight while the request waits to be
+        exported and released, so drop them (only pending items are ever read)."""
+        self.items = [None] * len(self.items)
 
 
 @dataclass(frozen=True)
@@ -207,11 +210,11 @@ class MultimodalItemScheduler:
             keys = [self.cache_key(item) for item in items]
             entries = [self.cache.lookup_or_reserve(key, request_id, self._item_bytes(item))[0]
                        for key, item in zip(keys, items)]
-            state = MultimodalEncoderRequestState(
-                request_id, items, keys, entries, ready=[False] * len(items),
-                multimodal_data={"image": [item.data for item in items]})
+            state = MultimodalEncoderRequestState(request_id, items, keys, entries, ready=[False] * len(items))
             state.mark_cache_keys_ready(set(keys))
-            if not state.is_ready:
+            if state.is_ready:  # every item was cached: nothing will read its media
+                state.strip_encoder_inputs()
+            else:
                 self._requests[request_id] = state
             return state
 

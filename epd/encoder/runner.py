@@ -1,8 +1,9 @@
-"""``MultimodalEncoderRunner``: runs one scheduled encoder batch (seed §5.3, §9.3).
+"""``MultimodalEncoderRunner``: runs one scheduled encoder batch.
 
 A *NoKVCache runner*: no KV pool, no sampler; its only job is encoding. ``forward_items``
-collects, moves only model-declared paths to the device, encodes, validates the whole batch,
-then commits it all; a failure never leaves part of a batch published.
+collects, moves only the inputs the model declares it reads on the device, encodes, validates the
+whole batch, then commits it all; a failure never leaves part of a batch published, and a request
+whose items are all encoded drops its raw media at once.
 """
 from __future__ import annotations
 
@@ -14,18 +15,17 @@ import torch
 from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.errors import MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
-from epd.multimodal.params import MultimodalParams, strip_mm_encoder_inputs
 
-# Used when the model declares nothing: grid_thw stays on CPU, where the vision tower reads it
+# Used when the model declares nothing: the grid stays on CPU, where the vision tower reads it
 # with Python loops; on the device every such read would be a device-to-host sync.
-DEFAULT_DEVICE_PATHS = ("image.pixel_values",)
+DEFAULT_DEVICE_INPUTS = ("pixel_values",)
 
 
 class EncoderModel(Protocol):
     """What the runner needs of a vision encoder (``QwenVisionEncoder`` is one).
 
-    Optional: ``multimodal_data_device_paths`` (dotted paths into ``{"image": {"pixel_values",
-    "image_grid_thw"}}`` that ``encode`` reads on the device).
+    Optional: ``device_inputs``, the names among ``pixel_values`` and ``grid_thw`` that ``encode``
+    reads on the device (default ``DEFAULT_DEVICE_INPUTS``); the others stay on CPU.
     """
 
     embedding_dim: int
@@ -58,7 +58,7 @@ class MultimodalEncoderRunner:
             raise ValueError(f"bytes_per_embedding={bytes_per_embedding} is not a multiple of "
                              f"{self.expected_dtype} itemsize {itemsize}")
         self.expected_width = bytes_per_embedding // itemsize
-        self.device_paths = list(getattr(model, "multimodal_data_device_paths", None) or DEFAULT_DEVICE_PATHS)
+        self.device_inputs = tuple(getattr(model, "device_inputs", None) or DEFAULT_DEVICE_INPUTS)
 
     def forward_items(self, batch: ScheduledBatch) -> list[MultimodalEncoderRequestState]:
         """Encode ``batch``; -> the requests it made fully ready (their raw payloads stripped).
@@ -86,17 +86,15 @@ class MultimodalEncoderRunner:
             self.cache.commit(target.cache_key, _owned(output))
         ready = self.scheduler.mark_cache_keys_ready(batch.cache_keys)
         for state in ready:
-            strip_mm_encoder_inputs(state.multimodal_data)
+            state.strip_encoder_inputs()
         return ready
 
     def _encode(self, images: list[bytes]) -> list[torch.Tensor]:
         pixel_values, grid_thw = self.model.preprocess(images)
-        params = MultimodalParams(multimodal_data={
-            "image": {"pixel_values": pixel_values, "image_grid_thw": grid_thw}})
-        params.to_device("multimodal_data", self.device, pin_memory=self.device.type == "cuda",
-                         target_keywords=self.device_paths)
-        image = params.multimodal_data["image"]
-        return self.model.encode(image["pixel_values"], image["image_grid_thw"])
+        inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
+        for name in self.device_inputs:
+            inputs[name] = _to_device(inputs[name], self.device)
+        return self.model.encode(inputs["pixel_values"], inputs["grid_thw"])
 
     def _check(self, target: _OutputTarget, output: object) -> str | None:
         expected_shape = (target.expected_rows, self.expected_width)
@@ -133,6 +131,14 @@ class MultimodalEncoderRunner:
                 self.cache.requeue(key)
         error.request_ids = frozenset(failed)
         return error
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":  # pinned host memory: a truly async copy
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 def _owned(output: torch.Tensor) -> torch.Tensor:

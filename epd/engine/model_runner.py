@@ -1,5 +1,6 @@
 """Turns a scheduled step into tensors, runs the LLM over paged KV, returns logits of the
-sequences that sample. Everything index-like is built on CPU and shipped once (seed §6.3)."""
+sequences that sample. Everything index-like (positions, slots, which rows are embeddings) is
+built on CPU and shipped once: searching ``input_ids`` on a device would sync with the host."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -135,20 +136,28 @@ class ModelRunner:
 
 def _chunk_mm_rows(mm: SequenceMultimodal | None, chunk: ScheduledChunk,
                    prompt_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Embedding rows this chunk needs and their chunk-local positions (seed §7.2, §7.5)."""
-    if mm is None or mm.embed_mask_cumsum is None or chunk.start >= prompt_len:
-        return None, None
-    runtime = MultimodalRuntimeData(past_seen_token_num=chunk.start,
-                                    chunk_end_pos=min(chunk.end, prompt_len),
+    """Embedding rows this chunk needs and their chunk-local positions: rows
+    ``[cached, cached + in chunk)`` of the sequence, found with two cumsum lookups. A prompt range
+    past the cached prefix needs its rows; a sequence that cannot say which (no cumsum) or no
+    longer has them (stripped) fails here rather than run with an image missing."""
+    if mm is None or chunk.start >= prompt_len:
+        return None, None  # text only, or a decode step: positions come from the delta
+    if mm.embed_mask_cumsum is None:
+        if mm.embeddings is not None:
+            raise RuntimeError("sequence has embedding rows but no embed-mask cumsum: it cannot locate its "
+                               "embedding rows for a chunk")
+        raise RuntimeError("sequence needs embedding rows for a prefill chunk but its multimodal data was "
+                           "already stripped")
+    runtime = MultimodalRuntimeData(past_seen_token_num=chunk.start, chunk_end_pos=min(chunk.end, prompt_len),
                                     embed_mask_cumsum=mm.embed_mask_cumsum)
     if runtime.num_mm_tokens_in_chunk == 0:
         return None, None
+    if mm.embeddings is None:
+        raise RuntimeError("sequence needs embedding rows for a prefill chunk but its multimodal data was "
+                           "already stripped")
     first = runtime.num_cached_mm_tokens
     last = first + runtime.num_mm_tokens_in_chunk
-    if mm.embeddings is None:
-        raise RuntimeError("sequence needs embedding rows for a prefill chunk but its multimodal "
-                           "data was already stripped")
-    # slice before join: a view, so a long request's rows are not copied for every chunk
+    # slice before join: one item's rows stay a view, several items copy only the rows needed
     return mm.embeddings.rows(first, last), mm.embed_positions[first:last] - chunk.start
 
 

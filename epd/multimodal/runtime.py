@@ -1,9 +1,11 @@
-"""Which embedding rows one forward needs under chunked prefill and KV-prefix reuse.
+"""Which embedding rows one forward needs under chunked prefill and KV-prefix reuse, and how they
+are joined.
 
-A request's embedding rows can be spread over several forwards: a cached
-prefix was served from the KV cache, and the rest may be split into chunks.
-``embed_mask_cumsum`` (see masks.py) turns "how many rows lie before position
-p" into one lookup, so the bookkeeping is O(1) per request per forward.
+A request's embedding rows can be spread over several forwards: a cached prefix was served from
+the KV cache, and the rest may be split into chunks. ``embed_mask_cumsum`` (see masks.py) turns
+"how many rows lie before position p" into one lookup, so the bookkeeping is O(1) per request per
+forward. The model runner (``engine/model_runner.py``) takes exactly rows
+``[num_cached_mm_tokens, + num_mm_tokens_in_chunk)`` of each sequence for each chunk.
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-from epd.multimodal.params import has_mm_payload_keys
 
 
 @dataclass
@@ -58,32 +58,6 @@ def _rows_before(cs: torch.Tensor, position: int) -> int:
     return int(cs[position - 1]) if position > 0 else 0
 
 
-def check_mm_embed_cumsum_if_needed(
-    mm_data: dict | None, *, begin_compute: int, end_compute: int, prompt_len: int
-) -> None:
-    """Raise iff chunked prefill or KV-cache reuse is in effect AND MM data has no embed cumsum.
-
-    Triggers on the two cases where the scheduler advances less than the whole
-    prompt in one step:
-      * ``begin_compute > 0``: KV-cache reuse served a prefix from cache, or
-      * ``end_compute < prompt_len``: chunked prefill split the remaining tokens.
-    A full prefill consumes the whole payload and needs no cumsum.
-    """
-    if not has_mm_payload_keys(mm_data):
-        return
-    if mm_data.get("multimodal_embed_mask_cumsum") is not None:
-        return
-    is_chunked_or_reused = begin_compute > 0 or end_compute < prompt_len
-    if is_chunked_or_reused:
-        raise ValueError(
-            "Request requires multimodal_embed_mask_cumsum for chunked prefill or KV-cache "
-            f"reuse (begin_compute={begin_compute}, end_compute={end_compute}, "
-            f"prompt_len={prompt_len}) but multimodal_data has keys {sorted(mm_data)} with no "
-            "cumsum. The input processor may be missing a discriminator (override "
-            "get_mm_token_ids or ensure get_vocab_size resolves)."
-        )
-
-
 def join_embeddings(
     segments: list[torch.Tensor], start: int = 0, end: int | None = None
 ) -> torch.Tensor:
@@ -119,124 +93,3 @@ def _overlapping_slices(segments: list[torch.Tensor], start: int, end: int) -> l
             pieces.append(segment[lo - offset : hi - offset])
         offset += rows
     return pieces
-
-
-def find_input_mm_embeds(
-    mm_embeds: list[torch.Tensor],
-    runtimes: list[MultimodalRuntimeData | None],
-    is_chunk: list[bool] | None = None,
-) -> list[torch.Tensor]:
-    """Keep only the rows this forward needs: per request [cached, cached + in_chunk).
-
-    Two layouts:
-      * per-request batching: ``len(mm_embeds) == len(runtimes)``, one tensor per
-        request, sliced in local coordinates;
-      * pre-concatenated batching: ``len(mm_embeds) == 1``, a global cursor
-        advances by each request's ``total_embeds_in_request``.
-    Example: 8 rows, 2 cached, 3 in this chunk -> rows [2:5].
-
-    ``is_chunk[i]`` marks a request whose tensor already holds only this chunk's rows
-    (``multimodal_embedding_is_chunk``). If any request in the batch is chunk-local, every other
-    request is cut to its chunk rows too, so the batch's row layout is consistent (seed §7.5);
-    their full payloads are left intact for later chunks.
-    """
-    if is_chunk is not None and any(is_chunk):
-        return _mix_chunk_local(mm_embeds, runtimes, is_chunk)
-    if all(runtime is None for runtime in runtimes):
-        return mm_embeds  # full prefill, no reuse: the whole payload is used
-    if len(mm_embeds) == len(runtimes):
-        needed_rows = [
-            embed.shape[0] if runtime is None else runtime.num_mm_tokens_in_chunk
-            for embed, runtime in zip(mm_embeds, runtimes)
-        ]
-    elif len(mm_embeds) == 1:
-        needed_rows = [
-            _runtime_at(runtimes, index).num_mm_tokens_in_chunk for index in range(len(runtimes))
-        ]
-    else:
-        raise ValueError(
-            f"expected one embedding tensor per request ({len(runtimes)}) or one "
-            f"pre-concatenated tensor, got {len(mm_embeds)}"
-        )
-    if sum(needed_rows) == sum(embed.shape[0] for embed in mm_embeds):
-        # Item-scheduled batches were already sliced by the producer/gather
-        # path. Do not apply the cached-prefix offset a second time.
-        return mm_embeds
-    if len(mm_embeds) == 1:
-        # Also covers one request with one tensor: both layouts agree there.
-        return [_slice_concatenated(mm_embeds[0], runtimes)]
-    return [
-        _slice_request(embed, runtime, index)
-        for index, (embed, runtime) in enumerate(zip(mm_embeds, runtimes))
-    ]
-
-
-def _mix_chunk_local(
-    mm_embeds: list[torch.Tensor], runtimes: list[MultimodalRuntimeData | None], is_chunk: list[bool]
-) -> list[torch.Tensor]:
-    if not len(mm_embeds) == len(runtimes) == len(is_chunk):
-        raise ValueError(
-            f"chunk-local mixing needs one tensor, runtime and flag per request, got "
-            f"{len(mm_embeds)} tensors, {len(runtimes)} runtimes, {len(is_chunk)} flags"
-        )
-    out = []
-    for index, (embed, runtime, local) in enumerate(zip(mm_embeds, runtimes, is_chunk)):
-        if not local:
-            out.append(_slice_request(embed, runtime, index))  # a view: the payload stays whole
-            continue
-        if runtime is not None and embed.shape[0] != runtime.num_mm_tokens_in_chunk:
-            raise ValueError(
-                f"request {index} is chunk-local with {embed.shape[0]} rows but its chunk "
-                f"needs {runtime.num_mm_tokens_in_chunk}"
-            )
-        out.append(embed)
-    return out
-
-
-def _runtime_at(runtimes: list[MultimodalRuntimeData | None], index: int) -> MultimodalRuntimeData:
-    runtime = runtimes[index]
-    if runtime is None:
-        # Without a runtime we cannot know where this request's rows end in
-        # the shared tensor, so the cursor of every later request is unknown.
-        raise ValueError(
-            f"request {index} has no MultimodalRuntimeData but the embeddings are "
-            "pre-concatenated; every request needs one to locate its rows"
-        )
-    return runtime
-
-
-def _slice_request(
-    embed: torch.Tensor, runtime: MultimodalRuntimeData | None, index: int
-) -> torch.Tensor:
-    if runtime is None:
-        return embed
-    start = runtime.num_cached_mm_tokens
-    end = start + runtime.num_mm_tokens_in_chunk
-    _check_rows(embed, end, f"request {index}")
-    return embed[start:end]
-
-
-def _slice_concatenated(
-    embed: torch.Tensor, runtimes: list[MultimodalRuntimeData | None]
-) -> torch.Tensor:
-    cursor = 0
-    pieces = []
-    for index in range(len(runtimes)):
-        runtime = _runtime_at(runtimes, index)
-        start = cursor + runtime.num_cached_mm_tokens
-        pieces.append((start, start + runtime.num_mm_tokens_in_chunk))
-        cursor += runtime.total_embeds_in_request
-    if cursor != embed.shape[0]:
-        raise ValueError(
-            f"pre-concatenated embedding has {embed.shape[0]} rows but the requests' "
-            f"total_embeds_in_request sum to {cursor}"
-        )
-    return join_embeddings([embed[start:end] for start, end in pieces])
-
-
-def _check_rows(embed: torch.Tensor, end: int, owner: str) -> None:
-    # Slicing past the end truncates silently; that would shift every later row.
-    if end > embed.shape[0]:
-        raise ValueError(
-            f"{owner} needs embedding rows up to {end} but its tensor has {embed.shape[0]} rows"
-        )

@@ -27,7 +27,7 @@ class FakeEncoder:
 
     embedding_dim = HIDDEN
     embedding_dtype = torch.float32
-    multimodal_data_device_paths = ["image.pixel_values"]
+    device_inputs = ("pixel_values",)
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []  # names per encode call

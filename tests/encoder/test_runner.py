@@ -24,7 +24,7 @@ def test_forward_items_commits_marks_ready_and_strips_payloads(setup):
     assert model.batches == [["a", "b"]]
     assert sorted(state.request_id for state in ready) == ["r0", "r1"]
     for state in ready:
-        assert "image" not in state.multimodal_data  # raw payload dropped once fully ready
+        assert state.items == [None] * len(state.cache_keys)  # raw media dropped once fully ready
         assert all(entry.state is CacheEntryState.READY for entry in state.entries)
     a, b = ready[0].entries
     assert torch.equal(a.tensor, expected_output("a")) and torch.equal(b.tensor, expected_output("b", 3))
@@ -33,7 +33,7 @@ def test_forward_items_commits_marks_ready_and_strips_payloads(setup):
     assert s.num_waiting_requests == 0
 
 
-def test_only_model_declared_paths_move_to_the_device():
+def test_only_model_declared_inputs_move_to_the_device():
     s = scheduler()
     model = FakeEncoder()
     runner = MultimodalEncoderRunner(model, s, device="meta")

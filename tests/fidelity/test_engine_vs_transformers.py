@@ -80,9 +80,15 @@ def test_prefix_cache_hit_gives_the_same_tokens(model_dir, reference):
     ref = reference.generate(messages, [IMG_A])
     check_same(ref, llm._output(first))
     check_same(ref, llm._output(second))
-    # same text, other image: the image's blocks must not be served from cache
-    other = llm.add_conversation(user_message("What colour dominates?", [IMG_B]), GREEDY)
-    assert other.num_cached_tokens <= other.mm_items[0].offset
+    # same text, other image behind the same placeholder ids: run it, so the prefix cache is really
+    # asked; the image's blocks must not be served from the first image's KV
+    same_size = make_image_bytes(333, 517, seed=11)  # IMG_A's size: identical ids, other pixels
+    other_messages = user_message("What colour dominates?", [same_size])
+    other = llm.add_conversation(other_messages, GREEDY)
+    llm.engine.run_until_done([other])
+    assert other.token_ids[:other.num_prompt_tokens] == second.token_ids[:second.num_prompt_tokens]
+    assert 0 < other.num_cached_tokens <= other.mm_items[0].offset
+    check_same(reference.generate(other_messages, [same_size]), llm._output(other))
 
 
 def test_eight_concurrent_requests_each_match_their_solo_run(llm, reference):

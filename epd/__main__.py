@@ -1,3 +1,4 @@
+"""``python -m epd``: the ``epd`` command (``epd.cli``)."""
 import sys
 
 from epd.cli import main

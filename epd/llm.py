@@ -11,8 +11,8 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.errors import InvalidRequest
-from epd.models.qwen2_vl.processor import ProcessedPrompt
 from epd.models.registry import family_for
+from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.messages import extract_images
 from epd.types import RequestOutput, SamplingParams

@@ -1,4 +1,4 @@
-"""``TensorLRUCache``: the encoder's read-through, byte-budget LRU of per-item outputs (seed §5.2).
+"""``TensorLRUCache``: the encoder's read-through, byte-budget LRU of per-item outputs.
 
 One entry per item key. The first request that looks a key up becomes its *producer*; later
 concurrent requests are *consumers* that wait on the same entry, so an image shared by ten
@@ -176,7 +176,7 @@ class TensorLRUCache:
             return entry
 
     def fail(self, key: EncoderCacheKey, error: BaseException, *, producer_only: bool) -> frozenset[str]:
-        """Fail the producer, or every user, of ``key``; -> the request ids that failed (seed §5.4).
+        """Fail the producer, or every user, of ``key``; -> the request ids that failed.
 
         ``producer_only``: a batch-level error cannot be traced to one output, so only the
         producer fails; its pins go, the entry returns to "no producer" and stays PENDING for

@@ -9,7 +9,7 @@ from epd.errors import InvalidRequest, UpstreamError
 class MultimodalEncoderRequestError(UpstreamError):
     """An encoder failure that belongs to specific requests, named in ``request_ids``.
 
-    The encoder keeps serving everyone else: only these requests are failed (seed §5.4).
+    The encoder keeps serving everyone else: only these requests are failed.
     """
 
     def __init__(self, message: str, *, request_ids: Iterable[str]) -> None:

@@ -1,4 +1,4 @@
-"""CUDA graphs of the vision encoder's block loop, in 2-D buckets (seed §8).
+"""CUDA graphs of the vision encoder's block loop, in 2-D buckets.
 
 The runner is intentionally narrow: it does not know the model, how to build attention
 metadata, or the eager prelude (patch embedding, positions). It owns the captured block loop,

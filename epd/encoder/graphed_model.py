@@ -1,4 +1,4 @@
-"""An encoder model whose vision block loop replays CUDA graphs (seed §8).
+"""An encoder model whose vision block loop replays CUDA graphs.
 
 The model side supplies the cut (``model.block_loop()``: eager prelude, capturable block loop with
 its metadata provider, eager postlude); this tier owns the runner that captures it per bucket.

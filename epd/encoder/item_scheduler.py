@@ -1,4 +1,4 @@
-"""``MultimodalItemScheduler``: forms encoder batches of atomic items under four budgets (seed §4).
+"""``MultimodalItemScheduler``: forms encoder batches of atomic items under four budgets.
 
 Item scheduling bounds four MM encoder resources, owned in different places and measured in
 different units, so they are resolved once, together, in ``create()``:

@@ -12,7 +12,7 @@ import grpc
 from epd.config import WorkerConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
-from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
+from epd.errors import Cancelled, DeadlineExceeded, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_processor_kwargs
 from epd.rpc import abort_with, remaining_s
 from epd.transport import TensorStore, choose_transport, get_channel
@@ -29,9 +29,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         request_id = request.request_id
         try:
             future = self.engine.submit(request_id, [_item(msg) for msg in request.items])
-        except ValueError as err:  # can never be encoded under this worker's budgets
+        except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
             self.metrics.requests.labels("invalid").inc()
-            abort_with(context, err if isinstance(err, EPDError) else InvalidRequest(f"request {request_id}: {err}"))
+            abort_with(context, InvalidRequest(f"request {request_id}: {err}"))
         # the router cancelling the call frees the request's place in the queue and its pins
         context.add_callback(lambda: self.engine.release(request_id))
         try:

@@ -31,7 +31,7 @@ class ModelRunner:
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  attention_backend: str = "sdpa", mm_token_ids: tuple[int, ...] = ()) -> None:
         cfg = model.config
-        # in-vocab placeholders allow the one-lookup fusion path (seed §6.2); empty -> OOV-safe path
+        # in-vocab placeholders allow the one-lookup fusion path; empty -> OOV-safe path
         self.mm_token_ids = torch.tensor(mm_token_ids, dtype=torch.long) if mm_token_ids else None
         self.model = model
         self.block_size = block_size

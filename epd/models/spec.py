@@ -1,5 +1,6 @@
-"""What every model family provides (``ModelFamily``) and what the data layer needs to know about a
-checkpoint's multimodal tokens (``MultimodalSpec``); families implement these, callers see no more."""
+"""What every model family provides (``ModelFamily``), what its input processor produces
+(``ProcessedPrompt``: what the router hands a backend) and what the data layer needs to know about
+a checkpoint's multimodal tokens (``MultimodalSpec``); families implement these, callers see no more."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -9,7 +10,9 @@ from typing import Protocol
 
 import torch
 
+from epd.multimodal.geometry import ImageGeometry
 from epd.multimodal.layout import PromptLayout
+from epd.multimodal.masks import MultimodalEncoderItemMetadata
 from epd.types import MultimodalItemSpan
 
 
@@ -27,6 +30,36 @@ class MultimodalSpec:
     def mm_token_ids(self) -> tuple[int, ...]:
         """Placeholder ids whose rows come from the encoder (in the vocabulary: one embedding lookup)."""
         return (self.image_token_id, self.video_token_id)
+
+
+@dataclass(frozen=True)
+class ProcessedItem:
+    modality: str
+    data: bytes  # encoded media, as the user sent it; the encoder decodes it
+    mm_hash: str
+    offset: int  # first placeholder position in the prompt
+    geometry: ImageGeometry
+
+    @property
+    def num_rows(self) -> int:
+        return self.geometry.num_embedding_rows
+
+    @property
+    def span(self) -> MultimodalItemSpan:
+        return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw))
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt ready for a backend: ids with every placeholder span expanded, and its items."""
+
+    prompt_token_ids: list[int]
+    items: list[ProcessedItem]
+    item_metadata: MultimodalEncoderItemMetadata
+
+    @property
+    def num_embedding_rows(self) -> int:
+        return sum(item.num_rows for item in self.items)
 
 
 class ModelFamily(Protocol):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest
-from epd.models.qwen2_vl.processor import ProcessedPrompt
 from epd.models.registry import family_for
+from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.messages import IMAGE_PART_TYPES, extract_images
 from epd.router.admission import AdmissionGate, RequestLimits

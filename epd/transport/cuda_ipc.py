@@ -6,7 +6,7 @@ allocator's reuse until every consumer has dropped it). We also record an interp
 on the producing stream: the kernels that write the tensor may still be running when the handle
 is sent.
 
-Consumer (seed §9.3): ``current_stream.wait_event(ready_event)`` so our kernels start after the
+Consumer: ``current_stream.wait_event(ready_event)`` so our kernels start after the
 producer's writes, and ``tensor.record_stream(current_stream)`` so the caching allocator won't hand
 the memory out again while kernels queued on this stream still read it. For memory opened over IPC
 torch skips record_stream (its IPC reference counter guards that memory instead); it does the real

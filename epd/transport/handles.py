@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from epd.errors import ErrorCode, UpstreamError
 from epd.v1 import tensor_pb2
 
 # Names as torch prints them without the "torch." prefix, so a handle reads like the tensor.
@@ -27,7 +28,7 @@ _DTYPES_BY_NAME: dict[str, torch.dtype] = {
 }
 
 
-class TransportError(RuntimeError):
+class TransportError(UpstreamError):
     """A tensor could not be exported, moved or imported; the message says which and why."""
 
 
@@ -36,6 +37,8 @@ class LeaseExpiredError(TransportError):
 
     Ask the producer again (re-run the step that made the handle); retrying the same handle can't work.
     """
+
+    code = ErrorCode.NOT_FOUND  # on the wire: the consumer turns NOT_FOUND back into this error
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:

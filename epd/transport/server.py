@@ -5,8 +5,8 @@ from concurrent import futures
 
 import grpc
 
-from epd.rpc import SERVER_OPTIONS
-from epd.transport.handles import LeaseExpiredError, TransportError
+from epd.rpc import SERVER_OPTIONS, abort_with
+from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
 from epd.transport.leases import TensorStore
 from epd.transport.nccl import nccl_unique_id
@@ -35,9 +35,7 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
 
 
 def _abort(context: grpc.ServicerContext, err: TransportError) -> None:
-    # NOT_FOUND means "this lease is gone": the consumer turns it back into LeaseExpiredError
-    code = grpc.StatusCode.NOT_FOUND if isinstance(err, LeaseExpiredError) else grpc.StatusCode.FAILED_PRECONDITION
-    context.abort(code, str(err))
+    abort_with(context, err)  # a lease that is gone is NOT_FOUND: the consumer turns it back into LeaseExpiredError
 
 
 def add_tensor_store(server: grpc.Server, store: TensorStore) -> TensorStoreServicer:

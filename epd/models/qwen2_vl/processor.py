@@ -9,45 +9,13 @@ the embed-mask cumsum and the M-RoPE positions from the ids and the items and ch
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from epd.models.checkpoint import read_preprocessor_config
-from epd.models.spec import MultimodalSpec
-from epd.multimodal.geometry import ImageGeometry, VisionGeometryConfig, image_geometry_from_bytes
+from epd.models.spec import MultimodalSpec, ProcessedItem, ProcessedPrompt
+from epd.multimodal.geometry import VisionGeometryConfig, image_geometry_from_bytes
 from epd.multimodal.hashing import hash_encoded_media
 from epd.multimodal.masks import MultimodalEncoderItemMetadata
-from epd.types import MultimodalItemSpan
-
-
-@dataclass(frozen=True)
-class ProcessedItem:
-    modality: str
-    data: bytes  # encoded media, as the user sent it; the encoder decodes it
-    mm_hash: str
-    offset: int  # first placeholder position in the prompt
-    geometry: ImageGeometry
-
-    @property
-    def num_rows(self) -> int:
-        return self.geometry.num_embedding_rows
-
-    @property
-    def span(self) -> MultimodalItemSpan:
-        return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw))
-
-
-@dataclass(frozen=True)
-class ProcessedPrompt:
-    """A prompt ready for a backend: ids with every placeholder span expanded, and its items."""
-
-    prompt_token_ids: list[int]
-    items: list[ProcessedItem]
-    item_metadata: MultimodalEncoderItemMetadata
-
-    @property
-    def num_embedding_rows(self) -> int:
-        return sum(item.num_rows for item in self.items)
 
 
 class QwenVLInputProcessor:

@@ -46,7 +46,7 @@ class QwenVisionEncoder:
 
     @property
     def embedding_dim(self) -> int:
-        """Width of one output row (seed §4.5: the declared dim of a cached embedding row)."""
+        """Width of one output row (the declared dim of a cached embedding row)."""
         cfg = self.vision_config
         return getattr(cfg, "out_hidden_size", None) or cfg.hidden_size
 
@@ -79,7 +79,7 @@ class QwenVisionEncoder:
         return self.split_rows(merged, grid_thw.cpu())
 
     def block_loop(self):
-        """The tower cut into eager prelude, capturable block loop and eager postlude (seed §8);
+        """The tower cut into eager prelude, capturable block loop and eager postlude;
         the encoder tier's graph runner captures the block loop."""
         from epd.models.qwen2_vl.vision_blocks import QwenVisionBlockLoop
         return QwenVisionBlockLoop(self.tower, self.model_type)

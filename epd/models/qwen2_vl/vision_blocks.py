@@ -1,4 +1,4 @@
-"""The Qwen2-VL / Qwen2.5-VL vision tower split for CUDA-graph capture (seed §8).
+"""The Qwen2-VL / Qwen2.5-VL vision tower split for CUDA-graph capture.
 
 transformers' tower forward is not capturable as is: its attention splits the packed tokens with
 ``cu_seqlens.tolist()`` (a device-to-host sync, and shapes that change with every image), and the

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from epd.models.qwen2_vl.processor import ProcessedPrompt
+from epd.models.spec import ProcessedPrompt
 from epd.types import SamplingParams, TokenLogprobs
 
 

@@ -20,7 +20,7 @@ import grpc
 
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError, code_for_grpc
-from epd.models.qwen2_vl.processor import ProcessedPrompt
+from epd.models.spec import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
 from epd.router.routing import ROUTING_POLICIES

@@ -46,9 +46,8 @@ class Command:
                 continue
             if not _flaggable(annotation):
                 continue  # structured values (e.g. CUDA graph buckets) come from the YAML only
-            flag_name = (info.json_schema_extra or {}).get("flag", name) if isinstance(
-                info.json_schema_extra, dict) else name
-            self._flag(flag_name, (*at, name), annotation, info)
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            self._flag(extra.get("flag", name), (*at, name), annotation, info)
         return self
 
     def _flag(self, name: str, path: Path, annotation, info) -> None:

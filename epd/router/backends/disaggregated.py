@@ -85,7 +85,8 @@ class DisaggregatedBackend:
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
             # registered there: from now on the encoders may push its rows
             for address, indices in self._encoder_groups(job.prompt).items():
-                encodes.add(self._encode(address, job, indices, prefill.address))
+                encodes.add(self._encode_on(address, job, indices, prefill.address),
+                            self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
             reply = await encodes.race(call.read())
             if reply is grpc.aio.EOF or not reply.HasField("result"):
                 raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
@@ -94,8 +95,8 @@ class DisaggregatedBackend:
         except grpc.aio.AioRpcError as err:
             raise self._tier_error("prefill", prefill.address, err) from None
         finally:
-            call.cancel()  # no-op once it finished; otherwise prefill aborts the request
-            if result is None:
+            if result is None:  # prefill aborts the request when its call is cancelled
+                call.cancel()
                 encodes.cancel()
 
     def _encoder_groups(self, prompt: ProcessedPrompt) -> dict[str, list[int]]:
@@ -108,17 +109,17 @@ class DisaggregatedBackend:
             groups.setdefault(address, []).append(index)
         return groups
 
-    async def _encode(self, address: str, job: Job, indices: list[int], prefill_address: str) -> None:
-        hashes = [job.prompt.items[i].mm_hash for i in indices]
+    def _producing(self, address: str, hashes: list[str]):
+        """Note that ``address`` is encoding these items; -> the callback that un-notes them."""
         for mm_hash in hashes:
             self._encoding[mm_hash] = (address, self._encoding.get(mm_hash, ("", 0))[1] + 1)
-        try:
-            await self._encode_on(address, job, indices, prefill_address)
-        finally:
+
+        def done(_) -> None:
             for mm_hash in hashes:
                 home, count = self._encoding.pop(mm_hash)
                 if count > 1:
                     self._encoding[mm_hash] = (home, count - 1)
+        return done
 
     async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
@@ -190,9 +191,10 @@ class _Encodes:
         self._tasks: list[asyncio.Task] = []
         self._failed: asyncio.Future = asyncio.get_running_loop().create_future()
 
-    def add(self, call: Awaitable[None]) -> None:
+    def add(self, call: Awaitable[None], on_done) -> None:
         task = asyncio.ensure_future(call)
         task.add_done_callback(self._on_done)
+        task.add_done_callback(on_done)  # runs even when the task is cancelled before it starts
         self._tasks.append(task)
 
     def _on_done(self, task: asyncio.Task) -> None:

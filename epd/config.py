@@ -140,7 +140,8 @@ class WorkerConfig(_Config):
     encoder: EncoderConfig = EncoderConfig()
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
     lease_ttl_s: float = Field(60.0, gt=0, description="seconds an exported tensor is kept for its consumer")
-    request_timeout_s: float = Field(120.0, gt=0, description="longest wait for one request when the caller sets none")
+    request_timeout_s: float = Field(120.0, gt=0, description="longest wait for one request (bounds the caller's "
+                                                                "deadline too)")
     max_workers: PositiveInt = Field(32, description="gRPC handler threads")
     metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
     overlap_prefill_with_encode: bool = Field(True, description="prefill text before images while encoding",
@@ -179,11 +180,20 @@ class RouterConfig(_Config):
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
     aggregated: bool = Field(False, description="no tiers: run the whole model in the router process")
+    engine: EngineConfig = EngineConfig()  # the in-process engine's (with aggregated only)
 
     @field_validator("encoders", "prefills", "decodes", mode="before")
     @classmethod
     def _addresses(cls, value: Any) -> Any:
         return [a for a in value.split(",") if a] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _engine_only_when_aggregated(self) -> "RouterConfig":
+        if not self.aggregated and self.engine != EngineConfig():
+            changed = sorted(self.engine.model_dump(exclude_defaults=True))
+            raise ValueError(f"engine settings {changed} apply only with aggregated (the in-process engine); "
+                             f"the tiers take them from their own worker config")
+        return self
 
 
 class ServeConfig(_Config):

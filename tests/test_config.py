@@ -68,7 +68,8 @@ def test_commands_take_their_flags_from_the_same_definitions():
         return set(command.flags)
     router = {path[1] for flag in serve_command().flags.values() for path in flag.paths if path[0] == "router"}
     # epd serve has every router flag the router process has, but the worker lists it assigns itself
-    assert router == set(RouterConfig.model_fields) - {"encoders", "prefills", "decodes"}
+    # (and the engine section, which it fills from the workers' own engine flags with --aggregated)
+    assert router == set(RouterConfig.model_fields) - {"encoders", "prefills", "decodes", "engine"}
     assert {"allow_private_network", "allowed_local_media_path"} <= router
     assert "max_num_batched_tokens" in flags(tier_command("prefill"))
     assert "max_num_batched_tokens" not in flags(tier_command("encoder"))  # an encoder has no LLM engine
@@ -82,3 +83,29 @@ def test_configs_validate_on_construction_too():
     with pytest.raises(ConfigError, match="RouterConfig: queue_timeout_s: Input should be greater than 0"):
         load_config(RouterConfig, {"queue_timeout_s": 0}, source="RouterConfig")
     assert WorkerConfig().engine == EngineConfig() and hash(WorkerConfig())
+
+
+def test_engine_settings_reach_the_in_process_engine_and_nothing_else():
+    config = serve_config_from_args(["--aggregated", "--max-num-batched-tokens", "128"])
+    assert config.router.engine.max_num_batched_tokens == 128 == config.worker.engine.max_num_batched_tokens
+    assert serve_config_from_args(["--max-num-batched-tokens", "128"]).router.engine == EngineConfig()
+    with pytest.raises(ConfigError, match=r"engine settings \['max_num_batched_tokens'\] apply only with aggregated"):
+        router_config_from_args(["--max-num-batched-tokens", "128"])
+    assert router_config_from_args(["--aggregated", "--max-num-batched-tokens", "128"]).engine.max_num_batched_tokens \
+        == 128
+    with pytest.raises(ConfigError, match="use the local launcher"):
+        serve_config_from_args(["--aggregated", "--launcher", "ray"])
+
+
+def test_ray_takes_what_the_command_line_set_on_top_of_its_yaml(tmp_path):
+    from epd.server.ray import deployment_from
+    path = tmp_path / "cluster.yaml"
+    path.write_text("http_port: 9000\ntiers:\n  encoder: {replicas: 2, config: {encoder: {encoder_batch_size: 4}}}\n"
+                    "router: {max_concurrent_requests: 8}\n")
+    given = deployment_from(serve_config_from_args(["--ray-config", str(path), "--prefills", "3",
+                                                    "--max-queued-requests", "5", "--lease-ttl-s", "30"]))
+    assert given.http_port == 9000 and given.tiers["encoder"].replicas == 2 and given.tiers["prefill"].replicas == 3
+    assert given.router.max_concurrent_requests == 8 and given.router.max_queued_requests == 5
+    assert given.tiers["encoder"].config.encoder.encoder_batch_size == 4
+    assert all(spec.config.lease_ttl_s == 30 for spec in given.tiers.values())
+    assert deployment_from(serve_config_from_args(["--ray-config", str(path), "--port", "7000"])).http_port == 7000

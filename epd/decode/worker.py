@@ -42,8 +42,13 @@ class DecodeWorker:
         added = self.loop.watch(lambda engine: engine.add_imported(
             job.prompt_token_ids, job.sampling, first_token_id=job.first_token_id,
             first_logprobs=job.first_logprobs, kv=kv, mm=SequenceMultimodal.delta_only(job.mrope_delta),
-            request_id=job.request_id), updates)
+            eos_token_ids=job.eos_token_ids, request_id=job.request_id), updates)
         return added, updates
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:
         self.loop.abort(seq, reason)
+
+    def abort_and_wait(self, seq: Sequence, timeout_s: float = 10.0) -> None:
+        """Abort and return once the loop did it: a queued import no longer reads its KV after this."""
+        self.loop.abort(seq, "cancelled")
+        self.loop.call(lambda engine: None).result(timeout_s)  # calls run in order: the abort ran

@@ -78,16 +78,10 @@ class EngineLoop:
         self._wake.set()
         return future
 
-    def add_and_watch(self, make_seq: Callable[[LLMEngine], Sequence | None]
-                      ) -> tuple[Sequence | None, queue.SimpleQueue]:
-        """Add a request on the loop thread; its new tokens arrive as ``TokenUpdate``s on the queue.
-        ``make_seq`` may decline (return None), e.g. when there is no room yet."""
-        updates: queue.SimpleQueue[TokenUpdate] = queue.SimpleQueue()
-        return self.watch(make_seq, updates).result(), updates
-
     def watch(self, make_seq: Callable[[LLMEngine], Sequence | None], updates) -> Future[Sequence | None]:
-        """Non-blocking ``add_and_watch``: ``updates.put(TokenUpdate)`` is called on the loop thread
-        (a queue, or a bridge into an event loop)."""
+        """Add a request on the loop thread (``make_seq`` may decline: return None); its new tokens
+        go to ``updates.put(TokenUpdate)``, called on the loop thread (a queue, or a bridge into an
+        event loop). -> Future of the sequence (or of ``make_seq``'s exception)."""
         def add(engine: LLMEngine) -> Sequence | None:
             seq = make_seq(engine)
             if seq is not None:
@@ -154,6 +148,10 @@ class EngineLoop:
             return
         _, updates, sent = entry
         outputs = seq.output_token_ids
+        if seq.error is not None:  # failed where it stood (e.g. it could not be rebuilt to recompute)
+            updates.put(TokenUpdate([], error=seq.error))
+            del self._watchers[seq.seq_id]
+            return
         if len(outputs) > sent or seq.is_finished:
             updates.put(TokenUpdate(outputs[sent:], seq.output_logprobs[sent:],
                                     seq.finish_reason if seq.is_finished else None))

@@ -43,10 +43,6 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def find(self, request_id: str) -> Sequence | None:
-        sched = self.scheduler
-        return next((s for s in [*sched.running, *sched.waiting] if s.request_id == request_id), None)
-
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
 
@@ -55,10 +51,13 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def add_imported(self, prompt_token_ids: list[int], params: SamplingParams, *, first_token_id: int,
-                     first_logprobs, kv, mm: SequenceMultimodal, request_id: str | None = None) -> Sequence:
+                     first_logprobs, kv, mm: SequenceMultimodal, eos_token_ids: tuple[int, ...],
+                     request_id: str | None = None) -> Sequence:
         """A request prefilled elsewhere: its prompt KV ``kv`` ([layers, 2, prompt_len, kv_heads, head_dim])
-        is written into our cache when it is admitted, with its whole token budget reserved."""
-        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=self.eos_token_ids)
+        is written into our cache when it is admitted, with its whole token budget reserved. A KV of
+        the wrong shape or dtype is refused here (ValueError), before it could fail a whole step."""
+        self.runner.check_kv(kv, len(prompt_token_ids))
+        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids)
         seq.append_token(first_token_id, first_logprobs)
         seq.imported_kv = kv
         self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)

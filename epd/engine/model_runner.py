@@ -59,11 +59,15 @@ class ModelRunner:
         return torch.stack([torch.stack([k[slots], v[slots]])
                             for k, v in zip(self.kv_cache.k, self.kv_cache.v)])
 
-    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
-        expected = (len(self.kv_cache.k), 2, kv.shape[2], *self.kv_cache.k[0].shape[1:])
+    def check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
+        """Refuse a KV this cache cannot take: another model, dtype or prompt length."""
+        expected = (len(self.kv_cache.k), 2, num_tokens, *self.kv_cache.k[0].shape[1:])
         if tuple(kv.shape) != expected or kv.dtype != self.dtype:
             raise ValueError(f"imported KV has shape {tuple(kv.shape)} and dtype {kv.dtype}, expected "
                              f"{expected} and {self.dtype}")
+
+    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        self.check_kv(kv, kv.shape[2])
         slots = self._to_device(self._slots(block_table, 0, kv.shape[2]))
         kv = kv.to(self.device, non_blocking=True)
         for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):

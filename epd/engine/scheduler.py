@@ -167,10 +167,15 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
         out.preempted.append(seq)
         out.chunks[:] = [c for c in out.chunks if c.seq is not seq]
+        try:
+            seq.reset_for_recompute()  # may rebuild stripped inputs (re-encode): it can fail
+        except Exception as err:  # noqa: BLE001 - fail this sequence, not the step and every other one
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            seq.error = f"preempted and could not be recomputed: {err}"
+            return
+        self.waiting.appendleft(seq)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

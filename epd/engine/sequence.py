@@ -57,6 +57,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.output_logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the engine failed this sequence alone (its watcher is told)
         # set by a tier whose inputs arrive later (prefill waiting on encoder embeddings): returns
         # how far the prompt can be computed now (None: no limit)
         self.inputs_ready_until: Callable[[], int | None] | None = None

@@ -1,6 +1,7 @@
 """Where encoders' embedding pushes land on a prefill worker: the rows of every registered request.
 
-The router registers a request here (``expect``) before it lets any encoder push for it, so a push
+A request is registered here (``expect``, when the router's Prefill call arrives) before the router
+lets any encoder push for it, so a push
 for a request this worker does not hold is late (the request was cancelled or already finished):
 its lease is released at once, and nothing is ever parked.
 """

@@ -37,9 +37,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except EPDError as err:
             self.metrics.requests.labels("invalid").inc()
             abort_with(context, err)
-        request_id = ticket.job.request_id
         # the router cancelling the call (client gone, an encoder failed) aborts the request here
-        context.add_callback(lambda: self.worker.abort(request_id, "cancelled"))
+        cancel = lambda: self.worker.abort(ticket, "cancelled")  # noqa: E731
+        if not context.add_callback(cancel):  # the call already ended
+            cancel()
         yield prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted())
         try:
             result = self.worker.wait(ticket, remaining_s(context, self.config.request_timeout_s))
@@ -48,8 +49,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             abort_with(context, err)
         out = common_pb2.PrefillResult(
             first_token_id=result.first_token_id, mrope_delta=result.mrope_delta,
-            num_prompt_tokens=result.num_prompt_tokens, num_cached_tokens=result.num_cached_tokens,
-            finish_reason=result.finish_reason or "")
+            num_cached_tokens=result.num_cached_tokens, finish_reason=result.finish_reason or "")
         if result.first_logprobs is not None:
             out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
         if result.kv is not None:
@@ -57,6 +57,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                          override=request.kv_transport or self.config.transport or None)
             with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
                 out.kv.CopyFrom(self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s))
+            if not context.is_active():  # cancelled meanwhile: nobody will take or release it
+                self.store.release([out.kv.lease_id])
+                return
         self.metrics.requests.labels("ok").inc()
         yield prefill_pb2.PrefillReply(result=out)
 

@@ -19,7 +19,7 @@ from epd.engine.engine_loop import EngineLoop, TokenUpdate
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
-from epd.errors import Cancelled, DeadlineExceeded, InvalidRequest, UpstreamError
+from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.models.registry import family_for
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
@@ -34,7 +34,6 @@ class PrefillResult:
     first_logprobs: TokenLogprobs | None
     kv: torch.Tensor | None  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], a fresh copy; None: finished
     mrope_delta: int
-    num_prompt_tokens: int
     num_cached_tokens: int
     finish_reason: str | None  # the request already ends with the first token
 
@@ -48,6 +47,7 @@ class PrefillTicket:
     seq: Sequence | None = None  # set on the loop thread
     kv: torch.Tensor | None = None  # set on the loop thread when the prompt is done
     finish_reason: str | None = None  # the request's own, after its first token
+    refusal: EPDError | None = None  # why the engine would not take it (then ``updates`` gets an error)
 
 
 class PrefillWorker:
@@ -72,20 +72,32 @@ class PrefillWorker:
 
     # ---- the router's calls -------------------------------------------------------------------
     def admit(self, job: PrefillJob) -> PrefillTicket:
-        """Register the request (its rows may be pushed from now on) and queue it on the engine."""
+        """Register the request (its rows may be pushed from now on) and queue it on the engine.
+        What the engine refuses later (it can never fit) reaches ``wait`` as ``InvalidRequest``."""
         ticket = PrefillTicket(job)
         with self._lock:
             if job.request_id in self._tickets:
                 raise InvalidRequest(f"request {job.request_id} is already being prefilled here")
             self._tickets[job.request_id] = ticket
-        rows = self.inbox.expect(job.request_id, [item.length for item in job.items]) if job.items else None
         try:
+            rows = self.inbox.expect(job.request_id, [item.length for item in job.items]) if job.items else None
             mm = self._multimodal(job, rows)
         except ValueError as err:
-            self._forget(job.request_id)
+            self._forget(ticket)
             raise InvalidRequest(f"request {job.request_id}: {err}") from None
-        self.loop.watch(lambda engine: self._add(engine, ticket, mm), ticket.updates)
+        except BaseException:
+            self._forget(ticket)
+            raise
+        added = self.loop.watch(lambda engine: self._add(engine, ticket, mm), ticket.updates)
+        added.add_done_callback(lambda future: self._refused(ticket, future))
         return ticket
+
+    def _refused(self, ticket: PrefillTicket, added) -> None:
+        error = added.exception()
+        if error is not None:  # e.g. the prompt can never fit this worker's cache
+            ticket.refusal = InvalidRequest(f"request {ticket.job.request_id}: {error}") \
+                if isinstance(error, ValueError) else as_epd_error(error)
+            ticket.updates.put(TokenUpdate([], error=str(error)))
 
     def wait(self, ticket: PrefillTicket, timeout_s: float) -> PrefillResult:
         """Blocks until the first token (or the request fails, is aborted, or ``timeout_s`` passes)."""
@@ -94,25 +106,29 @@ class PrefillWorker:
             try:
                 update: TokenUpdate = ticket.updates.get(timeout=max(0.0, timeout_s))
             except queue.Empty:
-                self.abort(request_id, "timeout")
+                self.abort(ticket, "timeout")
                 raise DeadlineExceeded(f"request {request_id}: no first token within {timeout_s:.1f} s "
                                        f"({self._rows_arrived(ticket)})") from None
+            if ticket.refusal is not None:
+                raise ticket.refusal
             if update.error:
                 raise UpstreamError(f"request {request_id}: {update.error}")
             if not update.token_ids:
                 raise Cancelled(f"request {request_id}: {update.finish_reason or 'aborted'} before its first token")
             seq = ticket.seq
             return PrefillResult(update.token_ids[0], update.logprobs[0] if update.logprobs else None, ticket.kv,
-                                 seq.mm.mrope_delta if seq.mm else 0, seq.num_prompt_tokens, seq.num_cached_tokens,
-                                 ticket.finish_reason)
+                                 seq.mm.mrope_delta if seq.mm else 0, seq.num_cached_tokens, ticket.finish_reason)
         finally:
-            self._forget(request_id)
+            # on the loop thread, after any abort queued above: a step that still reads this
+            # request's rows (zero-copy views of the encoders' memory) ends before they are released
+            self.loop.call(lambda engine: self._forget(ticket))
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        """Stop a request wherever it is (the router cancelled it); a no-op once it is done."""
+    def abort(self, ticket: PrefillTicket, reason: str = "abort") -> None:
+        """Stop this request wherever it is (the router cancelled it); a no-op once it is done.
+        By ticket, not by id: a later request reusing the id is not touched."""
         with self._lock:
-            ticket = self._tickets.get(request_id)
-        if ticket is not None:
+            is_current = self._tickets.get(ticket.job.request_id) is ticket
+        if is_current:
             self.loop.call(lambda engine: self._abort_on_loop(ticket, reason, None))
 
     # ---- the encoders' pushes -----------------------------------------------------------------
@@ -165,11 +181,13 @@ class PrefillWorker:
             self.loop.abort(ticket.seq, reason, error=error)
         else:  # not added yet (or refused): tell the caller directly
             ticket.updates.put(TokenUpdate([], finish_reason=reason, error=error))
-            self._forget(ticket.job.request_id)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, ticket: PrefillTicket) -> None:
+        request_id = ticket.job.request_id
         with self._lock:
-            self._tickets.pop(request_id, None)
+            if self._tickets.get(request_id) is not ticket:
+                return  # already forgotten; the id may belong to a newer request now
+            del self._tickets[request_id]
         self.inbox.finish(request_id)
 
     @staticmethod

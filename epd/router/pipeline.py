@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -69,21 +70,23 @@ class RequestPipeline:
         """Stream a request's events; raises ``EPDError`` before the first event for what admission
         refuses (400, 429, 503) and during the stream for failures. Closing the iterator early
         cancels the request on the backend."""
+        start = time.monotonic()
+        deadline = start + (request.timeout_s or self.config.request_timeout_s)  # the queue wait counts too
         try:
             self.limits.check_num_items(count_media_parts(request.messages))
             async with self.gate.slot():
-                async for event in self._run(request):
+                async for event in self._run(request, start, deadline):
                     yield event
         except EPDError as err:
             self.metrics.observe_error(err)
             raise
 
     # ---- the request path -----------------------------------------------------------------------
-    async def _run(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
-        start = time.monotonic()
-        deadline = start + (request.timeout_s or self.config.request_timeout_s)
+    async def _run(self, request: ChatRequest, start: float, deadline: float) -> AsyncIterator[StreamEvent]:
         prompt = await self._prepare(request)
-        job = Job(request.request_id, prompt, request.sampling, self.eos_token_ids, deadline)
+        # the client's id, made unique for the workers: two requests with one id never meet there
+        job = Job(f"{request.request_id}#{uuid.uuid4().hex[:8]}", prompt, request.sampling, self.eos_token_ids,
+                  deadline)
         text = _TextStream(self.tokenizer, request.stop_strings)
         outputs = self.backend.run(job)
         first_at, num_tokens = None, 0

@@ -106,7 +106,9 @@ class WorkerRegistry:
 
     def mark_failed(self, tier: str, address: str) -> None:
         """A call failed with UNAVAILABLE: take the worker out now, health checks bring it back."""
-        w = self.get(tier, address)
+        w = next((w for w in self.workers.get(tier, []) if w.address == address), None)
+        if w is None:
+            return  # removed (drained) meanwhile
         if w.healthy:
             log.warning("%s %s stopped answering; out of rotation", tier, address)
         w.healthy, w.consecutive_failures = False, max(w.consecutive_failures, self.unhealthy_after)

@@ -151,8 +151,8 @@ class LocalCluster:
         if with_defaults and self._worker_config is not None:
             cmd += ["--config", str(self._write_config("worker", self._worker_config))]
         cmd += ["--model", self.model]
-        if with_defaults:
-            cmd += ["--host", "127.0.0.1", "--port", "0", *self.tier_args.get(tier, ())]
+        if with_defaults:  # each worker's own listeners: never two on one port
+            cmd += ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *self.tier_args.get(tier, ())]
             if self.transport:
                 cmd += ["--transport", self.transport]
         cmd += list(args)

@@ -45,7 +45,8 @@ class TierMetrics:
 
     def watch_engine(self, engine) -> None:
         sched, bm = engine.scheduler, engine.block_manager
-        self.live("epd_queue_depth", "Requests waiting in the engine", lambda: len(sched.waiting))
+        self.live("epd_queue_depth", "Requests waiting in the engine (for KV room, or to be imported)",
+                  lambda: len(sched.waiting) + len(sched.importing))
         self.live("epd_running_requests", "Requests running in the engine", lambda: len(sched.running))
         self.live("epd_kv_block_usage_ratio", "KV blocks in use / all", lambda: bm.usage)
         self.live("epd_kv_blocks_total", "KV blocks in the paged cache", lambda: bm.num_total_blocks)

@@ -18,7 +18,7 @@ import urllib.request
 
 import ray
 
-from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, load_config, load_yaml
+from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
 
 
 @ray.remote
@@ -189,17 +189,8 @@ def _free_port(host: str) -> int:
 
 
 def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
-    """``epd serve --launcher ray``: the deployment from ``--ray-config`` with the command line's
-    model, ports, transport, router settings and tier counts on top."""
-    data = load_yaml(config.ray_config) if config.ray_config else {}
-    router = config.router
-    data.update(model=router.model, http_port=router.port, grpc_port=router.grpc_port, transport=router.transport,
-                router={**data.get("router", {}), **router.model_dump(exclude_defaults=True)})
-    data.setdefault("host", "127.0.0.1" if config.ray_address is None else "node")
-    tiers = data.setdefault("tiers", {})
-    for tier, count in zip(TIERS, (config.encoders, config.prefills, config.decodes)):
-        tiers.setdefault(tier, {})["replicas"] = count
-    deployment = load_config(RayDeployment, data, source=config.ray_config or "epd serve --launcher ray")
+    """``epd serve --launcher ray``."""
+    deployment = deployment_from(config)
     ray.init(address=config.ray_address, include_dashboard=False,
              **({} if config.ray_address else {"_node_ip_address": "127.0.0.1"}))
     cluster = RayEPDCluster(deployment)
@@ -213,3 +204,24 @@ def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
         print("epd serve (ray): stopping ...", flush=True)
         cluster.stop()
         ray.shutdown()
+
+
+def deployment_from(config: ServeConfig) -> RayDeployment:
+    """The deployment from ``--ray-config`` with what the command line set on top: model, ports,
+    transport, router settings, tier counts, and worker settings for every tier."""
+    data = load_yaml(config.ray_config) if config.ray_config else {}
+    given = config.model_dump(exclude_defaults=True)  # only what the command line (or its files) set wins
+    router, worker = given.get("router", {}), given.get("worker", {})
+    for key, target in (("model", "model"), ("port", "http_port"), ("grpc_port", "grpc_port"),
+                        ("transport", "transport")):
+        if key in router:
+            data[target] = router[key]
+    data["router"] = deep_merge(data.get("router", {}), router)
+    data.setdefault("host", "127.0.0.1" if config.ray_address is None else "node")
+    tiers = data.setdefault("tiers", {})
+    for tier in TIERS:
+        spec = tiers.setdefault(tier, {})
+        if f"{tier}s" in given:
+            spec["replicas"] = given[f"{tier}s"]
+        spec["config"] = deep_merge(spec.get("config", {}), worker)
+    return load_config(RayDeployment, data, source=config.ray_config or "epd serve --launcher ray")

@@ -44,7 +44,7 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
     model_dir = resolve_model(config.model)
     if config.aggregated:
         from epd.router.backends.in_process import InProcessBackend
-        backend = InProcessBackend(model_dir)
+        backend = InProcessBackend(model_dir, config.engine)
     else:
         from epd.router.backends.disaggregated import DisaggregatedBackend
         row_bytes = family_for(model_dir).mm_spec(model_dir).embedding_dim * 4  # encoders emit float32 by default

@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 
-from epd.config import RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.config import ConfigError, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
 from epd.server.flags import Command, run_or_exit
 
 # set by the launcher for each worker, never by the user: where a worker listens
@@ -29,7 +29,8 @@ def serve_command() -> Command:
     parser.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     parser.add_argument("--worker-config", help="YAML with every worker's settings (WorkerConfig fields)")
     command = Command(parser).add(ServeConfig, skip=("router", "worker"))
-    command.add(RouterConfig, ("router",), skip=("encoders", "prefills", "decodes"))
+    # the router's engine is the workers' one (--aggregated copies it over): its flags are the workers'
+    command.add(RouterConfig, ("router",), skip=("encoders", "prefills", "decodes", "engine"))
     return command.add(WorkerConfig, ("worker",), skip=_WORKER_ASSIGNED)
 
 
@@ -39,7 +40,13 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
     data = {"router": load_yaml(args.config) if args.config else {},
             "worker": load_yaml(args.worker_config) if args.worker_config else {}}
     data = deep_merge(data, command.overrides(args))
-    return load_config(ServeConfig, data, source="command line")
+    config = load_config(ServeConfig, data, source="command line")
+    if config.router.aggregated and config.launcher == "ray":
+        raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
+                          "use the local launcher")
+    if config.router.aggregated:  # the one process runs the engine the workers would have
+        config = config.model_copy(update={"router": config.router.model_copy(update={"engine": config.worker.engine})})
+    return config
 
 
 def wait_healthy(url: str, timeout_s: float) -> dict:

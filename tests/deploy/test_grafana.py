@@ -42,7 +42,7 @@ def _touch_labels(*owners) -> None:
 def exported() -> dict[str, set[str]]:
     """Every series name a scrape of the router or any worker shows -> its label names."""
     engine = SimpleNamespace(
-        scheduler=SimpleNamespace(waiting=[], running=[]),
+        scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
         block_manager=SimpleNamespace(usage=0.0, num_total_blocks=1, num_prefix_hit_tokens=0,
                                       num_prefix_query_tokens=0))
     encoder = SimpleNamespace(

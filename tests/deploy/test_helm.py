@@ -387,7 +387,7 @@ def test_schema_knows_every_config_field():
     # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all
     assert set(defs["routerConfig"]["properties"]) == fields(
         RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes", "host", "port", "grpc_port",
-                             "allowed_local_media_path", "allow_private_network", "aggregated"))
+                             "allowed_local_media_path", "allow_private_network", "aggregated", "engine"))
 
 
 def test_schema_enums_follow_the_registries():

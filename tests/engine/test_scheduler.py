@@ -126,3 +126,25 @@ def test_an_import_that_can_never_fit_is_refused_and_an_abort_reaches_the_queue(
     sched.schedule()
     sched.abort(other)
     assert not sched.importing and other.is_finished and other.imported_kv is None
+
+
+class _Unrebuildable:
+    """Multimodal state that was stripped and cannot be made again (its re-encode fails)."""
+
+    def restore_for_recompute(self):
+        raise RuntimeError("the encoder is gone")
+
+
+def test_a_preempted_sequence_that_cannot_recompute_fails_alone():
+    sched = make(num_blocks=4, block_size=2, budget=16)
+    a, b = seq(3, max_tokens=4), seq(3, max_tokens=4)
+    b.mm = _Unrebuildable()  # the newest: the one preempted when blocks run out
+    sched.add(a)
+    sched.add(b)
+    for _ in range(40):
+        run_step(sched)
+        if a.is_finished and b.is_finished:
+            break
+    assert a.num_output_tokens == 4 and a.error is None
+    assert b.finish_reason == "abort" and "could not be recomputed: the encoder is gone" in b.error
+    assert sched.block_manager.num_free_blocks == 4

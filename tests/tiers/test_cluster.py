@@ -4,6 +4,8 @@ must be token-identical to the in-process engine (itself checked against transfo
 from __future__ import annotations
 
 import threading
+import time
+import urllib.request
 
 import pytest
 
@@ -37,14 +39,19 @@ def llm(model_dir):
 
 
 @pytest.fixture(scope="module", params=["1E1P1D-shm-chunked", "2E1P1D-inline"])
-def driver(request, model_dir):
+def deployed(request, model_dir):
     two_encoders = request.param.startswith("2E")
     tier_args = {} if two_encoders else {"prefill": ["--max-num-batched-tokens", "13"]}
     with LocalCluster(str(model_dir), num_encoders=2 if two_encoders else 1,
                       transport="inline" if two_encoders else "", tier_args=tier_args) as cluster:
         with SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                      decodes=cluster.decodes, transport="inline" if two_encoders else "") as router:
-            yield router
+            yield cluster, router
+
+
+@pytest.fixture(scope="module")
+def driver(deployed):
+    return deployed[1]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -125,3 +132,27 @@ def _encoded_items_at(address: str) -> int:
 
 def encoders(driver: SyncRouter) -> list[str]:
     return list(driver.pipeline.config.encoders)
+
+
+def test_a_client_leaving_after_the_first_token_frees_its_kv_at_prefill(deployed):
+    cluster, router = deployed
+    for n in range(3):  # the cut lands before, during or after decode took the KV
+        events = router.stream(user_message(f"Tell me everything, take {n}.", [IMG_B]), SamplingParams(max_tokens=24))
+        assert next(events).token_ids
+        time.sleep(0.05 * n)
+        events.close()
+    # the KV handles prefill exported for decode are released at once, not when their 60 s TTL ends
+    deadline = time.monotonic() + 10
+    while _open_leases(cluster, "prefill") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _open_leases(cluster, "prefill") == 0
+
+
+def _open_leases(cluster, tier: str) -> float:
+    total = 0.0
+    for process in cluster.processes:
+        if process.tier == tier:
+            url = next(f.removeprefix("metrics=") for f in process.ready_fields if f.startswith("metrics="))
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            total += sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("epd_open_leases "))
+    return total

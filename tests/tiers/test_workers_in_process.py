@@ -6,12 +6,14 @@ import threading
 import time
 
 import pytest
+import torch
 
 from epd.config import EngineConfig
 from epd.decode.worker import DecodeWorker
+from epd.errors import InvalidRequest
 from epd.llm import LLM
 from epd.prefill.worker import PrefillWorker
-from epd.protocol import DecodeJob, prefill_job_from_proto, request_metadata
+from epd.protocol import DecodeJob, PrefillJob, prefill_job_from_proto, request_metadata
 from epd.types import SamplingParams
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
@@ -34,12 +36,12 @@ def workers(llm):
     decode.close()
 
 
-def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1"):
+def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1", eos=None, finish=None):
     """What the router does, minus gRPC: register at prefill, push the rows (late, from another
     thread, as an encoder would), take the first token and the KV, continue on decode."""
     conv, images = llm.extract_images(messages)
     prompt = llm.processor.process_messages(conv, images)
-    eos = (llm.tokenizer.eos_token_id,)
+    eos = eos or (llm.tokenizer.eos_token_id,)
     job = prefill_job_from_proto(request_metadata(request_id, prompt, params, eos))
     rows = llm.vision.encode_images(images) if images else []
     ticket = prefill.admit(job)
@@ -65,6 +67,8 @@ def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_
             update = updates.get(timeout=60)
             tokens += update.token_ids
             if update.is_last:
+                if finish is not None:
+                    finish.append(update.finish_reason)
                 break
     return prompt, tokens
 
@@ -111,3 +115,34 @@ def test_text_before_the_image_is_prefilled_while_the_encoder_works(llm, workers
     assert computed > 16
     assert computed <= image_offset
     assert tokens == llm.chat(messages, params)[0].token_ids
+
+
+def test_decode_stops_at_the_requests_own_end_of_sequence(llm, workers):
+    params = SamplingParams(max_tokens=24)
+    messages = user_message("Describe.", IMAGES[:1])
+    expected = llm.chat(messages, params)[0].token_ids
+    # pretend a token that first appears after the prefill's first one ends the sequence for this request
+    end = next(t for i, t in enumerate(expected) if i >= 2 and t not in expected[:i])
+    finish = []
+    _, tokens = run_split(llm, *workers, messages, params, request_id="own-eos", eos=(end,), finish=finish)
+    assert tokens == expected[:expected.index(end) + 1] and finish == ["stop"]
+
+
+def test_a_prompt_prefill_can_never_hold_is_refused_at_once(workers):
+    prefill, _ = workers
+    ticket = prefill.admit(PrefillJob("too-long", [1] * (ENGINE.max_model_len + 1), [], SamplingParams(), ()))
+    start = time.monotonic()
+    with pytest.raises(InvalidRequest, match="exceeds max_model_len"):
+        prefill.wait(ticket, timeout_s=60)
+    assert time.monotonic() - start < 10
+
+
+def test_a_kv_of_another_shape_is_refused_for_that_request_only(llm, workers):
+    _, decode = workers
+    job = DecodeJob("bad-kv", [1, 2, 3], SamplingParams(max_tokens=4), (), 5, None, 0)
+    added, _ = decode.start(job, torch.zeros(1, 2, 3, 4, 5))
+    with pytest.raises(ValueError, match="imported KV has shape"):
+        added.result(30)
+    # the worker is fine: the next request still runs
+    _, tokens = run_split(llm, *workers, user_message("Hi.", []), SamplingParams(max_tokens=4), request_id="after")
+    assert len(tokens) == 4

@@ -64,15 +64,24 @@ class DisaggregatedBackend:
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
+        # prefill stays counted (and reachable while drained) until decode took its KV or let go
         with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
             result = await self._prefill(job, prefill)
-        first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField("first_logprobs") else []
-        yield BackendOutput([result.first_token_id], first_logprobs, result.finish_reason or None,
-                            result.num_cached_tokens)
-        if result.finish_reason:
-            return
-        async for output in self._decode(job, result, prefill):
-            yield output
+            is_finished = bool(result.finish_reason)
+            try:
+                first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField(
+                    "first_logprobs") else []
+                yield BackendOutput([result.first_token_id], first_logprobs, result.finish_reason or None,
+                                    result.num_cached_tokens)
+                if is_finished:
+                    return
+                async with contextlib.aclosing(self._decode(job, result)) as outputs:
+                    async for output in outputs:
+                        is_finished = bool(output.finish_reason)
+                        yield output
+            finally:
+                if not is_finished:  # decode failed, or never started (client gone, no decode worker)
+                    await _release_lease(prefill, result.kv)
 
     async def _prefill(self, job: Job, prefill: WorkerState) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids)
@@ -139,8 +148,7 @@ class DisaggregatedBackend:
             if others:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
-    async def _decode(self, job: Job, result: common_pb2.PrefillResult,
-                      prefill: WorkerState) -> AsyncIterator[BackendOutput]:
+    async def _decode(self, job: Job, result: common_pb2.PrefillResult) -> AsyncIterator[BackendOutput]:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False)
         with self._holding("decode", job.request_id) as decode:
             call = decode.stub.Generate(decode_pb2.GenerateRequest(request=meta, prefill=result),
@@ -155,8 +163,7 @@ class DisaggregatedBackend:
                 raise self._tier_error("decode", decode.address, err) from None
             finally:
                 if not is_finished:
-                    call.cancel()
-                    await _release_lease(prefill, result.kv)
+                    call.cancel()  # decode aborts the request
 
     # ---- workers --------------------------------------------------------------------------------
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from epd.config import EngineConfig
 from epd.engine.engine_loop import EngineLoop, TokenUpdate
-from epd.errors import DeadlineExceeded, UpstreamError
+from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
 
 
@@ -53,6 +53,10 @@ class InProcessBackend:
                                 _ThreadSafePut(loop, updates))
         try:
             seq = await asyncio.wrap_future(added)
+        except EPDError:
+            raise
+        except ValueError as err:  # the prompt can never fit this engine's cache
+            raise InvalidRequest(f"request {job.request_id}: {err}") from None
         except asyncio.CancelledError:  # the client left while its images were encoding
             added.add_done_callback(self._abort_when_added)
             raise

@@ -32,15 +32,13 @@ class SyncRouter:
     def over_workers(cls, model_dir: str | Path, *, encoders: list[str], prefills: list[str], decodes: list[str],
                      **config) -> SyncRouter:
         """The disaggregated backend over running workers; ``config``: more ``RouterConfig`` fields."""
-        from epd.models.registry import family_for
         from epd.router.backends.disaggregated import DisaggregatedBackend
 
         model_dir = Path(model_dir)
         router_config = RouterConfig(model=str(model_dir), encoders=encoders, prefills=prefills, decodes=decodes,
                                      **config)
-        row_bytes = family_for(model_dir).mm_spec(model_dir).embedding_dim * 4  # encoders emit float32 by default
         return cls(RequestPipeline(model_dir, router_config,
-                                   DisaggregatedBackend(router_config, embedding_row_bytes=row_bytes)))
+                                   DisaggregatedBackend(router_config, model_dir)))
 
     def chat(self, messages: list[dict], params: SamplingParams, request_id: str | None = None, *,
              stop: list[str] | None = None, timeout_s: float | None = None) -> RequestOutput:

@@ -84,6 +84,7 @@ class LocalCluster:
         self.processes: list[TierProcess] = []
         self._config_dir: Path | None = None
         self._worker_config = worker_config
+        self._worker_config_path: Path | None = None
 
     def addresses(self, tier: str) -> list[str]:
         return [p.address for p in self.processes if p.tier == tier]
@@ -149,7 +150,9 @@ class LocalCluster:
     def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True) -> TierProcess:
         cmd = [sys.executable, "-m", "epd", tier]
         if with_defaults and self._worker_config is not None:
-            cmd += ["--config", str(self._write_config("worker", self._worker_config))]
+            if self._worker_config_path is None:  # one file for every tier
+                self._worker_config_path = self._write_config("worker", self._worker_config)
+            cmd += ["--config", str(self._worker_config_path)]
         cmd += ["--model", self.model]
         if with_defaults:  # each worker's own listeners: never two on one port
             cmd += ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *self.tier_args.get(tier, ())]
@@ -178,7 +181,7 @@ class LocalCluster:
         self.processes.clear()
         if self._config_dir is not None:
             shutil.rmtree(self._config_dir, ignore_errors=True)
-            self._config_dir = None
+            self._config_dir = self._worker_config_path = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

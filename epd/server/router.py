@@ -38,7 +38,6 @@ def router_config_from_args(argv: list[str] | None) -> RouterConfig:
 def build_pipeline(config: RouterConfig) -> RequestPipeline:
     """The pipeline over the backend the config asks for (blocking: the in-process one loads the model)."""
     from epd.models.presets import resolve_model
-    from epd.models.registry import family_for
     from epd.router.media_fetch import FetchLimits, MediaFetcher
 
     model_dir = resolve_model(config.model)
@@ -47,8 +46,7 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
         backend = InProcessBackend(model_dir, config.engine)
     else:
         from epd.router.backends.disaggregated import DisaggregatedBackend
-        row_bytes = family_for(model_dir).mm_spec(model_dir).embedding_dim * 4  # encoders emit float32 by default
-        backend = DisaggregatedBackend(config, embedding_row_bytes=row_bytes)
+        backend = DisaggregatedBackend(config, model_dir)
     media = MediaFetcher(allowed_local_media_path=config.allowed_local_media_path,
                          allow_private_network=config.allow_private_network,
                          limits=FetchLimits(max_items=config.max_items_per_request))

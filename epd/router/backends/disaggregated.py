@@ -15,11 +15,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 
 import grpc
 
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError, code_for_grpc
+from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
@@ -36,9 +38,10 @@ _PASSED_THROUGH = {ErrorCode.INVALID_ARGUMENT: InvalidRequest, ErrorCode.DEADLIN
 
 
 class DisaggregatedBackend:
-    def __init__(self, config: RouterConfig, *, embedding_row_bytes: int) -> None:
+    def __init__(self, config: RouterConfig, model_dir: str | Path) -> None:
         self.config = config
-        self.embedding_row_bytes = embedding_row_bytes
+        # rows leave the encoders in float32 (their default dtype): what admission's byte budget counts
+        self.embedding_row_bytes = family_for(model_dir).mm_spec(Path(model_dir)).embedding_dim * 4
         self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
                                        "decode": list(config.decodes)}, health_period_s=config.health_period_s)
         self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}

@@ -8,10 +8,11 @@ from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from epd.config import EngineConfig
     from epd.llm import LLM
     from epd.types import SamplingParams
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, engine_config=EngineConfig(num_threads=args.num_threads))
     content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
+    gen.add_argument("--num-threads", type=int, default=None, metavar="N",
+                     help="intra-op CPU threads (default: the usable cores; env EPD_NUM_THREADS)")
     gen.set_defaults(func=_generate)
 
     exp = sub.add_parser("export-preset", help="write a preset model as a HF checkpoint directory")

@@ -75,6 +75,9 @@ class EngineConfig(_Config):
     attention_backend: str = Field("sdpa", description="attention backend")
     dtype: Dtype = Field("float32", description="weights and activations")
     device: Device = Field("cpu", description="cpu, cuda or cuda:N")
+    num_threads: PositiveInt | None = Field(
+        None, description="intra-op CPU threads of this engine (default: usable cores minus the process's busy "
+                          "threads; env EPD_NUM_THREADS)")
 
     @property
     def torch_dtype(self):
@@ -104,6 +107,8 @@ class EncoderConfig(_Config):
     device: Device = Field("cpu", description="cpu, cuda or cuda:N")
     cuda_graph_buckets: tuple[tuple[PositiveInt, PositiveInt], ...] = Field(
         (), description="(total_tokens, num_contexts) per captured CUDA graph; empty: eager")
+    num_threads: PositiveInt | None = Field(
+        None, description="intra-op CPU threads of this encoder (default: usable cores; env EPD_NUM_THREADS)")
 
     @model_validator(mode="after")
     def _budgets_agree(self) -> "EncoderConfig":
@@ -142,7 +147,13 @@ class WorkerConfig(_Config):
     lease_ttl_s: float = Field(60.0, gt=0, description="seconds an exported tensor is kept for its consumer")
     request_timeout_s: float = Field(120.0, gt=0, description="longest wait for one request (bounds the caller's "
                                                                 "deadline too)")
-    max_workers: PositiveInt = Field(32, description="gRPC handler threads")
+    max_requests: PositiveInt = Field(1024, description="requests a worker holds at once, queued or running; "
+                                                        "beyond: RESOURCE_EXHAUSTED with a retry hint")
+    max_imported_bytes: PositiveInt = Field(4 * 1024**3, description="bytes of other workers' tensors held for "
+                                            "queued requests (embeddings at prefill, KV at decode); beyond: "
+                                            "RESOURCE_EXHAUSTED with a retry hint")
+    io_threads: PositiveInt = Field(8, description="threads for blocking transfer work (imports, exports, lease "
+                                                   "calls); requests in flight cost no thread")
     metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
     overlap_prefill_with_encode: bool = Field(True, description="prefill text before images while encoding",
                                               json_schema_extra={"flag": "overlap"})
@@ -173,6 +184,8 @@ class RouterConfig(_Config):
     queue_timeout_s: float = Field(10.0, gt=0, description="longest wait for a slot; then 429")
     request_timeout_s: float = Field(300.0, gt=0, description="deadline of a request that sets none")
     health_period_s: float = Field(1.0, gt=0, description="seconds between worker health checks")
+    stall_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose progress counter stood "
+                                                           "still this long leaves rotation")
     encoder_policy: str = Field("hash_affinity", description="routing policy for encoders")
     prefill_policy: str = Field("prefix_affinity", description="routing policy for prefill")
     decode_policy: str = Field("least_loaded", description="routing policy for decode")

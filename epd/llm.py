@@ -15,6 +15,7 @@ from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.messages import extract_images
+from epd.threads import apply_thread_policy
 from epd.types import RequestOutput, SamplingParams
 
 
@@ -22,11 +23,16 @@ class LLM:
     """``LLM(model="tiny-qwen2-vl").chat(messages)``; ``model`` is a preset name or a HF directory."""
 
     def __init__(self, model: str = "tiny-qwen2-vl", *, engine_config: EngineConfig | None = None,
-                 allowed_local_media_path: str | os.PathLike | None = "/") -> None:
+                 allowed_local_media_path: str | os.PathLike | None = "/", set_threads: bool = True) -> None:
+        """``set_threads``: size torch's intra-op threads on this thread (``epd.threads``: the
+        ``num_threads`` of ``engine_config``, else the usable cores); False when the caller already
+        did, e.g. an engine loop that counts its process's event loop as a busy thread."""
         from epd.models.presets import resolve_model
         self.model_dir = resolve_model(model)
         self.family = family_for(self.model_dir)
         self.engine_config = engine_config or EngineConfig()
+        if set_threads:  # the user's thread: it runs every torch op of chat() / generate()
+            apply_thread_policy("epd.LLM", override=self.engine_config.num_threads)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.mm_spec = self.family.mm_spec(self.model_dir)
         self.processor = self.family.input_processor(self.model_dir, self.tokenizer)

@@ -5,6 +5,14 @@ directions allow 64 MiB; servers never share a port silently (``so_reuseport`` 0
 a bind error, not a second server that quietly gets half the connections)."""
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from epd.errors import RETRY_AFTER_KEY
+
 MiB = 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * MiB
 CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -17,7 +25,80 @@ def abort_with(context, err) -> None:
     context.abort(err.grpc_status(), err.message)
 
 
+async def abort_with_async(context: grpc.aio.ServicerContext, err, message: str | None = None) -> None:
+    """``abort_with`` for grpc.aio servicers (``message`` replaces the error's own); an overloaded
+    answer carries its retry hint in the trailing metadata."""
+    hint_s = getattr(err, "retry_after_s", None)
+    trailing = ((RETRY_AFTER_KEY, format(hint_s, "g")),) if hint_s is not None else ()
+    await context.abort(err.grpc_status(), message or err.message, trailing_metadata=trailing)
+
+
+def retry_after_s(err: grpc.RpcError) -> float | None:
+    """The retry hint a server sent with RESOURCE_EXHAUSTED (sync or grpc.aio call), if any."""
+    for key, value in err.trailing_metadata() or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return None
+    return None
+
+
 def remaining_s(context, default_s: float) -> float:
     """Seconds left on the caller's deadline, at most ``default_s`` (the bound when it set none)."""
     left = context.time_remaining()
     return default_s if left is None else min(left, default_s)
+
+
+class AioServerThread:
+    """A grpc.aio server on an event loop of its own thread, for callers that are not async (a tier's
+    main, a Ray actor, a test). Handlers are coroutines: an in-flight request costs a coroutine, not
+    a thread, so no pool size caps how many requests a server holds, and a health check never waits
+    behind them."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self.server: grpc.aio.Server | None = None
+
+    def run(self, coro, timeout_s: float | None = None):
+        """Run a coroutine on the server's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def bind(self, address: str, *, migration_pool=None, timeout_s: float = 30.0) -> int:
+        """Make the server and bind ``address`` (host:port, port 0: a free one); -> the port. A port
+        that cannot be bound is a ``RuntimeError``. ``migration_pool`` runs synchronous handlers."""
+        async def bind() -> int:
+            self.server = grpc.aio.server(migration_thread_pool=migration_pool, options=SERVER_OPTIONS)
+            try:
+                port = self.server.add_insecure_port(address)
+            except RuntimeError:
+                port = 0
+            if port == 0:
+                raise RuntimeError(f"cannot bind {address} (taken, or not an address of this host)")
+            return port
+
+        return self.run(bind(), timeout_s)
+
+    def start(self, add_servicers: Callable[[grpc.aio.Server], None], *, timeout_s: float = 30.0) -> None:
+        """Add the servicers and start serving."""
+        async def start() -> None:
+            add_servicers(self.server)
+            await self.server.start()
+
+        self.run(start(), timeout_s)
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Stop the server (in-flight calls get ``grace_s``), then the loop and its thread."""
+        if not self.loop.is_running():
+            return
+        if self.server is not None:
+            try:
+                self.run(self.server.stop(grace_s), grace_s + 5.0)
+            except Exception:  # noqa: BLE001 - stopping anyway; the loop goes next
+                pass
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10.0)
+        if not self._thread.is_alive():
+            self.loop.close()

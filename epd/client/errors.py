@@ -15,6 +15,7 @@ from epd.errors import (
     UpstreamError,
     from_grpc,
 )
+from epd.rpc import retry_after_s
 
 __all__ = ["DeadlineExceeded", "EPDError", "InternalError", "InvalidRequest", "Overloaded", "RETRY_AFTER_KEY",
            "Unavailable", "UpstreamError", "error_from_rpc"]
@@ -23,18 +24,8 @@ __all__ = ["DeadlineExceeded", "EPDError", "InternalError", "InvalidRequest", "O
 def error_from_rpc(err: grpc.RpcError, address: str) -> EPDError:
     """The typed error for a failed call (sync or grpc.aio)."""
     code, message = err.code(), err.details() or f"call to {address} failed"
-    retry_after_s = _retry_after_s(err)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is None:
+    hint_s = retry_after_s(err)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and hint_s is None:
         # the router always says when to retry; without it, gRPC itself refused the message (too large)
         return InvalidRequest(message)
-    return from_grpc(code, message, retry_after_s=retry_after_s)
-
-
-def _retry_after_s(err: grpc.RpcError) -> float | None:
-    for key, value in err.trailing_metadata() or ():
-        if key == RETRY_AFTER_KEY:
-            try:
-                return float(value)
-            except ValueError:
-                return None
-    return None
+    return from_grpc(code, message, retry_after_s=hint_s)

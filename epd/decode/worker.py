@@ -18,6 +18,7 @@ from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.models.registry import family_for
 from epd.protocol import DecodeJob
+from epd.threads import ThreadPolicy
 
 
 class DecodeWorker:
@@ -28,17 +29,18 @@ class DecodeWorker:
         cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(family.load_llm(model_dir), cfg, eos_token_ids=()),
-                               name="decode-loop").start()
+                               name="decode-loop", threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine
 
     def close(self) -> None:
         self.loop.stop()
 
-    def start(self, job: DecodeJob, kv: torch.Tensor) -> tuple[Future, queue.SimpleQueue]:
-        """Queue a prefilled request; -> (Future[Sequence] once it is queued on the engine, queue of
-        ``TokenUpdate``s for the tokens after the first). ``kv`` must stay readable until the first
-        update arrives: it is copied into the cache at admission."""
-        updates: queue.SimpleQueue = queue.SimpleQueue()
+    def start(self, job: DecodeJob, kv: torch.Tensor, updates=None) -> tuple[Future, queue.SimpleQueue]:
+        """Queue a prefilled request; -> (Future[Sequence] once it is queued on the engine, where the
+        ``TokenUpdate``s for the tokens after the first go: ``updates``, default a thread queue).
+        ``kv`` must stay readable until the first update arrives: it is copied into the cache at
+        admission."""
+        updates = queue.SimpleQueue() if updates is None else updates
         added = self.loop.watch(lambda engine: engine.add_imported(
             job.prompt_token_ids, job.sampling, first_token_id=job.first_token_id,
             first_logprobs=job.first_logprobs, kv=kv, mm=SequenceMultimodal.delta_only(job.mrope_delta),
@@ -50,5 +52,9 @@ class DecodeWorker:
 
     def abort_and_wait(self, seq: Sequence, timeout_s: float = 10.0) -> None:
         """Abort and return once the loop did it: a queued import no longer reads its KV after this."""
+        self.abort_soon(seq).result(timeout_s)
+
+    def abort_soon(self, seq: Sequence) -> Future:
+        """Abort; -> a future done once the loop did it (calls run in order)."""
         self.loop.abort(seq, "cancelled")
-        self.loop.call(lambda engine: None).result(timeout_s)  # calls run in order: the abort ran
+        return self.loop.call(lambda engine: None)

@@ -29,6 +29,7 @@ from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
 from epd.multimodal.geometry import VisionGeometryConfig, image_geometry_from_bytes, max_tokens_per_item
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
+from epd.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -69,9 +70,12 @@ class EncoderEngine:
         encoder_tokens_per_row: int = 1,
         bytes_per_embedding: int | None = None,
         geometry: VisionGeometryConfig | None = None,
+        threads: ThreadPolicy | None = None,
     ) -> None:
         """``model``: the encoder, or a zero-argument factory run on the loop thread, so that one
-        thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why)."""
+        thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why);
+        ``threads``: the intra-op thread policy that thread applies first (default: the
+        ``num_threads`` of ``config``, else the process's usable cores, see ``epd.threads``)."""
         self.config = config
         self.model_id = model_id
         self.geometry = geometry
@@ -85,7 +89,8 @@ class EncoderEngine:
         self._has_work = False
         make_model = (lambda: model) if hasattr(model, "encode") else model  # a model, or its factory
         built: Future[EncoderModel] = Future()
-        self._thread = threading.Thread(target=self._loop, args=(make_model, built), name="epd-encoder-loop",
+        threads = threads or ThreadPolicy(role="encoder", override=config.num_threads)
+        self._thread = threading.Thread(target=self._loop, args=(make_model, threads, built), name="epd-encoder-loop",
                                         daemon=True)
         self._thread.start()
         try:
@@ -214,8 +219,9 @@ class EncoderEngine:
             self._has_work = True
             self._wakeup.notify()
 
-    def _loop(self, make_model: Callable[[], EncoderModel], built: Future) -> None:
+    def _loop(self, make_model: Callable[[], EncoderModel], threads: ThreadPolicy, built: Future) -> None:
         try:
+            threads.apply()  # on this thread: the one that runs every torch op of the encoder
             built.set_result(make_model())
         except BaseException as err:  # noqa: BLE001 - the constructor re-raises it
             built.set_exception(err)

@@ -1,58 +1,89 @@
-"""gRPC face of the encoder tier: runs items through the EncoderEngine, exports each item's rows
-as a tensor handle and pushes the handles straight to the request's prefill worker."""
+"""gRPC face of the encoder tier (grpc.aio): runs items through the EncoderEngine, exports each
+item's rows as a tensor handle and pushes the handles straight to the request's prefill worker.
+
+Exports run on the io pool and pushes on the event loop, never on the engine's thread: the vision
+tower keeps computing while earlier results travel. Pushes bound for one prefill worker share
+calls (``PushBatcher``)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from concurrent.futures import CancelledError
-from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
 
-from epd.config import WorkerConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
-from epd.errors import Cancelled, DeadlineExceeded, InvalidRequest, UpstreamError, as_epd_error
+from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_processor_kwargs
-from epd.rpc import abort_with, remaining_s
-from epd.transport import TensorStore, choose_transport, get_channel
+from epd.rpc import CHANNEL_OPTIONS, abort_with_async, remaining_s
+from epd.transport import choose_transport
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("epd.encoder")
 
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, engine: EncoderEngine, store: TensorStore, config: WorkerConfig, metrics) -> None:
-        self.engine, self.store, self.config, self.metrics = engine, store, config, metrics
+    def __init__(self, engine: EncoderEngine, ctx) -> None:
+        self.engine, self.ctx = engine, ctx
+        self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
+        self.pusher = PushBatcher()
 
-    def Encode(self, request, context):
+    async def Encode(self, request, context):
+        try:
+            with self.ctx.admission.hold():
+                reply = await self._encode(request, context)
+        except EPDError as err:
+            self.metrics.requests.labels("invalid" if err.code.http_status < 500 else "error").inc()
+            await abort_with_async(context, err)
+        self.metrics.requests.labels("ok").inc()
+        return reply
+
+    async def _encode(self, request, context) -> encoder_pb2.EncodeResponse:
         request_id = request.request_id
+        timeout_s = remaining_s(context, self.config.request_timeout_s)
         try:
             future = self.engine.submit(request_id, [_item(msg) for msg in request.items])
         except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
-            self.metrics.requests.labels("invalid").inc()
-            abort_with(context, InvalidRequest(f"request {request_id}: {err}"))
-        # the router cancelling the call frees the request's place in the queue and its pins
-        context.add_callback(lambda: self.engine.release(request_id))
-        try:
-            result = future.result(timeout=remaining_s(context, self.config.request_timeout_s))
-        except FutureTimeout:
-            abort_with(context, DeadlineExceeded(f"request {request_id}: not encoded in time"))
-        except CancelledError:
-            abort_with(context, Cancelled(f"request {request_id}: cancelled"))
-        except Exception as err:  # noqa: BLE001 - the request's failure, told to the router by its code
-            self.metrics.requests.labels("error").inc()
-            abort_with(context, as_epd_error(err))
-        try:
-            pushes = [self._export(request, msg.item_index, rows) for msg, rows in zip(request.items, result.embeddings)]
+            raise InvalidRequest(f"request {request_id}: {err}") from None
+        try:  # a router cancelling the call frees the request's place in the queue and its pins
+            result = await self._result(request_id, future, timeout_s)
+            pushes = await self.ctx.blocking(lambda: self._export_all(request, result),
+                                             undo=lambda made: self.store.release([p.embedding.lease_id for p in made]))
         finally:
             self.engine.release(request_id)  # rows are copied into the handles' storage
-        self._push(request, pushes, context)
-        self.metrics.requests.labels("ok").inc()
+        try:
+            await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
+        except grpc.aio.AioRpcError as err:
+            self.store.release([p.embedding.lease_id for p in pushes])
+            raise UpstreamError(f"request {request_id}: pushing to prefill at {request.prefill_address} failed: "
+                                f"{err.details() or err.code().name}") from None
         self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
                                             if not hit))
         return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
                                           cache_hits=result.cache_hits)
+
+    @staticmethod
+    async def _result(request_id: str, future, timeout_s: float):
+        done, _ = await asyncio.wait({asyncio.wrap_future(future)}, timeout=timeout_s)
+        if not done:
+            raise DeadlineExceeded(f"request {request_id}: not encoded in time")
+        if future.cancelled():
+            raise Cancelled(f"request {request_id}: cancelled")
+        if future.exception() is not None:
+            raise as_epd_error(future.exception())
+        return future.result()
+
+    def _export_all(self, request, result) -> list[common_pb2.EmbeddingPush]:
+        """On an io thread: shm copies each item's rows into a segment."""
+        made = []
+        try:
+            for msg, rows in zip(request.items, result.embeddings):
+                made.append(self._export(request, msg.item_index, rows))
+        except BaseException:
+            self.store.release([p.embedding.lease_id for p in made])
+            raise
+        return made
 
     def _export(self, request, item_index: int, rows) -> common_pb2.EmbeddingPush:
         transport = choose_transport(rows.device.type, same_host=True,
@@ -61,22 +92,60 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
         return common_pb2.EmbeddingPush(request_id=request.request_id, item_index=item_index, embedding=handle)
 
-    def _push(self, request, pushes, context) -> None:
-        stub = prefill_pb2_grpc.PrefillStub(get_channel(request.prefill_address))
-        try:
-            stub.PushEmbeddings(prefill_pb2.PushEmbeddingsRequest(pushes=pushes),
-                                timeout=remaining_s(context, self.config.request_timeout_s))
-        except grpc.RpcError as err:
-            self.store.release([p.embedding.lease_id for p in pushes])
-            abort_with(context, UpstreamError(f"request {request.request_id}: pushing to prefill at "
-                                              f"{request.prefill_address} failed: {err.details()}"))
-
-    def Health(self, request, context):
+    async def Health(self, request, context):
         stats = self.engine.stats()
         return common_pb2.HealthResponse(status="SERVING", tier="encoder", model=self.config.model,
                                          num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
                                          num_encoder_forwards=stats.num_forwards,
-                                         num_encoded_items=stats.num_encoded_items)
+                                         num_encoded_items=stats.num_encoded_items, num_steps=stats.num_forwards,
+                                         num_held_requests=self.ctx.admission.num_requests)
+
+
+class PushBatcher:
+    """Pushes to prefill workers, in as few calls as possible: what is queued for a worker while a
+    call to it is in flight leaves together in the next call (under a burst, the results of one
+    encoder batch). A caller cancelled meanwhile does not withdraw its pushes: they go, and a
+    prefill that no longer holds the request releases them."""
+
+    def __init__(self) -> None:
+        self._queued: dict[str, list[tuple[list, asyncio.Future, float]]] = {}
+        self._sending: set[str] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def push(self, address: str, pushes: list, timeout_s: float) -> None:
+        """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError."""
+        loop = asyncio.get_running_loop()
+        delivered = loop.create_future()
+        self._queued.setdefault(address, []).append((pushes, delivered, loop.time() + timeout_s))
+        if address not in self._sending:
+            self._sending.add(address)
+            loop.create_task(self._send(address))
+        await asyncio.shield(delivered)
+
+    async def _send(self, address: str) -> None:
+        try:
+            while batch := self._queued.pop(address, None):
+                await self._send_batch(address, batch)
+        finally:
+            self._sending.discard(address)
+
+    async def _send_batch(self, address: str, batch) -> None:
+        stub = prefill_pb2_grpc.PrefillStub(self._channel(address))
+        request = prefill_pb2.PushEmbeddingsRequest(pushes=[p for pushes, _, _ in batch for p in pushes])
+        timeout_s = max(deadline for _, _, deadline in batch) - asyncio.get_running_loop().time()
+        try:
+            await stub.PushEmbeddings(request, timeout=max(0.001, timeout_s))
+            error = None
+        except grpc.aio.AioRpcError as err:
+            error = err
+        for _, delivered, _ in batch:
+            if not delivered.done():
+                delivered.set_exception(error) if error is not None else delivered.set_result(None)
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
 
 
 def _item(msg: common_pb2.MultimodalItem) -> EncoderItem:
@@ -92,5 +161,5 @@ def build(ctx):
 
     engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder)
     ctx.metrics.watch_encoder(engine)
-    servicer = EncoderServicer(engine, ctx.store, ctx.config, ctx.metrics)
+    servicer = EncoderServicer(engine, ctx)
     return lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server), engine.close

@@ -10,6 +10,10 @@ thread that runs a parallel torch op gets its own OpenMP team for life, and once
 OpenMP threads than cores, libgomp stops spin-waiting between parallel regions (it "throttles"), so
 every matmul pays a futex wake-up: a prefill step measured ~1.3x slower with the model loaded on the
 main thread and run on the loop thread.
+
+The loop thread also sizes torch's intra-op threads (``epd.threads``) before it builds the engine:
+by default from the cores the process may use, as for a tier process whose other threads mostly idle;
+a process that keeps other threads busy (the aggregated router's event loop) passes its own policy.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing import TypeVar
 
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.sequence import Sequence
+from epd.threads import ThreadPolicy
 from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -42,9 +47,13 @@ class TokenUpdate:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "engine-loop") -> None:
-        """``engine``: the engine, or a zero-argument factory that ``start`` runs on the loop thread."""
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "engine-loop", *,
+                 threads: ThreadPolicy | None = None) -> None:
+        """``engine``: the engine, or a zero-argument factory that ``start`` runs on the loop thread;
+        ``threads``: the intra-op thread policy the loop thread applies first (default: no busy
+        threads besides it, no override; ``name`` is the role it logs)."""
         self._make_engine = (lambda: engine) if hasattr(engine, "step") else engine  # an engine, or its factory
+        self._threads = threads or ThreadPolicy(role=name)
         self.engine: LLMEngine | None = None  # set on the loop thread by start()
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._watchers: dict[int, tuple[Sequence, object, int]] = {}  # seq id -> (seq, updates, sent)
@@ -107,6 +116,7 @@ class EngineLoop:
     # ---- loop thread --------------------------------------------------------------------------
     def _run(self, built: Future[None]) -> None:
         try:
+            self._threads.apply()  # here: torch sizes the team of the thread that calls it
             self.engine = self._make_engine()
         except BaseException as err:  # noqa: BLE001 - start() re-raises it in the caller
             built.set_exception(err)

@@ -1,14 +1,17 @@
-"""gRPC face of the prefill tier: translates proto <-> worker calls, nothing more."""
+"""gRPC face of the prefill tier (grpc.aio): translates proto <-> worker calls, nothing more.
+
+A request waits for its first token in a coroutine, not a thread, so pushes and health are
+answered however many requests wait for their rows."""
 from __future__ import annotations
 
 import logging
 
-from epd.config import WorkerConfig
+from epd.engine.async_updates import AsyncUpdates
 from epd.errors import EPDError
-from epd.prefill.worker import PrefillWorker
+from epd.prefill.worker import PrefillResult, PrefillWorker
 from epd.protocol import logprobs_to_proto, prefill_job_from_proto
-from epd.rpc import abort_with, remaining_s
-from epd.transport import TensorStore, choose_transport, import_tensor
+from epd.rpc import abort_with_async, remaining_s
+from epd.transport import choose_transport, import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -16,10 +19,15 @@ log = logging.getLogger("epd.prefill")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, store: TensorStore, config: WorkerConfig, metrics) -> None:
-        self.worker, self.store, self.config, self.metrics = worker, store, config, metrics
+    def __init__(self, worker: PrefillWorker, ctx) -> None:
+        self.worker, self.ctx = worker, ctx
+        self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
 
-    def PushEmbeddings(self, request, context):
+    async def PushEmbeddings(self, request, context):
+        return prefill_pb2.PushEmbeddingsResponse(num_accepted=await self.ctx.blocking(lambda: self._accept(request)))
+
+    def _accept(self, request) -> int:
+        """On an io thread: importing may wait on the network (a producer on another host)."""
         accepted = 0
         for push in request.pushes:
             try:
@@ -28,46 +36,57 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             except TransportError as err:
                 self.worker.inbox.fail(push.request_id, f"item {push.item_index}: import failed: {err}")
                 continue
-            accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release)
-        return prefill_pb2.PushEmbeddingsResponse(num_accepted=accepted)
+            # released from the engine thread when the request is done: without waiting for the encoder
+            accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release_soon)
+        return accepted
 
-    def Prefill(self, request, context):
+    async def Prefill(self, request, context):
         try:
-            ticket = self.worker.admit(prefill_job_from_proto(request.request))
+            job = prefill_job_from_proto(request.request)
+            with self.ctx.admission.hold(self.worker.embedding_bytes(job)):
+                await self._prefill(job, request, context)
         except EPDError as err:
-            self.metrics.requests.labels("invalid").inc()
-            abort_with(context, err)
-        # the router cancelling the call (client gone, an encoder failed) aborts the request here
-        cancel = lambda: self.worker.abort(ticket, "cancelled")  # noqa: E731
-        if not context.add_callback(cancel):  # the call already ended
-            cancel()
-        yield prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted())
+            self.metrics.requests.labels("invalid" if err.code.http_status < 500 else "error").inc()
+            await abort_with_async(context, err)
+
+    async def _prefill(self, job, request, context) -> None:
+        ticket = self.worker.admit(job, AsyncUpdates())
         try:
-            result = self.worker.wait(ticket, remaining_s(context, self.config.request_timeout_s))
-        except EPDError as err:
-            self.metrics.requests.labels("error").inc()
-            abort_with(context, err)
+            await context.write(prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted()))
+        except BaseException:  # the router left before it heard: nobody will wait for the result
+            self.worker.drop(ticket)
+            raise
+        # a router cancelling the call (client gone, an encoder failed) cancels this wait: it aborts
+        result = await self.worker.wait_async(ticket, remaining_s(context, self.config.request_timeout_s))
         out = common_pb2.PrefillResult(
             first_token_id=result.first_token_id, mrope_delta=result.mrope_delta,
             num_cached_tokens=result.num_cached_tokens, finish_reason=result.finish_reason or "")
         if result.first_logprobs is not None:
             out.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
         if result.kv is not None:
-            transport = choose_transport(result.kv.device.type, same_host=True,
-                                         override=request.kv_transport or self.config.transport or None)
-            with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
-                out.kv.CopyFrom(self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s))
-            if not context.is_active():  # cancelled meanwhile: nobody will take or release it
-                self.store.release([out.kv.lease_id])
-                return
+            out.kv.CopyFrom(await self.ctx.blocking(lambda: self._export_kv(result, request),
+                                                    undo=lambda handle: self.store.release([handle.lease_id])))
+        try:
+            await context.write(prefill_pb2.PrefillReply(result=out))
+        except BaseException:  # cancelled meanwhile: nobody will take or release the KV
+            self.store.release([out.kv.lease_id])
+            raise
         self.metrics.requests.labels("ok").inc()
-        yield prefill_pb2.PrefillReply(result=out)
 
-    def Health(self, request, context):
-        sched = self.worker.engine.scheduler
+    def _export_kv(self, result: PrefillResult, request):
+        """On an io thread: shm copies the KV into a segment."""
+        transport = choose_transport(result.kv.device.type, same_host=True,
+                                     override=request.kv_transport or self.config.transport or None)
+        with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
+            return self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s)
+
+    async def Health(self, request, context):
+        engine = self.worker.engine
         return common_pb2.HealthResponse(status="SERVING", tier="prefill", model=self.config.model,
-                                         num_running=len(sched.running), num_waiting=len(sched.waiting),
-                                         kv_usage=self.worker.engine.block_manager.usage)
+                                         num_running=len(engine.scheduler.running),
+                                         num_waiting=len(engine.scheduler.waiting),
+                                         kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
+                                         num_held_requests=self.ctx.admission.num_requests)
 
 
 def build(ctx):
@@ -78,5 +97,5 @@ def build(ctx):
     worker = PrefillWorker(resolve_model(config.model), config.engine,
                            overlap_with_encode=config.overlap_prefill_with_encode)
     ctx.metrics.watch_engine(worker.engine)
-    servicer = PrefillServicer(worker, ctx.store, config, ctx.metrics)
+    servicer = PrefillServicer(worker, ctx)
     return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), worker.close

@@ -5,6 +5,7 @@ and the prompt's KV is read out for decode. The engine strips the sequence to it
 once the prompt is done; nothing multimodal stays here."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import queue
@@ -23,6 +24,7 @@ from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, Up
 from epd.models.registry import family_for
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
+from epd.threads import ThreadPolicy
 from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class PrefillTicket:
     """One admitted request: what the caller waits on."""
 
     job: PrefillJob
-    updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # or an AsyncUpdates
     seq: Sequence | None = None  # set on the loop thread
     kv: torch.Tensor | None = None  # set on the loop thread when the prompt is done
     finish_reason: str | None = None  # the request's own, after its first token
@@ -63,7 +65,7 @@ class PrefillWorker:
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(self.family.load_llm(model_dir), engine_config, eos_token_ids=(),
                                                  mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish),
-                               name="prefill-loop").start()
+                               name="prefill-loop", threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine
         self.inbox = EmbeddingInbox(on_arrival=self.loop.wake, on_failure=self._fail)
 
@@ -71,10 +73,12 @@ class PrefillWorker:
         self.loop.stop()
 
     # ---- the router's calls -------------------------------------------------------------------
-    def admit(self, job: PrefillJob) -> PrefillTicket:
+    def admit(self, job: PrefillJob, updates=None) -> PrefillTicket:
         """Register the request (its rows may be pushed from now on) and queue it on the engine.
-        What the engine refuses later (it can never fit) reaches ``wait`` as ``InvalidRequest``."""
-        ticket = PrefillTicket(job)
+        What the engine refuses later (it can never fit) reaches ``wait`` as ``InvalidRequest``.
+        ``updates``: where the loop thread puts the request's updates (default: a thread queue,
+        for ``wait``; an ``AsyncUpdates`` for ``wait_async``)."""
+        ticket = PrefillTicket(job) if updates is None else PrefillTicket(job, updates)
         with self._lock:
             if job.request_id in self._tickets:
                 raise InvalidRequest(f"request {job.request_id} is already being prefilled here")
@@ -101,27 +105,55 @@ class PrefillWorker:
 
     def wait(self, ticket: PrefillTicket, timeout_s: float) -> PrefillResult:
         """Blocks until the first token (or the request fails, is aborted, or ``timeout_s`` passes)."""
-        request_id = ticket.job.request_id
         try:
             try:
-                update: TokenUpdate = ticket.updates.get(timeout=max(0.0, timeout_s))
+                update: TokenUpdate | None = ticket.updates.get(timeout=max(0.0, timeout_s))
             except queue.Empty:
-                self.abort(ticket, "timeout")
-                raise DeadlineExceeded(f"request {request_id}: no first token within {timeout_s:.1f} s "
-                                       f"({self._rows_arrived(ticket)})") from None
-            if ticket.refusal is not None:
-                raise ticket.refusal
-            if update.error:
-                raise UpstreamError(f"request {request_id}: {update.error}")
-            if not update.token_ids:
-                raise Cancelled(f"request {request_id}: {update.finish_reason or 'aborted'} before its first token")
-            seq = ticket.seq
-            return PrefillResult(update.token_ids[0], update.logprobs[0] if update.logprobs else None, ticket.kv,
-                                 seq.mm.mrope_delta if seq.mm else 0, seq.num_cached_tokens, ticket.finish_reason)
+                update = None
+            return self._outcome(ticket, update, timeout_s)
         finally:
-            # on the loop thread, after any abort queued above: a step that still reads this
-            # request's rows (zero-copy views of the encoders' memory) ends before they are released
-            self.loop.call(lambda engine: self._forget(ticket))
+            self._forget_on_loop(ticket)
+
+    async def wait_async(self, ticket: PrefillTicket, timeout_s: float) -> PrefillResult:
+        """``wait`` for a ticket admitted with ``AsyncUpdates``: costs the caller no thread. A caller
+        cancelled while waiting aborts the request."""
+        try:
+            try:
+                update = await ticket.updates.get(timeout_s)
+            except asyncio.TimeoutError:
+                update = None
+            except asyncio.CancelledError:
+                self.abort(ticket, "cancelled")  # queued before the forget below: it runs first
+                raise
+            return self._outcome(ticket, update, timeout_s)
+        finally:
+            self._forget_on_loop(ticket)
+
+    def _outcome(self, ticket: PrefillTicket, update: TokenUpdate | None, timeout_s: float) -> PrefillResult:
+        """What the request's first update means (None: none came within ``timeout_s``)."""
+        request_id = ticket.job.request_id
+        if update is None:
+            self.abort(ticket, "timeout")
+            raise DeadlineExceeded(f"request {request_id}: no first token within {timeout_s:.1f} s "
+                                   f"({self._rows_arrived(ticket)})")
+        if ticket.refusal is not None:
+            raise ticket.refusal
+        if update.error:
+            raise UpstreamError(f"request {request_id}: {update.error}")
+        if not update.token_ids:
+            raise Cancelled(f"request {request_id}: {update.finish_reason or 'aborted'} before its first token")
+        seq = ticket.seq
+        return PrefillResult(update.token_ids[0], update.logprobs[0] if update.logprobs else None, ticket.kv,
+                             seq.mm.mrope_delta if seq.mm else 0, seq.num_cached_tokens, ticket.finish_reason)
+
+    def _forget_on_loop(self, ticket: PrefillTicket) -> None:
+        # on the loop thread, after any abort queued before: a step that still reads this
+        # request's rows (zero-copy views of the encoders' memory) ends before they are released
+        self.loop.call(lambda engine: self._forget(ticket))
+
+    def embedding_bytes(self, job: PrefillJob) -> int:
+        """Bytes of the rows encoders will push for ``job`` (float32, the encoders' output dtype)."""
+        return sum(item.length for item in job.items) * self.spec.embedding_dim * 4
 
     def abort(self, ticket: PrefillTicket, reason: str = "abort") -> None:
         """Stop this request wherever it is (the router cancelled it); a no-op once it is done.
@@ -130,6 +162,11 @@ class PrefillWorker:
             is_current = self._tickets.get(ticket.job.request_id) is ticket
         if is_current:
             self.loop.call(lambda engine: self._abort_on_loop(ticket, reason, None))
+
+    def drop(self, ticket: PrefillTicket) -> None:
+        """Abort and forget a request nobody will ``wait`` for (its caller left before it heard)."""
+        self.abort(ticket, "cancelled")
+        self._forget_on_loop(ticket)
 
     # ---- the encoders' pushes -----------------------------------------------------------------
     def push(self, request_id: str, index: int, tensor: torch.Tensor, release=None) -> bool:

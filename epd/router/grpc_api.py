@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd.errors import RETRY_AFTER_KEY, EPDError, InvalidRequest, as_epd_error
+from epd.errors import EPDError, InvalidRequest, as_epd_error
 from epd.protocol import logprobs_to_proto
 from epd.router.api import RouterCore
+from epd.rpc import abort_with_async
 from epd.types import ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
 
@@ -121,10 +122,7 @@ def _response(event: StreamEvent, request_id: str) -> router_pb2.ChatGenerateRes
 
 # ---- errors -------------------------------------------------------------------------------------
 async def _abort(context: grpc.aio.ServicerContext, error: EPDError, request_id: str) -> None:
-    trailing = ()
-    if error.retry_after_s is not None:
-        trailing = ((RETRY_AFTER_KEY, format(error.retry_after_s, "g")),)
-    await context.abort(error.grpc_status(), f"request {request_id}: {error.message}", trailing_metadata=trailing)
+    await abort_with_async(context, error, f"request {request_id}: {error.message}")
 
 
 async def _aclose(events: AsyncIterator | None) -> None:

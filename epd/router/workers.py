@@ -1,12 +1,16 @@
 """The router's view of its workers: health checked in the background, load counted locally.
 
-A worker that fails ``unhealthy_after`` health checks in a row leaves rotation; one answering
-again comes back. Load = the router's in-flight requests on it + the queue the worker reports.
+Tier servers answer health on their event loop, which no request occupies, so a slow answer means
+a worker in trouble, not a busy one. A worker leaves rotation when it does not answer
+``unhealthy_after`` checks in a row, or when it holds work and its progress counter (engine steps,
+encoder batches) stood still for ``stall_timeout_s``; one answering and progressing comes back.
+Load = the router's in-flight requests on it + the queue the worker reports + its KV usage.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +36,7 @@ class WorkerState:
     consecutive_failures: int = 0
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
+    progress_at_s: float = field(default_factory=time.monotonic)  # last check that saw progress, or no work
 
     @property
     def stub(self):
@@ -44,17 +49,24 @@ class WorkerState:
     def as_dict(self) -> dict:
         h = self.last_health
         return {"address": self.address, "healthy": self.healthy, "draining": self.draining,
-                "in_flight": self.in_flight,
-                "running": h.num_running, "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4)}
+                "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
+                "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps}
+
+    def note_progress(self, health: common_pb2.HealthResponse, now_s: float) -> None:
+        """Progress: the counter moved, or the worker has nothing to compute (idle is not stuck;
+        an encoder's running requests only hold finished rows)."""
+        busy = health.num_waiting if self.tier == "encoder" else health.num_running
+        if health.num_steps != self.last_health.num_steps or not busy:
+            self.progress_at_s = now_s
 
 
 class WorkerRegistry:
     def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
-                 health_timeout_s: float = 2.0, unhealthy_after: int = 2) -> None:
+                 health_timeout_s: float = 5.0, unhealthy_after: int = 3, stall_timeout_s: float = 60.0) -> None:
         self._initial = {tier: list(addresses) for tier, addresses in workers.items()}
         self.workers: dict[str, list[WorkerState]] = {tier: [] for tier in workers}
         self.health_period_s, self.health_timeout_s = health_period_s, health_timeout_s
-        self.unhealthy_after = unhealthy_after
+        self.unhealthy_after, self.stall_timeout_s = unhealthy_after, stall_timeout_s
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -123,7 +135,7 @@ class WorkerRegistry:
 
     async def _check(self, w: WorkerState) -> None:
         try:
-            w.last_health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
+            health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             w.consecutive_failures += 1
             if w.healthy and w.consecutive_failures >= self.unhealthy_after:
@@ -131,9 +143,19 @@ class WorkerRegistry:
                             w.consecutive_failures)
                 w.healthy = False
             return
+        now_s = time.monotonic()
+        w.note_progress(health, now_s)
+        w.last_health, w.consecutive_failures = health, 0
+        stalled_s = now_s - w.progress_at_s
+        if stalled_s > self.stall_timeout_s:
+            if w.healthy:
+                log.warning("%s %s made no progress for %.0f s with work in hand; out of rotation", w.tier,
+                            w.address, stalled_s)
+            w.healthy = False
+            return
         if not w.healthy:
             log.info("%s %s is healthy; in rotation", w.tier, w.address)
-        w.healthy, w.consecutive_failures = True, 0
+        w.healthy = True
 
 
 def _state(tier: str, address: str) -> WorkerState:

@@ -23,6 +23,7 @@ import yaml
 from pydantic import BaseModel
 
 from epd.server.process import READY_PREFIX
+from epd.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 
 
 @dataclass
@@ -50,9 +51,9 @@ class TierProcess:
 
 
 def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -> int | None:
-    """Intra-op threads for each of ``num_processes`` compute tiers sharing this host: its cores
-    split between them, at least one each. None: leave torch's default (one process, or the user
-    set OMP_NUM_THREADS).
+    """Intra-op threads for each of ``num_processes`` compute tiers sharing this host: the cores
+    this process may use (``epd.threads.usable_cores``) split between them, at least one each.
+    None: each process sizes its own (one process, or the user set EPD_NUM_THREADS / OMP_NUM_THREADS).
 
     Why: every tier runs barrier-synchronized OpenMP teams. When their threads outnumber the cores,
     a team waits at every barrier for a member the kernel has descheduled, and all tiers crawl. On
@@ -61,9 +62,9 @@ def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -
     EPD's premise is one core set per stage; this is that split on one machine.
     """
     environ = os.environ if environ is None else environ
-    if num_processes < 2 or "OMP_NUM_THREADS" in environ:
+    if num_processes < 2 or EPD_NUM_THREADS in environ or OMP_NUM_THREADS in environ:
         return None
-    return max(1, len(os.sched_getaffinity(0)) // num_processes)
+    return max(1, usable_cores() // num_processes)
 
 
 class LocalCluster:
@@ -73,14 +74,16 @@ class LocalCluster:
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
                  worker_config: BaseModel | None = None) -> None:
-        """``threads_per_tier``: intra-op threads of each tier process (default: ``tier_threads``);
+        """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
+        (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
         ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
-        threads = threads_per_tier or tier_threads(sum(self.counts.values()))
+        given_env = {**os.environ, **(env or {})}
+        threads = threads_per_tier or tier_threads(sum(self.counts.values()), given_env)
         self.threads_per_tier = threads
-        self.env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}), **(env or {})}
+        self.env = {**given_env, **({EPD_NUM_THREADS: str(threads)} if threads else {}), **(env or {})}
         self.processes: list[TierProcess] = []
         self._config_dir: Path | None = None
         self._worker_config = worker_config

@@ -4,27 +4,35 @@ TensorStore with its lease sweeper, serve Prometheus metrics, add the tier's ser
 print the ready line; on SIGTERM stop in order. A tier module only builds its servicer and says
 what to close: ``build(ctx: TierContext) -> (add_to_server(server), close())``.
 
+The server is grpc.aio on its own event loop thread: tier handlers are coroutines that await the
+engine thread's results, so a request in flight costs no thread and health never waits behind
+requests. Blocking work (tensor imports and exports, lease calls) runs on ``ctx.io``, a small pool
+that nothing waits on for long. The TensorStore service stays synchronous on that pool: its calls
+are short and never wait for another request.
+
     epd encoder|prefill|decode [--config worker.yaml] [--port 0] [flags from WorkerConfig]
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import grpc
+from typing import TypeVar
 
 from epd.config import WorkerConfig
-from epd.rpc import SERVER_OPTIONS
+from epd.rpc import AioServerThread
+from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.metrics import TierMetrics
 from epd.server.process import announce_ready, configure_logging, wait_for_stop_signal
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 
 log = logging.getLogger("epd.server")
+T = TypeVar("T")
 
 # tier -> (module with build(ctx), whether it exports tensors: those get a TensorStore)
 _TIERS = {"encoder": ("epd.encoder.servicer", True), "prefill": ("epd.prefill.servicer", True),
@@ -43,6 +51,20 @@ class TierContext:
     address: str  # host:port the server is bound to (the port is final)
     metrics: TierMetrics
     store: TensorStore | None  # for producers (they export tensors); None for decode
+    io: ThreadPoolExecutor  # blocking transfer work, off the event loop
+    admission: TierAdmission
+
+    async def blocking(self, fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
+        """Run ``fn`` on ``io``. A caller cancelled meanwhile does not stop ``fn``: ``undo(result)``
+        runs once it is done (release what it made: a lease nobody will hand on)."""
+        future = asyncio.get_running_loop().run_in_executor(self.io, fn)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if undo is not None:
+                future.add_done_callback(lambda f: undo(f.result()) if not f.cancelled() and f.exception() is None
+                                         else None)
+            raise
 
 
 @dataclass
@@ -50,46 +72,55 @@ class RunningTier:
     """A started tier in this process (a tier main, or a Ray actor)."""
 
     tier: str
-    server: grpc.Server
+    server: AioServerThread
     address: str
     metrics_url: str
     on_stop: Callable[[], None]
 
     def stop(self) -> None:
         log.info("stopping %s at %s", self.tier, self.address)
-        self.server.stop(grace=2).wait(5)
+        self.server.stop(grace_s=2)
         self.on_stop()
 
 
 def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
     module_name, exports = _TIERS[tier]
-    store = None
     if exports:
         cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
-    server = grpc.server(ThreadPoolExecutor(max_workers=config.max_workers), options=SERVER_OPTIONS)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise RuntimeError(f"{tier}: cannot bind {config.host}:{config.port} (taken, or not an address of this host)")
-    address = f"{config.host}:{port}"
-    metrics = TierMetrics(tier)
-    if exports:
-        store = TensorStore(address=address)
-        store.start_sweeper()
-        metrics.watch_store(store)
-        add_tensor_store(server, store)
+    server = AioServerThread(f"{tier}-grpc")
+    io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix=f"{tier}-io")
+    store, close = None, (lambda: None)
     try:
+        # bound before the model loads: a taken port fails fast, and the store knows its address
+        port = server.bind(f"{config.host}:{config.port}", migration_pool=io)
+        address = f"{config.host}:{port}"
+        metrics = TierMetrics(tier)
+        if exports:
+            store = TensorStore(address=address)
+            store.start_sweeper()
+            metrics.watch_store(store)
+        admission = TierAdmission(tier, config.max_requests, config.max_imported_bytes)
         add_to_server, close = importlib.import_module(module_name).build(
-            TierContext(tier, config, address, metrics, store))
+            TierContext(tier, config, address, metrics, store, io, admission))
+
+        def add_servicers(grpc_server) -> None:
+            if store is not None:
+                add_tensor_store(grpc_server, store)
+            add_to_server(grpc_server)
+
+        server.start(add_servicers)
     except BaseException:
+        server.stop(grace_s=0)
+        close()
+        io.shutdown(wait=False)
         if store is not None:
             store.close()
         raise
-    add_to_server(server)
-    server.start()
     metrics_url = f"http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
 
     def on_stop() -> None:
         close()
+        io.shutdown(wait=True, cancel_futures=True)
         if store is not None:
             store.close()  # unlinks every segment this worker made
 

@@ -1,9 +1,12 @@
 """Producer side: ``TensorStore`` keeps exported tensors alive under leases.
 
 A lease ends when the consumer releases it, when its TTL passes (``sweep``, run by a background
-thread from ``start_sweeper``), or when the store closes. That is what makes "nothing leaks when
-either side dies" true: a consumer that dies never releases, so its leases expire; a producer
-that dies leaves shm segments behind, which ``cleanup_stale_segments`` removes at the next start.
+thread from ``start_sweeper``), or when the store closes. A consumer that still holds an import
+renews its lease (``renew``, the ``Renew`` RPC, sent by ``epd.transport.consumer.LeaseRenewer``), so
+a lease expires only when its consumer stopped renewing: it is gone. That is what makes "nothing
+leaks when either side dies" true: a consumer that dies neither releases nor renews, so its leases
+expire; a producer that dies leaves shm segments behind, which ``cleanup_stale_segments`` removes at
+the next start.
 """
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from epd.v1 import tensor_pb2
 MiB = 1024 * 1024
 # remember this many ended leases, so a late Fetch/Release hears "released 3 s ago", not "unknown"
 _NUM_REMEMBERED_ENDED_LEASES = 65536
+# The longest one Renew may extend a lease. Renewal is a heartbeat: a consumer that dies right after
+# renewing pins the producer's memory this long at most, so one call (a bug, a huge ttl) can't pin
+# it for ever. Consumers renew well before expiry, so the cap costs them only more frequent calls.
+MAX_RENEW_TTL_S = 600.0
 
 _LOCAL_STORES: weakref.WeakSet[TensorStore] = weakref.WeakSet()
 
@@ -110,6 +117,20 @@ class TensorStore:
         self._reclaim(leases, "released")
         return len(leases)
 
+    def renew(self, lease_ids: Iterable[str], ttl_s: float) -> list[float | None]:
+        """Keep open leases alive at least ``ttl_s`` more seconds (capped at ``MAX_RENEW_TTL_S``).
+
+        Each expiry becomes max(its expiry, now + ttl_s): a renewal never shortens a lease. Returns
+        the new expiry (unix seconds) per id, None for an id that is not open any more. A lease past
+        its expiry that the sweeper has not reclaimed yet is still open (its memory is untouched),
+        so renewing it keeps it.
+        """
+        if not ttl_s > 0:  # also refuses NaN
+            raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s}")
+        until_s = self.clock() + min(ttl_s, MAX_RENEW_TTL_S)
+        with self._lock:
+            return [self._extend(lease_id, until_s) for lease_id in lease_ids]
+
     def release_consumer(self, consumer_hint: str) -> int:
         """Release every lease exported for one consumer, e.g. when it is known to have died."""
         with self._lock:
@@ -192,6 +213,13 @@ class TensorStore:
         return self._open_bytes
 
     # -- internals -------------------------------------------------------------------------------
+    def _extend(self, lease_id: str, until_s: float) -> float | None:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        lease.expires_s = max(lease.expires_s, until_s)
+        return lease.expires_s
+
     def _pop(self, lease_id: str, reason: str, ended_s: float | None = None) -> _Lease | None:
         lease = self._leases.pop(lease_id, None)
         if lease is None:

@@ -5,6 +5,7 @@ from concurrent import futures
 
 import grpc
 
+from epd.errors import InvalidRequest
 from epd.rpc import SERVER_OPTIONS, abort_with
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
@@ -19,6 +20,13 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
 
     def Release(self, request, context):
         return tensor_pb2.ReleaseResponse(num_released=self.store.release(request.lease_ids))
+
+    def Renew(self, request, context):
+        try:
+            expires_s = self.store.renew(request.lease_ids, request.ttl_ms / 1000)
+        except ValueError as err:
+            abort_with(context, InvalidRequest(f"Renew: {err}", param="ttl_ms"))
+        return tensor_pb2.RenewResponse(expires_unix_ms=[_unix_ms(when_s) for when_s in expires_s])
 
     def Fetch(self, request, context):
         try:
@@ -36,6 +44,10 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
 
 def _abort(context: grpc.ServicerContext, err: TransportError) -> None:
     abort_with(context, err)  # a lease that is gone is NOT_FOUND: the consumer turns it back into LeaseExpiredError
+
+
+def _unix_ms(when_s: float | None) -> int:
+    return 0 if when_s is None else int(when_s * 1000)  # 0: the lease is not open any more
 
 
 def add_tensor_store(server: grpc.Server, store: TensorStore) -> TensorStoreServicer:

@@ -40,6 +40,11 @@ class TensorStoreStub:
                 request_serializer=epd_dot_v1_dot_tensor__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=epd_dot_v1_dot_tensor__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/epd.v1.TensorStore/Renew',
+                request_serializer=epd_dot_v1_dot_tensor__pb2.RenewRequest.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_tensor__pb2.RenewResponse.FromString,
+                _registered_method=True)
         self.Fetch = channel.unary_stream(
                 '/epd.v1.TensorStore/Fetch',
                 request_serializer=epd_dot_v1_dot_tensor__pb2.FetchRequest.SerializeToString,
@@ -57,6 +62,12 @@ class TensorStoreServicer:
     """
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +92,11 @@ def add_TensorStoreServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=epd_dot_v1_dot_tensor__pb2.ReleaseRequest.FromString,
                     response_serializer=epd_dot_v1_dot_tensor__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=epd_dot_v1_dot_tensor__pb2.RenewRequest.FromString,
+                    response_serializer=epd_dot_v1_dot_tensor__pb2.RenewResponse.SerializeToString,
             ),
             'Fetch': grpc.unary_stream_rpc_method_handler(
                     servicer.Fetch,
@@ -121,6 +137,33 @@ class TensorStore:
             '/epd.v1.TensorStore/Release',
             epd_dot_v1_dot_tensor__pb2.ReleaseRequest.SerializeToString,
             epd_dot_v1_dot_tensor__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/epd.v1.TensorStore/Renew',
+            epd_dot_v1_dot_tensor__pb2.RenewRequest.SerializeToString,
+            epd_dot_v1_dot_tensor__pb2.RenewResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from epd.transport import close_all
+from epd.transport import close_all, lease_renewer
 from tests.transport.helpers import SPAWNED_PIDS, FakeClock, shm_names
 
 
@@ -19,6 +19,7 @@ def no_leaked_shm_segments():
     """Fails the session if any epd_ segment made by this test process or its children survives."""
     before = shm_names()
     yield
+    lease_renewer().stop()  # the process-wide renewer some tests' imports started
     close_all()
     leaked = sorted(name for name in shm_names() - before if _made_by_us(name))
     for name in leaked:  # don't leave the garbage behind, even when failing

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from epd.transport import LeaseExpiredError, TensorStore, TransportError
+from epd.transport.leases import MAX_RENEW_TTL_S
 
 
 @pytest.fixture
@@ -94,3 +95,40 @@ def test_streamed_inline_needs_an_address(clock):
     with TensorStore(clock=clock) as store:
         with pytest.raises(TransportError, match="exceeds inline_max_bytes=1048576.*no address"):
             store.export(torch.zeros(1 << 19), transport="inline", ttl_s=10)
+
+
+def test_renew_extends_but_never_shortens(store, clock):
+    handle = store.export(torch.zeros(256), transport="shm", ttl_s=10)
+    assert store.renew([handle.lease_id], ttl_s=30) == [clock() + 30]
+    assert store.renew([handle.lease_id], ttl_s=5) == [clock() + 30]  # a shorter ask keeps the longer expiry
+    clock.advance(29)
+    assert store.sweep() == 0 and store.num_open_leases == 1
+    clock.advance(2)
+    assert store.sweep() == 1
+
+
+def test_renew_reports_released_and_unknown_ids_as_gone(store, clock):
+    kept = store.export(torch.zeros(256), transport="shm", ttl_s=10)
+    released = store.export(torch.zeros(256), transport="shm", ttl_s=10)
+    store.release([released.lease_id])
+    assert store.renew([released.lease_id, kept.lease_id, "0" * 32], ttl_s=20) == [None, clock() + 20, None]
+
+
+def test_renew_keeps_a_lease_past_expiry_that_is_not_swept_yet(store, clock):
+    handle = store.export(torch.zeros(256), transport="shm", ttl_s=1)
+    clock.advance(2)  # expired on paper, but its memory is untouched until the sweep
+    assert store.renew([handle.lease_id], ttl_s=5) == [clock() + 5]
+    assert store.sweep() == 0
+
+
+@pytest.mark.parametrize("ttl_s", [0, -1.0, float("nan")])
+def test_renew_rejects_a_ttl_that_is_not_positive(store, ttl_s):
+    handle = store.export(torch.zeros(256), transport="shm", ttl_s=10)
+    with pytest.raises(ValueError, match="ttl_s must be > 0"):
+        store.renew([handle.lease_id], ttl_s=ttl_s)
+
+
+def test_renew_caps_the_ttl(store, clock):
+    handle = store.export(torch.zeros(256), transport="shm", ttl_s=10)
+    assert store.renew([handle.lease_id], ttl_s=1e9) == [clock() + MAX_RENEW_TTL_S]
+    assert store.renew([handle.lease_id], ttl_s=float("inf")) == [clock() + MAX_RENEW_TTL_S]

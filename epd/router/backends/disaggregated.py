@@ -20,13 +20,23 @@ from pathlib import Path
 import grpc
 
 from epd.config import RouterConfig
-from epd.errors import DeadlineExceeded, EPDError, ErrorCode, InvalidRequest, Unavailable, UpstreamError, code_for_grpc
+from epd.errors import (
+    DeadlineExceeded,
+    EPDError,
+    ErrorCode,
+    InvalidRequest,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+    code_for_grpc,
+)
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
+from epd.rpc import retry_after_s
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2, tensor_pb2_grpc
 
 log = logging.getLogger("epd.router")
@@ -43,7 +53,8 @@ class DisaggregatedBackend:
         # rows leave the encoders in float32 (their default dtype): what admission's byte budget counts
         self.embedding_row_bytes = family_for(model_dir).mm_spec(Path(model_dir)).embedding_dim * 4
         self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
-                                       "decode": list(config.decodes)}, health_period_s=config.health_period_s)
+                                       "decode": list(config.decodes)}, health_period_s=config.health_period_s,
+                                      stall_timeout_s=config.stall_timeout_s)
         self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}
         # content hash -> (encoder address, number of encode calls carrying it now): an item already
         # being encoded goes to that encoder, where it waits on the one producer instead of being
@@ -67,26 +78,38 @@ class DisaggregatedBackend:
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
-        # prefill stays counted (and reachable while drained) until decode took its KV or let go
-        with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
-            result = await self._prefill(job, prefill)
-            is_finished = bool(result.finish_reason)
-            try:
-                first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField(
-                    "first_logprobs") else []
-                yield BackendOutput([result.first_token_id], first_logprobs, result.finish_reason or None,
-                                    result.num_cached_tokens)
-                if is_finished:
-                    return
-                async with contextlib.aclosing(self._decode(job, result)) as outputs:
+        backoff = _Backoff(job, self.config.queue_timeout_s)
+        while True:
+            # prefill stays counted (and reachable while drained) until decode took its KV or let go
+            with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
+                try:
+                    result = await self._prefill(job, prefill, backoff)
+                except Overloaded as err:  # that prefill is full: wait its hint, then ask again
+                    await backoff.wait(err)
+                    continue
+                async with contextlib.aclosing(self._after_prefill(job, prefill, result, backoff)) as outputs:
                     async for output in outputs:
-                        is_finished = bool(output.finish_reason)
                         yield output
-            finally:
-                if not is_finished:  # decode failed, or never started (client gone, no decode worker)
-                    await _release_lease(prefill, result.kv)
+                return
 
-    async def _prefill(self, job: Job, prefill: WorkerState) -> common_pb2.PrefillResult:
+    async def _after_prefill(self, job: Job, prefill: WorkerState, result: common_pb2.PrefillResult,
+                             backoff: _Backoff) -> AsyncIterator[BackendOutput]:
+        is_finished = bool(result.finish_reason)
+        try:
+            first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField("first_logprobs") else []
+            yield BackendOutput([result.first_token_id], first_logprobs, result.finish_reason or None,
+                                result.num_cached_tokens)
+            if is_finished:
+                return
+            async with contextlib.aclosing(self._decode(job, result, backoff)) as outputs:
+                async for output in outputs:
+                    is_finished = bool(output.finish_reason)
+                    yield output
+        finally:
+            if not is_finished:  # decode failed, or never started (client gone, no decode worker)
+                await _release_lease(prefill, result.kv)
+
+    async def _prefill(self, job: Job, prefill: WorkerState, backoff: _Backoff) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids)
         call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
                                     timeout=job.remaining_s())
@@ -97,7 +120,7 @@ class DisaggregatedBackend:
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
             # registered there: from now on the encoders may push its rows
             for address, indices in self._encoder_groups(job.prompt).items():
-                encodes.add(self._encode_on(address, job, indices, prefill.address),
+                encodes.add(self._encode_on(address, job, indices, prefill.address, backoff),
                             self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
             reply = await encodes.race(call.read())
             if reply is grpc.aio.EOF or not reply.HasField("result"):
@@ -133,40 +156,51 @@ class DisaggregatedBackend:
                     self._encoding[mm_hash] = (home, count - 1)
         return done
 
-    async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str) -> None:
+    async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str,
+                         backoff: _Backoff) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
         request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
                                             transport=self.config.transport)
-        for attempt in range(_ENCODE_ATTEMPTS):
+        unavailable = 0
+        while True:
             with self._holding("encoder", address=address) as encoder:
                 try:
                     await encoder.stub.Encode(request, timeout=job.remaining_s())
                     return
                 except grpc.aio.AioRpcError as err:
-                    if err.code() != grpc.StatusCode.UNAVAILABLE or attempt + 1 == _ENCODE_ATTEMPTS:
-                        raise self._tier_error("encoder", address, err) from None
+                    error, code = self._tier_error("encoder", address, err), err.code()
+            if isinstance(error, Overloaded):  # full: wait its hint; then the same or a quieter encoder
+                await backoff.wait(error)
+            elif code != grpc.StatusCode.UNAVAILABLE or (unavailable := unavailable + 1) == _ENCODE_ATTEMPTS:
+                raise error
             # a restarted worker's first call can fail on the old connection; try again, on another
             # encoder when one is healthy
             others = [c for c in self.workers.candidates("encoder") if c.address != address]
             if others:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
-    async def _decode(self, job: Job, result: common_pb2.PrefillResult) -> AsyncIterator[BackendOutput]:
+    async def _decode(self, job: Job, result: common_pb2.PrefillResult,
+                      backoff: _Backoff) -> AsyncIterator[BackendOutput]:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False)
-        with self._holding("decode", job.request_id) as decode:
-            call = decode.stub.Generate(decode_pb2.GenerateRequest(request=meta, prefill=result),
-                                        timeout=job.remaining_s())
-            is_finished = False
-            try:
-                async for chunk in call:
-                    is_finished = bool(chunk.finish_reason)
-                    yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
-                                        chunk.finish_reason or None)
-            except grpc.aio.AioRpcError as err:
-                raise self._tier_error("decode", decode.address, err) from None
-            finally:
-                if not is_finished:
-                    call.cancel()  # decode aborts the request
+        request = decode_pb2.GenerateRequest(request=meta, prefill=result)
+        while True:
+            with self._holding("decode", job.request_id) as decode:
+                call = decode.stub.Generate(request, timeout=job.remaining_s())
+                is_finished, is_started = False, False
+                try:
+                    async for chunk in call:
+                        is_finished, is_started = bool(chunk.finish_reason), True
+                        yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
+                                            chunk.finish_reason or None)
+                    return
+                except grpc.aio.AioRpcError as err:
+                    error = self._tier_error("decode", decode.address, err)
+                    if is_started or not isinstance(error, Overloaded):
+                        raise error from None
+                finally:
+                    if not is_finished:
+                        call.cancel()  # decode aborts the request
+            await backoff.wait(error)  # that decode worker is full: wait its hint, then ask again
 
     # ---- workers --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -189,8 +223,27 @@ class DisaggregatedBackend:
     def _tier_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             self.workers.mark_failed(tier, address)
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (hint_s := retry_after_s(err)) is not None:
+            return Overloaded(f"{tier} {address}: {err.details()}", retry_after_s=hint_s)
         error_type = _PASSED_THROUGH.get(code_for_grpc(err.code()), UpstreamError)
         return error_type(f"{tier} {address} failed the request: {err.details() or err.code().name}")
+
+
+class _Backoff:
+    """A request's waits on tiers that said they are full (RESOURCE_EXHAUSTED with a retry hint):
+    their hint each time, ``budget_s`` in all (the router's own queue timeout) and never past the
+    request's deadline; after that the client gets the 429 with Retry-After."""
+
+    def __init__(self, job: Job, budget_s: float) -> None:
+        self.job, self.left_s = job, budget_s
+
+    async def wait(self, err: Overloaded) -> None:
+        wait_s = err.retry_after_s or 0.0
+        if wait_s > min(self.left_s, self.job.remaining_s()):
+            raise Overloaded(f"request {self.job.request_id}: the cluster is saturated ({err.message})",
+                             retry_after_s=max(wait_s, 1.0))
+        self.left_s -= wait_s
+        await asyncio.sleep(wait_s)
 
 
 class _Encodes:

@@ -179,9 +179,10 @@ class RouterConfig(_Config):
     encoder_output_budget_bytes: PositiveInt | None = Field(
         None, description="embedding bytes of one request (default: 4096 rows, the encoder's default)")
     encoder_max_item_tokens: PositiveInt | None = Field(None, description="encoder tokens of one image")
-    max_concurrent_requests: PositiveInt = Field(64, description="requests on the tiers at once")
-    max_queued_requests: int = Field(256, ge=0, description="requests waiting for a slot; beyond: 429")
-    queue_timeout_s: float = Field(10.0, gt=0, description="longest wait for a slot; then 429")
+    max_concurrent_requests: PositiveInt = Field(256, description="requests on the tiers at once (the tiers queue "
+                                                               "what they cannot compute yet)")
+    max_queued_requests: int = Field(1024, ge=0, description="requests waiting for a slot; beyond: 429")
+    queue_timeout_s: float = Field(30.0, gt=0, description="longest wait for a slot (or for a full tier); then 429")
     request_timeout_s: float = Field(300.0, gt=0, description="deadline of a request that sets none")
     health_period_s: float = Field(1.0, gt=0, description="seconds between worker health checks")
     stall_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose progress counter stood "

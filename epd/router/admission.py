@@ -66,7 +66,19 @@ class AdmissionGate:
 
     @contextlib.asynccontextmanager
     async def slot(self):
-        if self._slots.locked() and self.num_queued >= self.max_queued:
+        if self._slots.locked():
+            await self._queue_for_slot()
+        else:  # a free slot is taken at once, without suspending: requests arriving together are
+            await self._slots.acquire()  # counted one by one, never all as "a slot is free"
+        self.num_active += 1
+        try:
+            yield
+        finally:
+            self.num_active -= 1
+            self._slots.release()
+
+    async def _queue_for_slot(self) -> None:
+        if self.num_queued >= self.max_queued:
             raise Overloaded(f"server saturated: {self.num_active} requests running and "
                              f"{self.num_queued} queued (max_queued_requests={self.max_queued})",
                              retry_after_s=self.queue_timeout_s)
@@ -78,9 +90,3 @@ class AdmissionGate:
                              f"queueing ({self.num_active} running)", retry_after_s=self.queue_timeout_s) from None
         finally:
             self.num_queued -= 1
-        self.num_active += 1
-        try:
-            yield
-        finally:
-            self.num_active -= 1
-            self._slots.release()

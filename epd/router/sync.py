@@ -26,7 +26,7 @@ class SyncRouter:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-router", daemon=True)
         self._thread.start()
-        self._call(pipeline.start())
+        self.run(pipeline.start())
 
     @classmethod
     def over_workers(cls, model_dir: str | Path, *, encoders: list[str], prefills: list[str], decodes: list[str],
@@ -58,18 +58,18 @@ class SyncRouter:
         try:
             while True:
                 try:
-                    yield self._call(events.__anext__())
+                    yield self.run(events.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            self._call(events.aclose())
+            self.run(events.aclose())
 
     def health(self) -> dict:
         return self.pipeline.health()
 
     def close(self) -> None:
         if self._loop.is_running():
-            self._call(self.pipeline.close())
+            self.run(self.pipeline.close())
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
@@ -79,5 +79,6 @@ class SyncRouter:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _call(self, coro):
+    def run(self, coro):
+        """Run a coroutine on the router's loop (the pipeline lives there) and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_CALL_TIMEOUT_S)

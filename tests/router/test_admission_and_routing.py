@@ -53,6 +53,30 @@ async def _enter(gate):
         pass
 
 
+def test_gate_counts_requests_that_arrive_together_one_by_one():
+    async def run():
+        gate = AdmissionGate(max_concurrent=2, max_queued=2, queue_timeout_s=5.0)
+        release = asyncio.Event()
+        outcomes = Counter()
+
+        async def one():
+            try:
+                async with gate.slot():
+                    outcomes["admitted"] += 1
+                    await release.wait()
+            except EPDError as err:
+                outcomes[err.code.http_status] += 1
+
+        tasks = [asyncio.create_task(one()) for _ in range(16)]  # all in one event-loop turn
+        await asyncio.sleep(0.05)
+        assert (outcomes["admitted"], gate.num_queued, outcomes[429]) == (2, 2, 12)
+        release.set()
+        await asyncio.gather(*tasks)
+        assert outcomes["admitted"] == 4
+
+    asyncio.run(run())
+
+
 def test_hash_affinity_is_sticky_spreads_keys_and_sheds_load():
     policy = ROUTING_POLICIES.get("hash_affinity")()
     idle = [Candidate(f"w{i}", 0.0) for i in range(3)]

@@ -4,7 +4,12 @@ rates: the same model, workload and SLO, each system started alone and driven by
 the ratios against the aggregated engine, and writes a PNG.
 
     python benchmarks/sweep_serving.py [--model small-qwen2-vl] [--rates 1,2,4,8] [--num-prompts 24]
-        [--systems epd,aggregated,transformers] [--plot docs/img/serving_sweep.png]
+        [--systems epd,aggregated,transformers] [--repeats 1] [--plot docs/img/serving_sweep.png]
+
+A system may name its intra-op threads, ``aggregated:2`` (``--num-threads 2``; default: the thread
+policy's choice), so a baseline can be measured at the count that suits it: the right count depends
+on the model's size. With ``--repeats N`` every system is started and measured N times, one after
+the other, and each run is printed: a point that does not repeat is noise, not a result.
 """
 from __future__ import annotations
 
@@ -17,9 +22,10 @@ from common import Server, run_bench
 COLUMNS = ("request_throughput", "output_throughput", "ttft_p50", "ttft_p99", "tpot_p50", "goodput", "attainment")
 
 
-def measure(system: str, args: argparse.Namespace, tmp: Path) -> dict[float, dict]:
-    with Server(system, args.model) as server:
-        runs = run_bench(server.url, tmp / system, "--num-prompts", str(args.num_prompts),
+def measure(spec: str, args: argparse.Namespace, tmp: Path) -> dict[float, dict]:
+    system, _, threads = spec.partition(":")
+    with Server(system, args.model, *(("--num-threads", threads) if threads else ())) as server:
+        runs = run_bench(server.url, tmp / spec.replace(":", "-"), "--num-prompts", str(args.num_prompts),
                          "--request-rate", args.rates, "--image-size", args.image_size,
                          "--output-len", str(args.output_len), "--input-len", str(args.input_len),
                          "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
@@ -46,16 +52,16 @@ def print_report(results: dict[str, dict[float, dict]], args: argparse.Namespace
             print(f"| {system} | {rate:g} | {r['completed']}/{r['num_requests']} | {r['request_throughput']:.2f} | "
                   f"{r['output_throughput']:.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
                   f"{r['tpot_p50']:.1f} | {r['goodput']:.2f} | {r['attainment']:.0f}% |")
-    if "aggregated" not in results:
+    if args.baseline not in results:
         return
-    base = results["aggregated"]
+    base = results[args.baseline]
     for system, rows in results.items():
-        if system == "aggregated":
+        if system == args.baseline:
             continue
         ratios = [f"rate {rate:g}: goodput {_ratio(r['goodput'], base[rate]['goodput'])}, "
                   f"TTFT p50 {_ratio(r['ttft_p50'], base[rate]['ttft_p50'])}"
                   for rate, r in rows.items() if rate in base]
-        print(f"{system} / aggregated: " + "; ".join(ratios))
+        print(f"{system} / {args.baseline}: " + "; ".join(ratios))
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -93,10 +99,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--slo-ttft-ms", type=float, default=500.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=60.0)
+    ap.add_argument("--repeats", type=int, default=1, help="measure every system this many times")
+    ap.add_argument("--baseline", default="aggregated", help="the run the ratios are against (with --repeats: "
+                                                             "'aggregated#1' names the first run)")
     ap.add_argument("--plot", type=Path, default=None, help="write the TTFT / goodput curves here (PNG)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = {system: measure(system, args, Path(tmp)) for system in args.systems.split(",")}
+        results = {}
+        for repeat in range(1, args.repeats + 1):
+            for spec in args.systems.split(","):
+                label = spec if args.repeats == 1 else f"{spec}#{repeat}"
+                results[label] = measure(spec, args, Path(tmp) / str(repeat))
     print_report(results, args)
     if args.plot:
         plot(results, args.plot)

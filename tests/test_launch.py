@@ -1,4 +1,5 @@
-"""LocalCluster's thread split for co-located tier processes: EPD_NUM_THREADS for each child."""
+"""LocalCluster's thread split for co-located tier processes (EPD_NUM_THREADS for each child), and the
+open-files limit every server raises."""
 import pytest
 
 from epd.server.local import LocalCluster, tier_threads
@@ -33,3 +34,17 @@ def test_default_cluster_and_single_process():
     assert LocalCluster("tiny-qwen2-vl").env["EPD_NUM_THREADS"] == str(max(1, usable_cores() // 3))
     alone = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)
     assert "EPD_NUM_THREADS" not in alone.env
+
+
+def test_servers_raise_their_open_files_limit_to_the_hard_limit():
+    import subprocess
+    import sys
+
+    code = ("import resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+            "from epd.server.process import raise_open_files_limit\n"
+            "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n")
+    now, soft, hard = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                     timeout=60).stdout.split()
+    assert now == soft == hard

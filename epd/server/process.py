@@ -1,8 +1,9 @@
-"""What every EPD process does the same way: log format, the ready line launchers wait for, and a
-clean stop on SIGTERM/SIGINT."""
+"""What every EPD process does the same way: log format, open-file limit, the ready line launchers
+wait for, and a clean stop on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 import sys
 import threading
@@ -13,6 +14,24 @@ READY_PREFIX = "EPD_READY"  # "EPD_READY <tier> <address> [more fields]": the la
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft open-files limit to its hard limit; -> the soft limit now.
+
+    Every connection is a file, and so is every shared-memory mapping (Python's mmap keeps a
+    descriptor per mapping): a router with a thousand streaming clients, or a prefill worker with
+    a thousand KV segments pooled for decode, passes the common default of 1024 and would fail
+    calls with "too many open files" under exactly the load it is sized for."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError) as err:  # a container may forbid it: run with what we have
+            logging.getLogger("epd.server").warning("open-files limit stays %d (could not raise it to %s: %s)",
+                                                    soft, hard, err)
+            return soft
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def announce_ready(tier: str, *fields: str) -> None:

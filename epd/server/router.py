@@ -18,7 +18,7 @@ from epd.config import RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.rpc import SERVER_OPTIONS
 from epd.server.flags import Command, load, run_or_exit
-from epd.server.process import announce_ready, configure_logging
+from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
 
 log = logging.getLogger("epd.router")
 
@@ -79,6 +79,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     from epd.router.grpc_api import add_router_grpc
     from epd.router.http_app import build_app
 
+    raise_open_files_limit()  # a connection per streaming client
     router = await asyncio.to_thread(build_pipeline, config)
     await router.start()
     grpc_server = grpc.aio.server(options=SERVER_OPTIONS)

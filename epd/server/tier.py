@@ -28,7 +28,7 @@ from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.metrics import TierMetrics
-from epd.server.process import announce_ready, configure_logging, wait_for_stop_signal
+from epd.server.process import announce_ready, configure_logging, raise_open_files_limit, wait_for_stop_signal
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 
 log = logging.getLogger("epd.server")
@@ -85,6 +85,7 @@ class RunningTier:
 
 def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
     module_name, exports = _TIERS[tier]
+    raise_open_files_limit()
     if exports:
         cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
     server = AioServerThread(f"{tier}-grpc")

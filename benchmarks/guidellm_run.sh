@@ -85,13 +85,14 @@ for bench in report["benchmarks"]:
     out_tok = m["output_token_count"]["successful"]
     print(f"  output tok/s={out_tps:.1f}  req/s={rps:.2f}  "
           f"output tokens/request: mean={out_tok['mean'] if out_tok['count'] else 0:.1f}")
+    # Error messages of the errored requests kept in the JSON (these include warmup/cooldown ones).
     errors = collections.Counter()
     for req in (bench.get("requests") or {}).get("errored") or []:
         err = str((req.get("info") or {}).get("error") or "?")
-        err = re.sub(r" for url '[^']*'", "", err).split("\\n")[0].split("\n")[0]
-        errors[err[:140]] += 1
+        status = re.search(r"'(\d{3} [^']*)' for url", err)
+        errors[f"HTTP {status.group(1)}" if status else err.split("\\n")[0].split("\n")[0][:160]] += 1
     for err, n in errors.most_common(5):
-        print(f"  error x{n}: {err}")
+        print(f"  errored x{n}: {err}")
 PY
 }
 
@@ -106,6 +107,7 @@ if [[ $# -lt 2 || $# -gt 5 ]]; then
   exit 2
 fi
 BASE_URL="${1%/}"
+BASE_URL="${BASE_URL%/v1}"  # guidellm appends /v1/chat/completions itself
 OUT_DIR="$2"
 CONCURRENCY="${3:-64}"
 SECONDS_="${4:-60}"

@@ -1,0 +1,135 @@
+"""The router's view of worker health, against real grpc.aio servers on 127.0.0.1 whose Health answers
+the test scripts: a busy worker that answers and progresses stays in rotation however loaded; one
+that holds work and stops progressing, or stops answering, leaves it; one that answers again
+comes back. Plus the encoder's push batching: pushes queued while a call is in flight share one."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from epd.encoder.servicer import PushBatcher
+from epd.router.workers import WorkerRegistry
+from epd.rpc import SERVER_OPTIONS
+from epd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+class _ScriptedDecode(decode_pb2_grpc.DecodeServicer):
+    def __init__(self) -> None:
+        self.health = common_pb2.HealthResponse(status="SERVING", tier="decode")
+        self.silent = False
+
+    async def Health(self, request, context):
+        if self.silent:
+            await asyncio.sleep(10)  # longer than the registry's timeout: no answer
+        return self.health
+
+
+class _CountingPrefill(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self) -> None:
+        self.calls: list[int] = []  # pushes per call
+        self.gate = asyncio.Event()
+
+    async def PushEmbeddings(self, request, context):
+        self.calls.append(len(request.pushes))
+        await self.gate.wait()  # hold the first call open while more pushes queue
+        return prefill_pb2.PushEmbeddingsResponse(num_accepted=len(request.pushes))
+
+
+async def _serve(add, servicer) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_loaded_worker_that_progresses_stays_in_rotation():
+    async def run():
+        decode = _ScriptedDecode()
+        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
+        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.5, stall_timeout_s=0.3)
+        try:
+            await registry.start()
+            for step in range(6):  # heavily loaded, but every check sees new steps
+                decode.health = common_pb2.HealthResponse(num_running=900, num_waiting=4000, num_steps=step + 1)
+                await asyncio.sleep(0.1)
+                await registry.check_all()
+                assert [c.address for c in registry.candidates("decode")] == [address]
+            assert registry.candidates("decode")[0].load >= 4000  # routed by the load it reports
+        finally:
+            await registry.close()
+            await server.stop(0)
+    _run(run())
+
+
+def test_a_worker_that_holds_work_and_stops_progressing_leaves_and_comes_back():
+    async def run():
+        decode = _ScriptedDecode()
+        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
+        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.5, stall_timeout_s=0.3)
+        try:
+            await registry.start()
+            decode.health = common_pb2.HealthResponse(num_running=3, num_steps=7)
+            for _ in range(5):
+                await asyncio.sleep(0.1)
+                await registry.check_all()
+            assert registry.candidates("decode") == []  # stuck: answers, but its steps stand still
+            decode.health = common_pb2.HealthResponse(num_running=3, num_steps=8)
+            await registry.check_all()
+            assert len(registry.candidates("decode")) == 1
+            decode.health = common_pb2.HealthResponse(num_running=0, num_steps=8)  # idle is not stuck
+            for _ in range(5):
+                await asyncio.sleep(0.1)
+                await registry.check_all()
+            assert len(registry.candidates("decode")) == 1
+        finally:
+            await registry.close()
+            await server.stop(0)
+    _run(run())
+
+
+def test_a_worker_that_does_not_answer_leaves_after_three_checks():
+    async def run():
+        decode = _ScriptedDecode()
+        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
+        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.2)
+        try:
+            await registry.start()
+            decode.silent = True
+            for expected in (1, 1, 0):
+                await registry.check_all()
+                assert len(registry.candidates("decode")) == expected
+            decode.silent = False
+            await registry.check_all()
+            assert len(registry.candidates("decode")) == 1
+        finally:
+            await registry.close()
+            await server.stop(0)
+    _run(run())
+
+
+def test_pushes_queued_while_a_call_is_in_flight_share_the_next_call():
+    num_waiting = 3
+
+    async def run():
+        prefill = _CountingPrefill()
+        server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
+        batcher = PushBatcher()
+        push = [prefill_pb2.PushEmbeddingsRequest().pushes.add()]  # one (empty) push per caller
+        try:
+            first = asyncio.create_task(batcher.push(address, push, 10))
+            while not prefill.calls:
+                await asyncio.sleep(0.01)
+            others = [asyncio.create_task(batcher.push(address, push, 10)) for _ in range(num_waiting)]
+            await asyncio.sleep(0.1)
+            prefill.gate.set()
+            await asyncio.gather(first, *others)
+            assert prefill.calls == [1, num_waiting]  # not one call per caller
+        finally:
+            await server.stop(0)
+    _run(run())

@@ -36,6 +36,7 @@
 #   VALIDATE       1: GET BASE_URL/health must answer 2xx before the run (EPD answers 503 when
 #                  degraded); 0: skip that check                                            [1]
 #   REQUEST_TIMEOUT  per-request read timeout in seconds; empty = none                     []
+#   RATE           requests/s at a constant rate instead of CONCURRENCY streams; empty = streams []
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -161,12 +162,15 @@ if [[ -f "$TOKENIZER/tokenizer.json" ]]; then
   tokenizer_args=(--tokenizer "kind=hf_auto,model=$TOKENIZER")
 fi
 
+profile="kind=concurrent,streams=$CONCURRENCY,warmup=$WARMUP"
+[[ -n "${RATE:-}" ]] && profile="kind=constant,rate=$RATE,warmup=$WARMUP"
+
 cmd=("$GUIDELLM" run
   --backend "$backend"
   "${tokenizer_args[@]}"
   "${data_args[@]}"
   --data-loader "kind=pytorch,num_workers=1,prefetch_factor=$PREFETCH"
-  --profile "kind=concurrent,streams=$CONCURRENCY,warmup=$WARMUP"
+  --profile "$profile"
   --constraint "kind=max_duration,seconds=$SECONDS_"
   --metrics "kind=generative,sample_size=$SAMPLE_SIZE"
   --output "kind=json,path=$JSON"
@@ -177,7 +181,7 @@ for arg in "${cmd[@]}"; do  # a copy-pasteable command line, quoting only what n
   if [[ "$arg" =~ ^[A-Za-z0-9_./:=,@+-]+$ ]]; then printf '%s ' "$arg"; else printf '%q ' "$arg"; fi
 done > "$OUT_DIR/command.txt"
 echo >> "$OUT_DIR/command.txt"
-echo "guidellm: $CONCURRENCY streams x ${SECONDS_}s, ${IMAGE_WIDTH}x${IMAGE_HEIGHT} $IMAGE_FORMAT $IMAGE_CONTENT" \
+echo "guidellm: ${RATE:+$RATE req/s, not }$CONCURRENCY streams x ${SECONDS_}s, ${IMAGE_WIDTH}x${IMAGE_HEIGHT} $IMAGE_FORMAT $IMAGE_CONTENT" \
      "(seed $SEED), $OUTPUT_TOKENS output tokens, model $MODEL -> $BASE_URL/v1/chat/completions"
 echo "log: $LOG   command: $OUT_DIR/command.txt"
 

@@ -17,9 +17,31 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
         """logits: [B, V] (one row per sequence that samples this step)."""
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         logits = logits.float()
-        tokens = [self._sample_one(row, seq) for row, seq in zip(logits, seqs, strict=True)]
+        tokens: list[int | None] = [None] * len(seqs)
+        self._sample_batched(logits, seqs, tokens)
+        for i, (row, seq) in enumerate(zip(logits, seqs)):
+            if tokens[i] is None:  # seeded, top-k or top-p: row by row
+                tokens[i] = self._sample_one(row, seq)
         return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
+
+    @staticmethod
+    def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
+        """Greedy rows in one argmax, and unseeded plain-temperature rows in one softmax and one
+        draw: row by row, sampling a large batch over a large vocabulary costs more than the
+        model's decode step itself. Seeded rows stay per row (their draws are fixed per token)."""
+        greedy = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
+        if greedy:
+            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+                tokens[i] = token
+        plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
+        if plain:
+            temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain]).unsqueeze(1)
+            cdf = torch.softmax(logits[plain] / temperatures, dim=-1).cumsum_(dim=-1)
+            for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
+                tokens[i] = token
 
     def _sample_one(self, row: torch.Tensor, seq: Sequence) -> int:
         params = seq.sampling_params
@@ -53,6 +75,21 @@ class Sampler:
             values, ids = logp.topk(k)
             top = {int(i): float(v) for i, v in zip(ids, values)}
         return TokenLogprobs(token_id=token, logprob=float(logp[token]), top=top)
+
+
+def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse-CDF sampling: the first token whose cumulative probability
+    passes a uniform draw. On CPU this is ~3x faster than ``torch.multinomial`` over a 150k-token
+    vocabulary (whose exponential draws dominate); the draw is scaled by each row's total, so the
+    cumulative sum's rounding cannot push it past the last token."""
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+
+
+def _is_plain(seq: Sequence) -> bool:
+    """Sampled from the temperature-scaled distribution alone, with no seed of its own."""
+    params = seq.sampling_params
+    return params.seed is None and params.top_k <= 0 and params.top_p >= 1.0
 
 
 def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

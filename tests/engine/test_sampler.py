@@ -49,6 +49,23 @@ def test_sampling_follows_the_distribution():
     assert freq == pytest.approx([0.7, 0.2, 0.1], abs=0.04)
 
 
+def test_a_mixed_batch_samples_each_row_by_its_own_params():
+    """Greedy and plain-temperature rows are sampled batched, the rest row by row: every row still
+    follows its own parameters, wherever it sits in the batch."""
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1])).repeat(6, 1)
+    logits[1] = torch.tensor([0.0, 0.0, 5.0])  # a greedy row whose argmax differs from the others
+    params = [dict(), dict(), dict(temperature=1.0), dict(temperature=0.05), dict(temperature=1.0, top_k=1),
+              dict(temperature=1.0, seed=3)]
+    sampler = Sampler()
+    draws = [[tok for tok, _ in sampler(logits, [seq(**p) for p in params])] for _ in range(3000)]
+    columns = list(zip(*draws))
+    assert set(columns[0]) == {0} and set(columns[1]) == {2} and set(columns[4]) == {0}
+    assert [columns[2].count(t) / 3000 for t in range(3)] == pytest.approx([0.6, 0.3, 0.1], abs=0.04)
+    assert columns[3].count(0) / 3000 > 0.99  # temperature 0.05: nearly always the mode
+    assert len(set(columns[5])) == 1  # seeded: the same draw for the same token position
+
+
 def test_logprobs_are_of_the_raw_distribution_with_top_k():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     token, lp = Sampler()(logits, [seq(temperature=0.5, seed=3, logprobs=2)])[0]

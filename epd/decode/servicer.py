@@ -42,6 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             with self.ctx.admission.hold(request.prefill.kv.nbytes):
                 await self._generate(job, request, context)
         except EPDError as err:
+            self.metrics.count_failure(err)
             await abort_with_async(context, err)
 
     async def _generate(self, job, request, context) -> None:

@@ -34,7 +34,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             with self.ctx.admission.hold():
                 reply = await self._encode(request, context)
         except EPDError as err:
-            self.metrics.requests.labels("invalid" if err.code.http_status < 500 else "error").inc()
+            self.metrics.count_failure(err)
             await abort_with_async(context, err)
         self.metrics.requests.labels("ok").inc()
         return reply

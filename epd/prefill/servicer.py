@@ -46,7 +46,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             with self.ctx.admission.hold(self.worker.embedding_bytes(job)):
                 await self._prefill(job, request, context)
         except EPDError as err:
-            self.metrics.requests.labels("invalid" if err.code.http_status < 500 else "error").inc()
+            self.metrics.count_failure(err)
             await abort_with_async(context, err)
 
     async def _prefill(self, job, request, context) -> None:

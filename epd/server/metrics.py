@@ -24,6 +24,12 @@ class TierMetrics:
         self.step_seconds = Histogram("epd_step_seconds", "Time of one engine step / encoder batch",
                                       buckets=_SECONDS_BUCKETS, registry=r)
 
+    def count_failure(self, err) -> None:
+        """A request this worker refused or failed (an ``EPDError``): overloaded (its admission was
+        full: the router retries), invalid (the request itself), or error."""
+        status = err.code.http_status
+        self.requests.labels("overloaded" if status == 429 else "invalid" if status < 500 else "error").inc()
+
     def live(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """A gauge read at scrape time (queue depth, KV usage, open leases, cache counters)."""
         Gauge(name, doc, registry=self.registry).set_function(fn)

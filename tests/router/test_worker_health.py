@@ -5,6 +5,7 @@ comes back. Plus the encoder's push batching: pushes queued while a call is in f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -48,58 +49,56 @@ def _run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
+@contextlib.asynccontextmanager
+async def _watched_decode(**registry_options):
+    """A scripted decode worker and a started registry watching it; both stopped after."""
+    decode = _ScriptedDecode()
+    server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
+    registry = WorkerRegistry({"decode": [address]}, **registry_options)
+    try:
+        await registry.start()
+        yield decode, registry, address
+    finally:
+        await registry.close()
+        await server.stop(0)
+
+
 def test_a_loaded_worker_that_progresses_stays_in_rotation():
     async def run():
-        decode = _ScriptedDecode()
-        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
-        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.5, stall_timeout_s=0.3)
-        try:
-            await registry.start()
+        async with _watched_decode(health_timeout_s=0.5, stall_timeout_s=0.3) as (decode, registry, address):
             for step in range(6):  # heavily loaded, but every check sees new steps
                 decode.health = common_pb2.HealthResponse(num_running=900, num_waiting=4000, num_steps=step + 1)
                 await asyncio.sleep(0.1)
                 await registry.check_all()
                 assert [c.address for c in registry.candidates("decode")] == [address]
             assert registry.candidates("decode")[0].load >= 4000  # routed by the load it reports
-        finally:
-            await registry.close()
-            await server.stop(0)
     _run(run())
 
 
 def test_a_worker_that_holds_work_and_stops_progressing_leaves_and_comes_back():
     async def run():
-        decode = _ScriptedDecode()
-        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
-        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.5, stall_timeout_s=0.3)
-        try:
-            await registry.start()
+        async with _watched_decode(health_timeout_s=0.5, stall_timeout_s=0.3) as (decode, registry, _):
             decode.health = common_pb2.HealthResponse(num_running=3, num_steps=7)
-            for _ in range(5):
-                await asyncio.sleep(0.1)
-                await registry.check_all()
+            await _checks(registry, 5)
             assert registry.candidates("decode") == []  # stuck: answers, but its steps stand still
             decode.health = common_pb2.HealthResponse(num_running=3, num_steps=8)
             await registry.check_all()
             assert len(registry.candidates("decode")) == 1
             decode.health = common_pb2.HealthResponse(num_running=0, num_steps=8)  # idle is not stuck
-            for _ in range(5):
-                await asyncio.sleep(0.1)
-                await registry.check_all()
+            await _checks(registry, 5)
             assert len(registry.candidates("decode")) == 1
-        finally:
-            await registry.close()
-            await server.stop(0)
     _run(run())
+
+
+async def _checks(registry: WorkerRegistry, times: int) -> None:
+    for _ in range(times):
+        await asyncio.sleep(0.1)
+        await registry.check_all()
 
 
 def test_a_worker_that_does_not_answer_leaves_after_three_checks():
     async def run():
-        decode = _ScriptedDecode()
-        server, address = await _serve(decode_pb2_grpc.add_DecodeServicer_to_server, decode)
-        registry = WorkerRegistry({"decode": [address]}, health_timeout_s=0.2)
-        try:
-            await registry.start()
+        async with _watched_decode(health_timeout_s=0.2) as (decode, registry, _):
             decode.silent = True
             for expected in (1, 1, 0):
                 await registry.check_all()
@@ -107,9 +106,6 @@ def test_a_worker_that_does_not_answer_leaves_after_three_checks():
             decode.silent = False
             await registry.check_all()
             assert len(registry.candidates("decode")) == 1
-        finally:
-            await registry.close()
-            await server.stop(0)
     _run(run())
 
 

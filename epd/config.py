@@ -219,6 +219,8 @@ class ServeConfig(_Config):
     threads_per_tier: PositiveInt | None = Field(
         None, description="intra-op threads of each tier process (default: the host's cores split between them)")
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
+    max_restarts: int = Field(5, ge=0, description="restarts of each worker that dies (local launcher); then "
+                                                   "it stays down and /health shows its tier degraded")
     launcher: Literal["local", "ray"] = Field("local", description="local processes or Ray actors")
     ray_address: str | None = Field(None, description="an existing Ray cluster ('auto'); default: start a local one")
     ray_config: str | None = Field(None, description="RayDeployment YAML (deploy/ray/cluster.yaml)")

@@ -15,9 +15,11 @@ from epd.errors import RETRY_AFTER_KEY
 
 MiB = 1024 * 1024
 MAX_MESSAGE_BYTES = 64 * MiB
-CHANNEL_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
-SERVER_OPTIONS = (*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0))
+_MESSAGE_OPTIONS = (("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES))
+# a worker restarted on its port is found again within 2 s (gRPC's default backoff grows to 120 s)
+CHANNEL_OPTIONS = (*_MESSAGE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000))
+SERVER_OPTIONS = (*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 def abort_with(context, err) -> None:

@@ -48,3 +48,35 @@ def test_servers_raise_their_open_files_limit_to_the_hard_limit():
     now, soft, hard = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                      timeout=60).stdout.split()
     assert now == soft == hard
+
+
+def test_supervision_restarts_a_dead_worker_on_its_port_with_growing_delays_then_gives_up(monkeypatch):
+    import subprocess
+    import sys
+
+    from epd.server.local import TierProcess
+
+    cluster = LocalCluster("tiny-qwen2-vl")
+    spawned = []
+
+    def spawn(tier, args=(), with_defaults=True, port=0):  # a stand-in worker: a process that exits at once
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait(30)
+        spawned.append((tier, port))
+        return TierProcess(tier, proc)
+
+    monkeypatch.setattr(cluster, "_spawn", spawn)
+    first = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    first.wait(30)
+    cluster.processes = [TierProcess("encoder", first, address="127.0.0.1:4567")]
+    events = cluster.supervise(max_restarts=2, now_s=100.0)
+    assert len(events) == 1 and "exited with 3" in events[0] and "restarting in 1 s (1 of 2)" in events[0]
+    assert cluster.supervise(max_restarts=2, now_s=100.5) == []  # not yet: the delay holds
+    assert "restarted" in cluster.supervise(max_restarts=2, now_s=101.0)[0]
+    assert spawned == [("encoder", 4567)]  # on its own port: the router's address stays valid
+    assert "restarting in 2 s (2 of 2)" in cluster.supervise(max_restarts=2, now_s=102.0)[0]  # died again
+    cluster.supervise(max_restarts=2, now_s=104.0)
+    events = cluster.supervise(max_restarts=2, now_s=105.0)
+    assert "left down" in events[0] and cluster.processes[0].given_up
+    assert cluster.supervise(max_restarts=2, now_s=200.0) == []  # no more restarts, no more events
+    assert spawned == [("encoder", 4567)] * 2

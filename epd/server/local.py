@@ -25,6 +25,9 @@ from pydantic import BaseModel
 from epd.server.process import READY_PREFIX
 from epd.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 
+_FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...
+_MAX_RESTART_DELAY_S = 30.0  # ... up to this: a worker that keeps dying does not spin
+
 
 @dataclass
 class TierProcess:
@@ -34,11 +37,14 @@ class TierProcess:
     ready_fields: list[str] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
     _ready: threading.Event = field(default_factory=threading.Event)
+    restarts: int = 0  # how often this worker (this address) was restarted
+    restart_at_s: float | None = None  # monotonic time a dead worker is due to restart
+    given_up: bool = False  # dead, restarted max_restarts times: left down
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
-            if line.startswith(READY_PREFIX) and self.address is None:
+            if line.startswith(READY_PREFIX) and not self.ready_fields:
                 self.ready_fields = line.split()[2:]
                 self.address = self.ready_fields[0]
                 self._ready.set()
@@ -140,6 +146,46 @@ class LocalCluster:
                                f"(exit code {proc.proc.poll()}); its last output:\n{proc.tail()}")
         return proc
 
+    def supervise(self, max_restarts: int, now_s: float | None = None) -> list[str]:
+        """One round of supervision; call it a few times a second. A worker that exited has its
+        shared memory reclaimed at once and is restarted on its own port (so the router's address
+        for it stays valid; the router takes it back into rotation when it answers), after a delay
+        that doubles with each restart, at most ``max_restarts`` times; then it stays down and the
+        router's ``/health`` shows the tier degraded. The router is not restarted here: it holds
+        every request's state, so its death ends the service (``epd serve`` stops and says so).
+        -> what happened, one line per event."""
+        now_s = time.monotonic() if now_s is None else now_s
+        events = []
+        for index, p in enumerate(self.processes):
+            if p.tier == "router" or p.given_up or p.proc.poll() is None:
+                continue
+            if p.restart_at_s is None:
+                events.append(self._on_death(p, max_restarts, now_s))
+            elif now_s >= p.restart_at_s:
+                self.processes[index] = self._restart(p)
+                events.append(f"{p.tier} {p.address} restarted (pid {self.processes[index].proc.pid})")
+        return events
+
+    def _on_death(self, p: TierProcess, max_restarts: int, now_s: float) -> str:
+        from epd.transport import cleanup_stale_segments  # torch: only once a worker died
+
+        died = f"{p.tier} {p.address} (pid {p.proc.pid}) exited with {p.proc.returncode}"
+        reclaimed = len(cleanup_stale_segments())  # the dead producer's segments (its owner lock is free)
+        if p.restarts >= max_restarts:
+            p.given_up = True
+            return f"{died}; reclaimed {reclaimed} shm segment(s); restarted {p.restarts} time(s) already " \
+                   f"(max_restarts={max_restarts}): left down. Its last output:\n{p.tail()}"
+        delay_s = min(_MAX_RESTART_DELAY_S, _FIRST_RESTART_DELAY_S * 2 ** p.restarts)
+        p.restart_at_s = now_s + delay_s
+        return f"{died}; reclaimed {reclaimed} shm segment(s); restarting in {delay_s:.0f} s " \
+               f"({p.restarts + 1} of {max_restarts})"
+
+    def _restart(self, p: TierProcess) -> TierProcess:
+        port = int(p.address.rsplit(":", 1)[1])
+        fresh = self._spawn(p.tier, port=port)
+        fresh.address, fresh.restarts = p.address, p.restarts + 1
+        return fresh
+
     def _write_config(self, name: str, config: BaseModel) -> Path:
         """A validated config as YAML a child loads with ``--config`` (private dir, mode 0600)."""
         if self._config_dir is None:
@@ -150,7 +196,7 @@ class LocalCluster:
             yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), f)
         return path
 
-    def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True) -> TierProcess:
+    def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> TierProcess:
         cmd = [sys.executable, "-m", "epd", tier]
         if with_defaults and self._worker_config is not None:
             if self._worker_config_path is None:  # one file for every tier
@@ -158,7 +204,7 @@ class LocalCluster:
             cmd += ["--config", str(self._worker_config_path)]
         cmd += ["--model", self.model]
         if with_defaults:  # each worker's own listeners: never two on one port
-            cmd += ["--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *self.tier_args.get(tier, ())]
+            cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *self.tier_args.get(tier, ())]
             if self.transport:
                 cmd += ["--transport", self.transport]
         cmd += list(args)

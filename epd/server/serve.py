@@ -1,7 +1,8 @@
 """``epd serve``: the embedded default. Starts each tier and the router as local processes on
 loopback (or as Ray actors with ``--launcher ray``), waits until all are healthy, prints the URLs,
 and on Ctrl-C / SIGTERM stops every process it started (workers clean their shared memory as they
-stop). Its flags are the router's and the workers' own (``epd/server/flags.py``), so a setting has
+stop). A worker that dies meanwhile is restarted on its own port (``--max-restarts`` times, with a
+growing delay) and its shared memory reclaimed; only the router's death stops the service. Its flags are the router's and the workers' own (``epd/server/flags.py``), so a setting has
 one name everywhere; the validated configs reach the children as files.
 
     epd serve [--model M] [--encoders N --prefills N --decodes N] [--config router.yaml]
@@ -95,16 +96,27 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> None:
                                        timeout_s=config.timeout_s, config=router)
         url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
         wait_healthy(url, config.timeout_s)
+        workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid})\n" for p in cluster.processes
+                          if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
-              f"  metrics     {url}/metrics\n  health      {url}/health\n(Ctrl-C stops everything)", flush=True)
-        while not stop.is_set():
-            dead = [p for p in cluster.processes if p.proc.poll() is not None]
-            if dead:
-                print(f"epd serve: {dead[0].tier} exited with {dead[0].proc.returncode}; stopping.\n"
-                      f"{dead[0].tail()}", file=sys.stderr, flush=True)
-                break
-            stop.wait(0.5)
+              f"  metrics     {url}/metrics\n  health      {url}/health\n{workers}(Ctrl-C stops everything)",
+              flush=True)
+        supervise(cluster, process, config.max_restarts, stop)
     finally:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
+
+
+def supervise(cluster, router, max_restarts: int, stop: threading.Event) -> None:
+    """Until ``stop``: a worker that dies is restarted (``LocalCluster.supervise``); the router's
+    death ends the service, since it holds every request's state (its clients' connections went
+    with it, and a new router would know none of their requests)."""
+    while not stop.is_set():
+        if router.proc.poll() is not None:
+            print(f"epd serve: the router exited with {router.proc.returncode}; stopping.\n{router.tail()}",
+                  file=sys.stderr, flush=True)
+            return
+        for event in cluster.supervise(max_restarts):
+            print(f"epd serve: {event}", file=sys.stderr, flush=True)
+        stop.wait(0.5)

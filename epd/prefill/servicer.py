@@ -66,6 +66,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if result.kv is not None:
             out.kv.CopyFrom(await self.ctx.blocking(lambda: self._export_kv(result, request),
                                                     undo=lambda handle: self.store.release([handle.lease_id])))
+        if out.kv.lease_id:  # the router left before the result reached it: nobody else will release the KV
+            lease_id = out.kv.lease_id
+            context.add_done_callback(lambda call: self.store.release([lease_id]) if call.cancelled() else None)
         try:
             await context.write(prefill_pb2.PrefillReply(result=out))
         except BaseException:  # cancelled meanwhile: nobody will take or release the KV

@@ -69,15 +69,17 @@ def _healths(router: SyncRouter) -> list[tuple[str, common_pb2.HealthResponse]]:
     return router.run(ask())
 
 
-def _open_leases(cluster: LocalCluster) -> int:
-    total = 0
+def _open_leases(cluster: LocalCluster) -> dict[str, int]:
+    """Open tensor leases per producer tier (only those with some)."""
+    leases = {}
     for process in cluster.processes:
         metrics_url = next((f.split("=", 1)[1] for f in process.ready_fields if f.startswith("metrics=")), None)
         if metrics_url is None:
             continue
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-        total += sum(int(float(v)) for v in re.findall(r"^epd_open_leases(?:\{[^}]*\})? (\S+)$", text, re.M))
-    return total
+        if count := sum(int(float(v)) for v in re.findall(r"^epd_open_leases(?:\{[^}]*\})? (\S+)$", text, re.M)):
+            leases[process.tier] = count
+    return leases
 
 
 def _idle(router: SyncRouter, kv_before: dict[str, float]) -> str | None:
@@ -194,4 +196,4 @@ def test_a_cancel_at_any_moment_frees_every_tier_within_a_second(router, cluster
     deadline_s = time.monotonic() + 1.0
     while _open_leases(cluster) and time.monotonic() < deadline_s:
         time.sleep(0.05)
-    assert _open_leases(cluster) == 0
+    assert _open_leases(cluster) == {}

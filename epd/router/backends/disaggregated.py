@@ -113,7 +113,7 @@ class DisaggregatedBackend:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids)
         call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
                                     timeout=job.remaining_s())
-        encodes, result = _Encodes(), None
+        encodes, result, reader = _Encodes(), None, None
         try:
             accepted = await call.read()
             if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
@@ -122,7 +122,7 @@ class DisaggregatedBackend:
             for address, indices in self._encoder_groups(job.prompt).items():
                 encodes.add(self._encode_on(address, job, indices, prefill.address, backoff),
                             self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
-            reply = await encodes.race(call.read())
+            reply = await encodes.race(reader := asyncio.ensure_future(call.read()))
             if reply is grpc.aio.EOF or not reply.HasField("result"):
                 raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
             result = reply.result
@@ -131,8 +131,11 @@ class DisaggregatedBackend:
             raise self._tier_error("prefill", prefill.address, err) from None
         finally:
             if result is None:  # prefill aborts the request when its call is cancelled
-                call.cancel()
                 encodes.cancel()
+                if call.cancel():
+                    _release_unread_result(prefill, reader)
+                else:  # it had ended: its result may wait unread in the call's buffer
+                    asyncio.ensure_future(_release_buffered_result(prefill, call, reader))
 
     def _encoder_groups(self, prompt: ProcessedPrompt) -> dict[str, list[int]]:
         """Items by the encoder their content hash routes to: a repeated image finds its cache."""
@@ -278,6 +281,28 @@ class _Encodes:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+
+def _release_unread_result(worker: WorkerState, reader: asyncio.Future | None) -> None:
+    """Prefill's result arrived just as the request was given up: its KV has no other owner."""
+    if reader is None or not reader.done() or reader.cancelled() or reader.exception() is not None:
+        return
+    _release_result_kv(worker, reader.result())
+
+
+async def _release_buffered_result(worker: WorkerState, call, reader: asyncio.Future | None) -> None:
+    """The call ended before the request was given up: read what it left unread, free its KV."""
+    _release_unread_result(worker, reader)
+    try:
+        while (reply := await asyncio.wait_for(call.read(), _RELEASE_TIMEOUT_S)) is not grpc.aio.EOF:
+            _release_result_kv(worker, reply)
+    except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
+        pass  # nothing readable left: the lease's TTL is the backstop
+
+
+def _release_result_kv(worker: WorkerState, reply) -> None:
+    if reply is not grpc.aio.EOF and reply.HasField("result") and reply.result.kv.lease_id:
+        asyncio.ensure_future(_release_lease(worker, reply.result.kv))  # not awaited: we may be cancelled
 
 
 async def _release_lease(worker: WorkerState, handle) -> None:

@@ -61,7 +61,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             with self.metrics.time_import(handle):
                 return import_tensor(handle, device=self.worker.engine.config.device, timeout_s=timeout_s)
         try:
-            return await self.ctx.blocking(run, undo=lambda imported: imported.release())
+            return await self.ctx.blocking(run, undo=lambda imported: imported.release_soon())
         except TransportError as err:
             raise UpstreamError(f"request {request_id}: KV import failed: {err}") from None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from dataclasses import dataclass
 
 import grpc
 
@@ -16,7 +17,7 @@ from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_processor_kwargs
-from epd.rpc import CHANNEL_OPTIONS, abort_with_async, remaining_s
+from epd.rpc import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, abort_with_async, remaining_s
 from epd.transport import choose_transport
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -54,10 +55,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             self.engine.release(request_id)  # rows are copied into the handles' storage
         try:
             await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
-        except grpc.aio.AioRpcError as err:
+        except Exception as err:  # noqa: BLE001 - the push failed: the rows will never be used
             self.store.release([p.embedding.lease_id for p in pushes])
+            why = f"{err.details() or err.code().name}" if isinstance(err, grpc.aio.AioRpcError) else repr(err)
             raise UpstreamError(f"request {request_id}: pushing to prefill at {request.prefill_address} failed: "
-                                f"{err.details() or err.code().name}") from None
+                                f"{why}") from None
         self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
                                             if not hit))
         return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
@@ -101,6 +103,17 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                          num_held_requests=self.ctx.admission.num_requests)
 
 
+_MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2  # one call's pushes; handles are small unless inline
+
+
+@dataclass
+class _QueuedPush:
+    pushes: list
+    delivered: asyncio.Future
+    deadline_s: float  # event-loop time
+    nbytes: int
+
+
 class PushBatcher:
     """Pushes to prefill workers, in as few calls as possible: what is queued for a worker while a
     call to it is in flight leaves together in the next call (under a burst, the results of one
@@ -108,7 +121,7 @@ class PushBatcher:
     prefill that no longer holds the request releases them."""
 
     def __init__(self) -> None:
-        self._queued: dict[str, list[tuple[list, asyncio.Future, float]]] = {}
+        self._queued: dict[str, list[_QueuedPush]] = {}
         self._sending: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -116,7 +129,9 @@ class PushBatcher:
         """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError."""
         loop = asyncio.get_running_loop()
         delivered = loop.create_future()
-        self._queued.setdefault(address, []).append((pushes, delivered, loop.time() + timeout_s))
+        delivered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when nobody waits
+        self._queued.setdefault(address, []).append(
+            _QueuedPush(pushes, delivered, loop.time() + timeout_s, sum(p.ByteSize() for p in pushes)))
         if address not in self._sending:
             self._sending.add(address)
             loop.create_task(self._send(address))
@@ -124,23 +139,33 @@ class PushBatcher:
 
     async def _send(self, address: str) -> None:
         try:
-            while batch := self._queued.pop(address, None):
-                await self._send_batch(address, batch)
+            while self._queued.get(address):
+                await self._send_batch(address, self._take(address))
         finally:
             self._sending.discard(address)
 
-    async def _send_batch(self, address: str, batch) -> None:
+    def _take(self, address: str) -> list[_QueuedPush]:
+        """What is queued for ``address``, up to the byte cap (inline handles carry their bytes)."""
+        queued, batch, nbytes = self._queued[address], [], 0
+        while queued and (not batch or nbytes + queued[0].nbytes <= _MAX_BATCH_BYTES):
+            batch.append(queued.pop(0))
+            nbytes += batch[-1].nbytes
+        if not queued:
+            del self._queued[address]
+        return batch
+
+    async def _send_batch(self, address: str, batch: list[_QueuedPush]) -> None:
         stub = prefill_pb2_grpc.PrefillStub(self._channel(address))
-        request = prefill_pb2.PushEmbeddingsRequest(pushes=[p for pushes, _, _ in batch for p in pushes])
-        timeout_s = max(deadline for _, _, deadline in batch) - asyncio.get_running_loop().time()
+        request = prefill_pb2.PushEmbeddingsRequest(pushes=[p for queued in batch for p in queued.pushes])
+        timeout_s = max(queued.deadline_s for queued in batch) - asyncio.get_running_loop().time()
         try:
             await stub.PushEmbeddings(request, timeout=max(0.001, timeout_s))
             error = None
-        except grpc.aio.AioRpcError as err:
+        except Exception as err:  # noqa: BLE001 - every caller of the batch hears it, none hangs
             error = err
-        for _, delivered, _ in batch:
-            if not delivered.done():
-                delivered.set_exception(error) if error is not None else delivered.set_result(None)
+        for queued in batch:
+            if not queued.delivered.done():
+                queued.delivered.set_exception(error) if error is not None else queued.delivered.set_result(None)
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -38,7 +38,8 @@ class Sampler:
                 tokens[i] = token
         plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
         if plain:
-            temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain]).unsqueeze(1)
+            temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
+                                        device=logits.device).unsqueeze(1)
             cdf = torch.softmax(logits[plain] / temperatures, dim=-1).cumsum_(dim=-1)
             for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
                 tokens[i] = token
@@ -82,7 +83,7 @@ def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:
     passes a uniform draw. On CPU this is ~3x faster than ``torch.multinomial`` over a 150k-token
     vocabulary (whose exponential draws dominate); the draw is scaled by each row's total, so the
     cumulative sum's rounding cannot push it past the last token."""
-    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype) * cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 
 

@@ -66,9 +66,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if result.kv is not None:
             out.kv.CopyFrom(await self.ctx.blocking(lambda: self._export_kv(result, request),
                                                     undo=lambda handle: self.store.release([handle.lease_id])))
-        if out.kv.lease_id:  # the router left before the result reached it: nobody else will release the KV
-            lease_id = out.kv.lease_id
-            context.add_done_callback(lambda call: self.store.release([lease_id]) if call.cancelled() else None)
         try:
             await context.write(prefill_pb2.PrefillReply(result=out))
         except BaseException:  # cancelled meanwhile: nobody will take or release the KV
@@ -85,9 +82,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Health(self, request, context):
         engine = self.worker.engine
+        computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
         return common_pb2.HealthResponse(status="SERVING", tier="prefill", model=self.config.model,
-                                         num_running=len(engine.scheduler.running),
-                                         num_waiting=len(engine.scheduler.waiting),
+                                         num_running=computable, num_waiting=waiting,
                                          kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
                                          num_held_requests=self.ctx.admission.num_requests)
 

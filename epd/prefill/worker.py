@@ -151,6 +151,14 @@ class PrefillWorker:
         # request's rows (zero-copy views of the encoders' memory) ends before they are released
         self.loop.call(lambda engine: self._forget(ticket))
 
+    def load(self) -> tuple[int, int]:
+        """(sequences that can compute now, sequences that wait: for KV room, or for rows still being
+        encoded). A snapshot read off the loop thread, for health: waiting for encoders is not a stall."""
+        sched = self.engine.scheduler
+        running = list(sched.running)  # a copy: the loop thread may change the list meanwhile
+        computable = sum(1 for seq in running if seq.num_uncomputed_tokens == 0 or seq.schedulable_tokens(1) > 0)
+        return computable, len(sched.waiting) + len(running) - computable
+
     def embedding_bytes(self, job: PrefillJob) -> int:
         """Bytes of the rows encoders will push for ``job`` (float32, the encoders' output dtype)."""
         return sum(item.length for item in job.items) * self.spec.embedding_dim * 4

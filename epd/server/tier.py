@@ -56,7 +56,8 @@ class TierContext:
 
     async def blocking(self, fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
         """Run ``fn`` on ``io``. A caller cancelled meanwhile does not stop ``fn``: ``undo(result)``
-        runs once it is done (release what it made: a lease nobody will hand on)."""
+        runs once it is done (release what it made: a lease nobody will hand on). ``undo`` runs on
+        the event loop: it must not block (no remote call; ``release_soon``, not ``release``)."""
         future = asyncio.get_running_loop().run_in_executor(self.io, fn)
         try:
             return await asyncio.shield(future)
@@ -110,6 +111,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
             add_to_server(grpc_server)
 
         server.start(add_servicers)
+        metrics_url = f"http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
     except BaseException:
         server.stop(grace_s=0)
         close()
@@ -117,7 +119,6 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
         if store is not None:
             store.close()
         raise
-    metrics_url = f"http://{config.host}:{metrics.serve(config.host, config.metrics_port)}/metrics"
 
     def on_stop() -> None:
         close()

@@ -334,6 +334,10 @@ def lease_renewer() -> LeaseRenewer:
     return _PROCESS_RENEWER
 
 
+# a producer that does not answer soon is slow or gone; its TTL reclaims what it did not hear about
+_BACKGROUND_RELEASE_TIMEOUT_S = 2.0
+
+
 class _BackgroundReleaser:
     """One daemon thread that sends the releases ``release_soon`` queued: all that are queued when
     it wakes, one Release call per producer."""
@@ -353,9 +357,12 @@ class _BackgroundReleaser:
             by_producer: dict[tuple[str, ChannelFactory], list[str]] = {}
             for address, lease_id, factory, _ in batch:
                 by_producer.setdefault((address, factory), []).append(lease_id)
-            timeout_s = min(item[3] for item in batch)
+            timeout_s = min(min(item[3] for item in batch), _BACKGROUND_RELEASE_TIMEOUT_S)
             for (address, factory), lease_ids in by_producer.items():
-                release_leases(address, lease_ids, channel_factory=factory, timeout_s=timeout_s)
+                try:
+                    release_leases(address, lease_ids, channel_factory=factory, timeout_s=timeout_s)
+                except Exception:  # noqa: BLE001 - never let one bad producer stop every later release
+                    log.exception("releasing leases at %s failed; their TTL reclaims them", address)
 
 
 _RELEASER: _BackgroundReleaser | None = None

@@ -134,6 +134,8 @@ class DisaggregatedBackend:
                 encodes.cancel()
                 if call.cancel():
                     _release_unread_result(prefill, reader)
+                    if reader is not None:
+                        reader.cancel()
                 else:  # it had ended: its result may wait unread in the call's buffer
                     asyncio.ensure_future(_release_buffered_result(prefill, call, reader))
 
@@ -267,14 +269,11 @@ class _Encodes:
         if not task.cancelled() and task.exception() is not None and not self._failed.done():
             self._failed.set_result(task.exception())
 
-    async def race(self, result: Awaitable):
-        reader = asyncio.ensure_future(result)
-        try:
-            await asyncio.wait({reader, self._failed}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not reader.done():
-                reader.cancel()
-        if reader.done() and not reader.cancelled():
+    async def race(self, reader: asyncio.Future):
+        """``reader``'s result, or the first encode failure; a reader still running is left to the
+        caller (its result may carry a lease that must not be dropped)."""
+        await asyncio.wait({reader, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+        if reader.done():
             return reader.result()
         raise self._failed.result()
 

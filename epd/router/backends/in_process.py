@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from epd.config import EngineConfig
-from epd.engine.engine_loop import EngineLoop, TokenUpdate
+from epd.engine.async_updates import AsyncUpdates
+from epd.engine.engine_loop import EngineLoop
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
 from epd.threads import ThreadPolicy
@@ -56,11 +57,10 @@ class InProcessBackend:
         pass
 
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
-        updates: asyncio.Queue[TokenUpdate] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        updates = AsyncUpdates()
         # the images are encoded there, on the engine thread
         added = self.loop.watch(lambda engine: self.llm.add_processed(job.prompt, job.sampling, job.request_id),
-                                _ThreadSafePut(loop, updates))
+                                updates)
         try:
             seq = await asyncio.wrap_future(added)
         except EPDError:
@@ -74,7 +74,7 @@ class InProcessBackend:
         try:
             while not is_finished:
                 try:
-                    update = await asyncio.wait_for(updates.get(), job.remaining_s())
+                    update = await updates.get(job.remaining_s())
                 except asyncio.TimeoutError:
                     raise DeadlineExceeded(f"request {job.request_id} timed out") from None
                 if update.error:
@@ -90,16 +90,3 @@ class InProcessBackend:
     def _abort_when_added(self, added) -> None:
         if not added.cancelled() and added.exception() is None and added.result() is not None:
             self.loop.abort(added.result(), reason="cancelled")
-
-
-class _ThreadSafePut:
-    """``put`` from the engine thread into an asyncio queue."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, target: asyncio.Queue) -> None:
-        self.loop, self.target = loop, target
-
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.target.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass

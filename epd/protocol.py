@@ -20,6 +20,7 @@ class PrefillJob:
     items: list[MultimodalItemSpan]
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...] = ()  # already produced elsewhere (a migrated request)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class DecodeJob:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
     mrope_delta: int
+    output_token_ids: tuple[int, ...] = ()  # produced before ``first_token_id`` (a migrated request)
 
 
 # ---- sampling and logprobs ------------------------------------------------------------------------
@@ -65,12 +67,14 @@ def logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
 
 # ---- requests -------------------------------------------------------------------------------------
 def request_metadata(request_id: str, prompt, params: SamplingParams, eos_token_ids: tuple[int, ...],
-                     *, with_items: bool = True) -> common_pb2.RequestMetadata:
+                     *, with_items: bool = True, output_token_ids=()) -> common_pb2.RequestMetadata:
     """A processed prompt (``ProcessedPrompt``) as the wire request for prefill (``with_items``) or
-    decode (no items: it keeps nothing multimodal). Media bytes never travel in it."""
+    decode (no items: it keeps nothing multimodal). Media bytes never travel in it.
+    ``output_token_ids``: what the request already produced elsewhere (it resumes after them)."""
     items = [multimodal_item(i, item, with_media=False) for i, item in enumerate(prompt.items)] if with_items else []
     return common_pb2.RequestMetadata(request_id=request_id, token_ids=prompt.prompt_token_ids, items=items,
-                                      sampling=sampling_to_proto(params), eos_token_ids=list(eos_token_ids))
+                                      sampling=sampling_to_proto(params), eos_token_ids=list(eos_token_ids),
+                                      output_token_ids=list(output_token_ids))
 
 
 def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.MultimodalItem:
@@ -89,10 +93,20 @@ def prefill_job_from_proto(meta: common_pb2.RequestMetadata) -> PrefillJob:
             raise InvalidRequest(f"request {meta.request_id}: item {index} is malformed (index {msg.item_index}, "
                                  f"grid {list(item.grid_thw)}); expected items in prompt order with a 3-D grid")
     return PrefillJob(meta.request_id, list(meta.token_ids), items, sampling_from_proto(meta.sampling),
-                      tuple(meta.eos_token_ids))
+                      tuple(meta.eos_token_ids), _resumed_outputs(meta))
 
 
 def decode_job_from_proto(meta: common_pb2.RequestMetadata, prefill: common_pb2.PrefillResult) -> DecodeJob:
     first_logprobs = logprobs_from_proto(prefill.first_logprobs) if prefill.HasField("first_logprobs") else None
     return DecodeJob(meta.request_id, list(meta.token_ids), sampling_from_proto(meta.sampling),
-                     tuple(meta.eos_token_ids), prefill.first_token_id, first_logprobs, prefill.mrope_delta)
+                     tuple(meta.eos_token_ids), prefill.first_token_id, first_logprobs, prefill.mrope_delta,
+                     _resumed_outputs(meta))
+
+
+def _resumed_outputs(meta: common_pb2.RequestMetadata) -> tuple[int, ...]:
+    """A migrated request's outputs so far; it must still have at least one token to produce."""
+    outputs = tuple(meta.output_token_ids)
+    if outputs and len(outputs) >= meta.sampling.max_tokens:
+        raise InvalidRequest(f"request {meta.request_id}: {len(outputs)} tokens already produced leave none of "
+                             f"max_tokens={meta.sampling.max_tokens} to resume")
+    return outputs

@@ -44,7 +44,8 @@ class DecodeWorker:
         added = self.loop.watch(lambda engine: engine.add_imported(
             job.prompt_token_ids, job.sampling, first_token_id=job.first_token_id,
             first_logprobs=job.first_logprobs, kv=kv, mm=SequenceMultimodal.delta_only(job.mrope_delta),
-            eos_token_ids=job.eos_token_ids, request_id=job.request_id), updates)
+            eos_token_ids=job.eos_token_ids, request_id=job.request_id, output_token_ids=job.output_token_ids),
+            updates)
         return added, updates
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:

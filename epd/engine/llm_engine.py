@@ -37,9 +37,11 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     mm: SequenceMultimodal | None = None,
-                    mm_items: list[MultimodalItemSpan] | None = None) -> Sequence:
+                    mm_items: list[MultimodalItemSpan] | None = None,
+                    output_token_ids: tuple[int, ...] = ()) -> Sequence:
+        """``output_token_ids``: what the request already produced elsewhere; it goes on after them."""
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items,
-                       eos_token_ids=self.eos_token_ids)
+                       eos_token_ids=self.eos_token_ids, output_token_ids=output_token_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -52,12 +54,14 @@ class LLMEngine:
 
     def add_imported(self, prompt_token_ids: list[int], params: SamplingParams, *, first_token_id: int,
                      first_logprobs, kv, mm: SequenceMultimodal, eos_token_ids: tuple[int, ...],
-                     request_id: str | None = None) -> Sequence:
-        """A request prefilled elsewhere: its prompt KV ``kv`` ([layers, 2, prompt_len, kv_heads, head_dim])
-        is written into our cache when it is admitted, with its whole token budget reserved. A KV of
-        the wrong shape or dtype is refused here (ValueError), before it could fail a whole step."""
-        self.runner.check_kv(kv, len(prompt_token_ids))
-        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids)
+                     request_id: str | None = None, output_token_ids: tuple[int, ...] = ()) -> Sequence:
+        """A request prefilled elsewhere: the KV ``kv`` ([layers, 2, tokens, kv_heads, head_dim]) of
+        its prompt and of ``output_token_ids`` (tokens it produced before a migration) is written
+        into our cache when it is admitted, with its whole token budget reserved. A KV of the wrong
+        shape or dtype is refused here (ValueError), before it could fail a whole step."""
+        self.runner.check_kv(kv, len(prompt_token_ids) + len(output_token_ids))
+        seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,
+                       output_token_ids=output_token_ids)
         seq.append_token(first_token_id, first_logprobs)
         seq.imported_kv = kv
         self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)
@@ -91,8 +95,9 @@ class LLMEngine:
 
 def _strip_finished_prompts(out) -> None:
     """Once a prompt's KV is cached, its multimodal inputs are dead weight: only the M-RoPE delta
-    is needed to place later tokens, so everything else is dropped now (preemption restores it)."""
+    is needed to place later tokens, so everything else is dropped now (preemption restores it).
+    A prompt served from the prefix cache is done at its first chunk, which may start past it."""
     for chunk in out.chunks:
         seq = chunk.seq
-        if seq.mm is not None and chunk.start < seq.num_prompt_tokens <= chunk.end:
+        if seq.mm is not None and chunk.end >= seq.num_prompt_tokens and not seq.mm.is_stripped:
             seq.mm.strip_for_generation()

@@ -79,8 +79,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         limit = self.config.max_model_len
-        if len(seq) + seq.sampling_params.max_tokens > limit:
-            raise ValueError(f"request {seq.request_id}: prompt ({len(seq)} tokens) + max_tokens "
+        if seq.num_prompt_tokens + seq.sampling_params.max_tokens > limit:
+            raise ValueError(f"request {seq.request_id}: prompt ({seq.num_prompt_tokens} tokens) + max_tokens "
                              f"({seq.sampling_params.max_tokens}) exceeds max_model_len={limit}")
         needed = seq.num_blocks_needed(self.block_manager.block_size, len(seq) + 1)
         if needed > self.block_manager.num_total_blocks:
@@ -131,7 +131,7 @@ class Scheduler:
                 break  # FIFO: a later, smaller one does not overtake (it would starve big ones)
             self.importing.popleft()
             seq.status = SequenceStatus.RUNNING
-            seq.num_computed_tokens = seq.num_prompt_tokens  # once the engine writes the imported KV
+            seq.num_computed_tokens = len(seq) - 1  # all but the first token, once the engine writes the KV
             self.running.append(seq)
             out.imported.append(seq)
 

@@ -40,12 +40,15 @@ class Sequence:
 
     def __init__(self, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  request_id: str | None = None, mm_items: list[MultimodalItemSpan] | None = None,
-                 mm: Any = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 mm: Any = None, eos_token_ids: tuple[int, ...] = (),
+                 output_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token, got an empty prompt")
         self.seq_id = next(_seq_counter)
         self.request_id = request_id or f"req-{self.seq_id}"
-        self.token_ids: list[int] = list(prompt_token_ids)
+        # outputs made elsewhere before (a migrated request): computed like the prompt, counted
+        # as output, exactly as after a preemption by recompute
+        self.token_ids: list[int] = list(prompt_token_ids) + list(output_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.sampling_params = sampling_params
         self.mm_items = mm_items or []

@@ -34,7 +34,9 @@ log = logging.getLogger(__name__)
 class PrefillResult:
     first_token_id: int
     first_logprobs: TokenLogprobs | None
-    kv: torch.Tensor | None  # [num_layers, 2, num_prompt_tokens, num_kv_heads, head_dim], a fresh copy; None: finished
+    # [num_layers, 2, tokens, num_kv_heads, head_dim], a fresh copy (tokens: the prompt, and the
+    # outputs a migrated request resumed after); None: finished
+    kv: torch.Tensor | None
     mrope_delta: int
     num_cached_tokens: int
     finish_reason: str | None  # the request already ends with the first token
@@ -187,8 +189,10 @@ class PrefillWorker:
             if self._tickets.get(job.request_id) is not ticket:
                 return None  # aborted before the loop got to it
         # prefill samples exactly one token; decode applies the request's real limits after it
-        one = dataclasses.replace(job.sampling, max_tokens=1, min_tokens=min(job.sampling.min_tokens, 1))
-        seq = engine.add_request(job.token_ids, one, request_id=job.request_id, mm=mm, mm_items=job.items)
+        n = len(job.output_token_ids) + 1  # the output this call makes (after a migration's resumed ones)
+        one = dataclasses.replace(job.sampling, max_tokens=n, min_tokens=min(job.sampling.min_tokens, n))
+        seq = engine.add_request(job.token_ids, one, request_id=job.request_id, mm=mm, mm_items=job.items,
+                                 output_token_ids=job.output_token_ids)
         if mm is not None and mm.embeddings is not None:
             rows = mm.embeddings
             seq.inputs_ready_until = mm.inputs_ready_until if self.overlap_with_encode else (
@@ -210,9 +214,9 @@ class PrefillWorker:
         if ticket is None or ticket.seq is not seq or seq.finish_reason == "abort" or seq.num_output_tokens == 0:
             return
         job = ticket.job
-        ticket.finish_reason = stop_reason(job.sampling, job.eos_token_ids, 1, seq.output_token_ids[0])
-        if ticket.finish_reason is None:
-            ticket.kv = self.engine.runner.read_kv(seq.block_table, seq.num_prompt_tokens)
+        ticket.finish_reason = stop_reason(job.sampling, job.eos_token_ids, seq.num_output_tokens, seq.token_ids[-1])
+        if ticket.finish_reason is None:  # decode goes on from every token but the one just sampled
+            ticket.kv = self.engine.runner.read_kv(seq.block_table, len(seq) - 1)
 
     def _fail(self, request_id: str, error: str) -> None:
         """A push could not be used: fail the request (its caller gets ``error``)."""

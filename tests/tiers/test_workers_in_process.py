@@ -36,13 +36,15 @@ def workers(llm):
     decode.close()
 
 
-def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1", eos=None, finish=None):
+def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1", eos=None, finish=None,
+              resumed=()):
     """What the router does, minus gRPC: register at prefill, push the rows (late, from another
-    thread, as an encoder would), take the first token and the KV, continue on decode."""
+    thread, as an encoder would), take the first token and the KV, continue on decode.
+    ``resumed``: outputs the request already produced (a migration resumes after them)."""
     conv, images = llm.extract_images(messages)
     prompt = llm.processor.process_messages(conv, images)
     eos = eos or (llm.tokenizer.eos_token_id,)
-    job = prefill_job_from_proto(request_metadata(request_id, prompt, params, eos))
+    job = prefill_job_from_proto(request_metadata(request_id, prompt, params, eos, output_token_ids=resumed))
     rows = llm.vision.encode_images(images) if images else []
     ticket = prefill.admit(job)
 
@@ -59,8 +61,8 @@ def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_
     tokens = [result.first_token_id]
     if result.finish_reason is None:
         added, updates = decode.start(DecodeJob(request_id, prompt.prompt_token_ids, params, eos,
-                                                result.first_token_id, result.first_logprobs, result.mrope_delta),
-                                      result.kv)
+                                                result.first_token_id, result.first_logprobs, result.mrope_delta,
+                                                tuple(resumed)), result.kv)
         seq = added.result(60)
         assert seq.mm.is_stripped and seq.mm.mrope_delta == result.mrope_delta
         while True:
@@ -88,6 +90,36 @@ def test_seeded_sampling_survives_the_tier_split(llm, workers):
     expected = llm.chat(messages, params)[0].token_ids
     _, tokens = run_split(llm, *workers, messages, params, request_id="seeded")
     assert tokens == expected
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20),
+                                    SamplingParams(max_tokens=20, temperature=0.9, top_k=50, seed=7, logprobs=2)],
+                         ids=["greedy", "seeded"])
+@pytest.mark.parametrize("num_resumed", [1, 6, 19])
+def test_a_request_resumed_after_its_outputs_goes_on_as_if_never_moved(llm, workers, params, num_resumed):
+    """Migration's engine half: prompt + the outputs so far prefilled anew, then decode; the rest
+    of the stream (tokens, logprobs, finish reason) is the uninterrupted one's, whose draws are
+    keyed by output index."""
+    messages = [{"role": "user", "content": [{"type": "image", "image": IMAGES[0]}, {"type": "text", "text": "And"},
+                                             {"type": "image", "image": IMAGES[1]}, {"type": "text", "text": "?"}]}]
+    reference = llm.chat(messages, params)[0]
+    assert len(reference.token_ids) == 20, "the reference must run to max_tokens to test resuming late"
+    finish = []
+    _, tokens = run_split(llm, *workers, messages, params, request_id=f"resumed-{num_resumed}-{params.seed}",
+                          resumed=reference.token_ids[:num_resumed], finish=finish)
+    assert tokens == reference.token_ids[num_resumed:]
+    assert finish == ([] if num_resumed == 19 else ["length"])  # 19: prefill's token is the last
+
+
+def test_resuming_with_no_token_left_to_make_is_refused():
+    meta = request_metadata("done", _Prompt([1, 2, 3]), SamplingParams(max_tokens=2), (), output_token_ids=[5, 6])
+    with pytest.raises(InvalidRequest, match="leave none of max_tokens=2"):
+        prefill_job_from_proto(meta)
+
+
+class _Prompt:
+    def __init__(self, ids):
+        self.prompt_token_ids, self.items = ids, []
 
 
 def test_text_before_the_image_is_prefilled_while_the_encoder_works(llm, workers):

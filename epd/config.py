@@ -187,6 +187,11 @@ class RouterConfig(_Config):
     health_period_s: float = Field(1.0, gt=0, description="seconds between worker health checks")
     stall_timeout_s: float = Field(60.0, gt=0, description="a worker holding work whose progress counter stood "
                                                            "still this long leaves rotation")
+    health_timeout_s: float = Field(5.0, gt=0, description="a health check not answered this long fails; "
+                                                           "3 failed in a row take the worker out of rotation")
+    max_migrations: int = Field(3, ge=0, description="times one request may be moved off a worker that died, "
+                                                     "stalled or failed it (re-dispatched before its first token, "
+                                                     "migrated mid-stream); then it fails naming the tier")
     encoder_policy: str = Field("hash_affinity", description="routing policy for encoders")
     prefill_policy: str = Field("prefix_affinity", description="routing policy for prefill")
     decode_policy: str = Field("least_loaded", description="routing policy for decode")
@@ -221,6 +226,8 @@ class ServeConfig(_Config):
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
     max_restarts: int = Field(5, ge=0, description="restarts of each worker that dies (local launcher); then "
                                                    "it stays down and /health shows its tier degraded")
+    standby: bool = Field(True, description="keep one pre-imported spare process per tier, so a restart costs "
+                                            "the model load, not a cold start (local launcher, with restarts)")
     launcher: Literal["local", "ray"] = Field("local", description="local processes or Ray actors")
     ray_address: str | None = Field(None, description="an existing Ray cluster ('auto'); default: start a local one")
     ray_config: str | None = Field(None, description="RayDeployment YAML (deploy/ray/cluster.yaml)")

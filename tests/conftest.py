@@ -41,7 +41,7 @@ def _epd_segments() -> set[str]:
 @pytest.fixture(scope="session", autouse=True)
 def _no_shared_memory_left_behind():
     """Whole suite: every segment a test (or a worker it started) made is gone at the end."""
-    from epd.transport.shm_segments import owner_alive
+    from epd.shm_owners import owner_alive
 
     before = _epd_segments()
     yield

@@ -1,5 +1,7 @@
 """LocalCluster's thread split for co-located tier processes (EPD_NUM_THREADS for each child), and the
 open-files limit every server raises."""
+import json
+
 import pytest
 
 from epd.server.local import LocalCluster, tier_threads
@@ -80,3 +82,49 @@ def test_supervision_restarts_a_dead_worker_on_its_port_with_growing_delays_then
     assert "left down" in events[0] and cluster.processes[0].given_up
     assert cluster.supervise(max_restarts=2, now_s=200.0) == []  # no more restarts, no more events
     assert spawned == [("encoder", 4567)] * 2
+
+
+def test_a_restart_turns_the_tiers_standby_into_the_worker_and_keeps_a_new_standby(monkeypatch):
+    import subprocess
+    import sys
+
+    from epd.server.local import TierProcess
+
+    cluster = LocalCluster("tiny-qwen2-vl", standby=True)
+    standbys = []
+
+    def spawn_standby(tier):  # a stand-in standby: echoes the arguments it is handed, then waits
+        proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print(sys.stdin.readline(), flush=True); "
+                                 "time.sleep(60)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        standbys.append(proc)
+        return TierProcess(tier, proc)
+
+    monkeypatch.setattr(cluster, "_spawn_standby", spawn_standby)
+    monkeypatch.setattr(cluster, "_spawn", lambda *a, **k: pytest.fail("a cold start while a standby was kept"))
+    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(9)"])
+    dead.wait(30)
+    cluster.processes = [TierProcess("decode", dead, address="127.0.0.1:4568")]
+    cluster._standbys["decode"] = spawn_standby("decode")
+    try:
+        cluster.supervise(max_restarts=2, now_s=100.0)
+        assert "restarted" in cluster.supervise(max_restarts=2, now_s=101.0)[0]
+        worker = cluster.processes[0]
+        assert worker.proc is standbys[0] and worker.address == "127.0.0.1:4568" and worker.restarts == 1
+        handed = json.loads(worker.proc.stdout.readline())
+        assert handed[0] == "decode" and handed[handed.index("--port") + 1] == "4568"
+        assert cluster._standbys["decode"].proc is standbys[1]  # the next death has one too
+    finally:
+        cluster.stop()
+    assert all(p.poll() is not None for p in standbys)  # stop ends the standbys too
+
+
+@pytest.mark.parametrize("line,code,says", [("", 0, ""), ('["encoder", "--port", "0"]\n', 2, "starting with 'decode'"),
+                                            ("not json\n", 2, "expected a JSON list")])
+def test_a_standby_only_becomes_a_worker_of_its_own_tier(line, code, says):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "epd.server.standby", "decode"], input=line, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]
+    assert "EPD_STANDBY ready" in done.stdout and says in done.stderr

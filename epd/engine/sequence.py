@@ -58,7 +58,10 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
-        self.output_logprobs: list[TokenLogprobs] = []
+        # one entry per output token when logprobs are asked for: resumed outputs' were sent by the
+        # worker that made them (None here), so the list stays aligned with the outputs
+        self.output_logprobs: list[TokenLogprobs | None] = (
+            [None] * len(output_token_ids) if sampling_params.logprobs is not None else [])
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the engine failed this sequence alone (its watcher is told)
         # set by a tier whose inputs arrive later (prefill waiting on encoder embeddings): returns

@@ -35,6 +35,8 @@ class RouterMetrics:
         self.worker_kv_usage = Gauge("epd_worker_kv_usage_ratio", "KV blocks in use / all", labels, registry=r)
         self.encoder_forwards = Gauge("epd_encoder_forwards", "Encoder batches run (worker's count)", labels,
                                       registry=r)
+        self.moves = Gauge("epd_request_moves", "Requests moved off a lost worker since start, by stage "
+                           "(redispatched: before the first token; migrated: mid-stream)", ["stage"], registry=r)
         self.encoder_items = Gauge("epd_encoder_encoded_items", "Items encoded, i.e. cache misses (worker's count)",
                                    labels, registry=r)
 
@@ -70,6 +72,10 @@ class RouterMetrics:
                 if w.tier == "encoder":
                     self.encoder_forwards.labels(*key).set(w.last_health.num_encoder_forwards)
                     self.encoder_items.labels(*key).set(w.last_health.num_encoded_items)
+
+    def refresh_moves(self, moves) -> None:
+        for stage in ("redispatched", "migrated"):
+            self.moves.labels(stage).set(moves.get(stage, 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

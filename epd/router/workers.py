@@ -37,6 +37,8 @@ class WorkerState:
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
     progress_at_s: float = field(default_factory=time.monotonic)  # last check that saw progress, or no work
+    # resolved when the worker leaves rotation: calls waiting on it give up then (see ``outage``)
+    _left_rotation: asyncio.Future | None = field(default=None, repr=False)
 
     @property
     def stub(self):
@@ -51,6 +53,21 @@ class WorkerState:
         return {"address": self.address, "healthy": self.healthy, "draining": self.draining,
                 "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
                 "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps}
+
+    def set_healthy(self, healthy: bool) -> None:
+        if not healthy and self._left_rotation is not None and not self._left_rotation.done():
+            self._left_rotation.set_result(None)
+        self.healthy = healthy
+
+    def outage(self) -> asyncio.Future:
+        """A future resolved when the worker leaves rotation (it died, stopped answering health or
+        stalled), already resolved while it is out: a call waiting on it gives up then and the
+        request moves on, instead of waiting on a wedged worker until its deadline."""
+        if self._left_rotation is None or (self._left_rotation.done() and self.healthy):
+            self._left_rotation = asyncio.get_running_loop().create_future()
+            if not self.healthy:
+                self._left_rotation.set_result(None)
+        return self._left_rotation
 
     def note_progress(self, health: common_pb2.HealthResponse, now_s: float) -> None:
         """Progress: the counter moved, or the worker has nothing to compute (idle is not stuck;
@@ -123,7 +140,8 @@ class WorkerRegistry:
             return  # removed (drained) meanwhile
         if w.healthy:
             log.warning("%s %s stopped answering; out of rotation", tier, address)
-        w.healthy, w.consecutive_failures = False, max(w.consecutive_failures, self.unhealthy_after)
+        w.set_healthy(False)
+        w.consecutive_failures = max(w.consecutive_failures, self.unhealthy_after)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for states in self.workers.values() for w in states))
@@ -141,7 +159,7 @@ class WorkerRegistry:
             if w.healthy and w.consecutive_failures >= self.unhealthy_after:
                 log.warning("%s %s failed %d health checks; out of rotation", w.tier, w.address,
                             w.consecutive_failures)
-                w.healthy = False
+                w.set_healthy(False)
             return
         now_s = time.monotonic()
         w.note_progress(health, now_s)
@@ -151,11 +169,11 @@ class WorkerRegistry:
             if w.healthy:
                 log.warning("%s %s made no progress for %.0f s with work in hand; out of rotation", w.tier,
                             w.address, stalled_s)
-            w.healthy = False
+            w.set_healthy(False)
             return
         if not w.healthy:
             log.info("%s %s is healthy; in rotation", w.tier, w.address)
-        w.healthy = True
+        w.set_healthy(True)
 
 
 def _state(tier: str, address: str) -> WorkerState:

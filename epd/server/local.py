@@ -7,6 +7,7 @@ chatty worker can never block on a full pipe. Validated configs reach the childr
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ import yaml
 from pydantic import BaseModel
 
 from epd.server.process import READY_PREFIX
+from epd.shm_owners import cleanup_stale_segments
 from epd.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 
 _FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...
@@ -79,10 +81,12 @@ class LocalCluster:
     def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
-                 worker_config: BaseModel | None = None) -> None:
+                 worker_config: BaseModel | None = None, standby: bool = False) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
-        ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win)."""
+        ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win);
+        ``standby``: keep one pre-imported process per tier (``epd.server.standby``) that a restart
+        turns into the new worker."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -94,6 +98,8 @@ class LocalCluster:
         self._config_dir: Path | None = None
         self._worker_config = worker_config
         self._worker_config_path: Path | None = None
+        self.standby = standby
+        self._standbys: dict[str, TierProcess] = {}
 
     def addresses(self, tier: str) -> list[str]:
         return [p.address for p in self.processes if p.tier == tier]
@@ -124,6 +130,10 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+        if self.standby:  # after the workers: their start-up gets the cores first
+            for tier, count in self.counts.items():
+                if count:
+                    self._standbys[tier] = self._spawn_standby(tier)
         return self
 
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
@@ -167,8 +177,6 @@ class LocalCluster:
         return events
 
     def _on_death(self, p: TierProcess, max_restarts: int, now_s: float) -> str:
-        from epd.transport import cleanup_stale_segments  # torch: only once a worker died
-
         died = f"{p.tier} {p.address} (pid {p.proc.pid}) exited with {p.proc.returncode}"
         reclaimed = len(cleanup_stale_segments())  # the dead producer's segments (its owner lock is free)
         if p.restarts >= max_restarts:
@@ -182,9 +190,27 @@ class LocalCluster:
 
     def _restart(self, p: TierProcess) -> TierProcess:
         port = int(p.address.rsplit(":", 1)[1])
-        fresh = self._spawn(p.tier, port=port)
+        standby = self._standbys.pop(p.tier, None)
+        if standby is not None and standby.proc.poll() is None:
+            fresh = self._activate(standby, self._worker_argv(p.tier, port=port))
+            self._standbys[p.tier] = self._spawn_standby(p.tier)  # for the next death
+        else:  # none kept (or it died): a cold start
+            fresh = self._spawn(p.tier, port=port)
         fresh.address, fresh.restarts = p.address, p.restarts + 1
         return fresh
+
+    def _spawn_standby(self, tier: str) -> TierProcess:
+        return self._popen(tier, [sys.executable, "-m", "epd.server.standby", tier], stdin=subprocess.PIPE)
+
+    @staticmethod
+    def _activate(standby: TierProcess, argv: list[str]) -> TierProcess:
+        """Hand a standby its worker's arguments; it answers with the worker's ready line."""
+        try:
+            standby.proc.stdin.write(json.dumps(argv) + "\n")
+            standby.proc.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass  # it died just now: supervision sees the exit and restarts again
+        return standby
 
     def _write_config(self, name: str, config: BaseModel) -> Path:
         """A validated config as YAML a child loads with ``--config`` (private dir, mode 0600)."""
@@ -197,7 +223,11 @@ class LocalCluster:
         return path
 
     def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> TierProcess:
-        cmd = [sys.executable, "-m", "epd", tier]
+        return self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, with_defaults, port)])
+
+    def _worker_argv(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> list[str]:
+        """``epd <tier> ...``'s arguments, the tier first."""
+        cmd = [tier]
         if with_defaults and self._worker_config is not None:
             if self._worker_config_path is None:  # one file for every tier
                 self._worker_config_path = self._write_config("worker", self._worker_config)
@@ -207,8 +237,10 @@ class LocalCluster:
             cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *self.tier_args.get(tier, ())]
             if self.transport:
                 cmd += ["--transport", self.transport]
-        cmd += list(args)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        return cmd + list(args)
+
+    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL) -> TierProcess:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
                                 text=True, env=self.env, start_new_session=True)
         tp = TierProcess(tier, proc)
         threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
@@ -217,6 +249,8 @@ class LocalCluster:
     def stop(self, timeout_s: float = 15.0) -> None:
         # the router first: it stops taking requests before the workers go away
         self.processes.sort(key=lambda p: p.tier != "router")
+        self.processes += self._standbys.values()
+        self._standbys.clear()
         for p in self.processes:
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGTERM)

@@ -3,6 +3,8 @@ transport (inline, shm, cuda_ipc, nccl) under a lease the producer keeps until r
 its TTL passes without the consumer renewing it (``LeaseRenewer``)."""
 from __future__ import annotations
 
+from epd.shm_owners import cleanup_stale_segments
+
 # importing the transport modules registers them
 from epd.transport import cuda_ipc, inline, nccl, shm  # noqa: F401
 from epd.transport.base import TRANSPORTS, Transport
@@ -12,7 +14,6 @@ from epd.transport.consumer import ImportedTensor, LeaseRenewer, import_tensor, 
 from epd.transport.handles import LeaseExpiredError, TransportError, dtype_from_str, dtype_to_str
 from epd.transport.leases import TensorStore
 from epd.transport.server import TensorStoreServicer, add_tensor_store, serve_tensor_store
-from epd.transport.shm_segments import cleanup_stale_segments
 
 __all__ = [
     "TRANSPORTS", "Transport", "TensorStore", "ImportedTensor", "import_tensor", "release_leases",

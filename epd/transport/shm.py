@@ -18,10 +18,11 @@ import threading
 
 import torch
 
+from epd.shm_owners import OwnerLock, is_segment_name, owner_alive
 from epd.transport.base import TRANSPORTS, Exported, ImportContext
 from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message
 from epd.transport.inline import tensor_bytes_view
-from epd.transport.shm_segments import MappingCache, OwnerLock, Segment, is_segment_name, owner_alive
+from epd.transport.shm_segments import MappingCache, Segment
 from epd.v1 import tensor_pb2
 
 HEADER_BYTES = 64

@@ -1,71 +1,22 @@
-"""POSIX shared-memory segments: naming, creation, consumer mapping, and stale-segment cleanup.
+"""POSIX shared-memory segments: creation and consumer mapping (names, owner locks and the cleanup
+of a dead producer's segments: ``epd.shm_owners``).
 
 We call ``_posixshmem.shm_open`` and ``mmap`` directly instead of ``multiprocessing.shared_memory``:
 its resource tracker unlinks every segment a process has *opened* when that process exits, so a
 consumer exiting would delete the producer's segments.
-
-Names: ``epd_<pid>_<owner>_<token>``. ``owner`` (64 random bits) names one producer store and
-``token`` (128 random bits) one segment, so a name can't be guessed. The producer also creates
-``epd_<pid>_<owner>`` and holds an exclusive ``flock`` on it for its whole life. The kernel drops
-that lock when the process dies, however it dies, so "is the producer alive?" is answered by
-trying the lock. Unlike a pid check this also works when producer and consumer share /dev/shm but
-not a pid namespace (two containers of one pod), and is not fooled by zombies or reused pids.
 """
 from __future__ import annotations
 
 import _posixshmem
-import fcntl
 import mmap
 import os
-import re
-import secrets
 import threading
 import time
 from collections import OrderedDict
 
 import torch
 
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "epd_"
-_MODE = 0o600  # only the producer's user may map a segment: embeddings are user data
-_NAME_RE = r"(?P<pid>\d+)_(?P<owner>[0-9a-f]{16})(?:_(?P<token>[0-9a-f]{32}))?"
-
-
-def _parse(name: str, prefix: str = SHM_PREFIX) -> re.Match | None:
-    if not name.startswith(prefix):
-        return None
-    return re.fullmatch(_NAME_RE, name[len(prefix):])
-
-
-def owner_lock_name(segment_name: str) -> str:
-    """``epd_<pid>_<owner>_<token>`` -> ``epd_<pid>_<owner>``."""
-    return segment_name.rsplit("_", 1)[0]
-
-
-def is_segment_name(name: str) -> bool:
-    match = _parse(name)
-    return match is not None and match["token"] is not None
-
-
-class OwnerLock:
-    """The producer's liveness marker (see module docstring)."""
-
-    def __init__(self) -> None:
-        while True:
-            self.name = f"{SHM_PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
-            self._fd = _posixshmem.shm_open("/" + self.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, _MODE)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            # a concurrent cleanup could unlink the file between create and lock; then start over
-            if os.fstat(self._fd).st_nlink > 0:
-                return
-            os.close(self._fd)
-
-    def new_segment_name(self) -> str:
-        return f"{self.name}_{secrets.token_hex(16)}"
-
-    def close(self) -> None:
-        _unlink_quietly(self.name)
-        os.close(self._fd)
+from epd.shm_owners import SEGMENT_MODE, SHM_DIR, unlink_quietly
 
 
 class Segment:
@@ -74,97 +25,22 @@ class Segment:
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
-        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, _MODE)
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, SEGMENT_MODE)
         try:
-            os.fchmod(fd, _MODE)  # shm_open's mode passes through the umask; say it exactly
+            os.fchmod(fd, SEGMENT_MODE)  # shm_open's mode passes through the umask; say it exactly
             os.ftruncate(fd, capacity_bytes)  # sparse: tmpfs pages appear only when first written
             self.mm = mmap.mmap(fd, capacity_bytes, flags=mmap.MAP_SHARED)
         except BaseException:
-            _unlink_quietly(name)
+            unlink_quietly(name)
             raise
         finally:
             os.close(fd)
         self.view = torch.frombuffer(self.mm, dtype=torch.uint8)  # [capacity_bytes]
 
     def unlink(self) -> None:
-        _unlink_quietly(self.name)
+        unlink_quietly(self.name)
         self.view = None  # the mapping goes when the last view of it does (consumers in-process too)
         self.mm = None
-
-
-def _unlink_quietly(name: str) -> None:
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        pass  # already gone: a cleanup of a previous run, or a test that removed it
-
-
-def owner_alive(segment_name: str) -> bool:
-    """True while the process that created ``segment_name`` lives (it holds the owner lock)."""
-    try:
-        fd = _posixshmem.shm_open("/" + owner_lock_name(segment_name), os.O_RDONLY, 0)
-    except FileNotFoundError:
-        return False  # a closing store removes its segments first, its lock last
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # also drops our shared lock if we got it
-    return False
-
-
-def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
-    """Unlink the segments (and owner locks) of producers that died without closing their store.
-
-    A restarted producer calls this at start. Only the caller's own files are touched (others can't
-    be unlinked from sticky /dev/shm anyway). Returns the names removed.
-    """
-    by_owner: dict[str, list[str]] = {}
-    for name in os.listdir(SHM_DIR):
-        match = _parse(name, prefix)
-        if match is None:
-            continue
-        try:
-            if os.stat(os.path.join(SHM_DIR, name)).st_uid != os.geteuid():
-                continue
-        except FileNotFoundError:
-            continue
-        lock_name = f"{prefix}{match['pid']}_{match['owner']}"
-        by_owner.setdefault(lock_name, []).append(name)
-    removed: list[str] = []
-    for lock_name, names in by_owner.items():
-        if _owner_is_dead(lock_name, int(_parse(lock_name, prefix)["pid"])):
-            # segments first, lock last: the same order a clean close uses
-            for name in sorted(names, key=lambda n: n == lock_name):
-                _unlink_quietly(name)
-                removed.append(name)
-    return removed
-
-
-def _owner_is_dead(lock_name: str, pid: int) -> bool:
-    try:
-        fd = _posixshmem.shm_open("/" + lock_name, os.O_RDONLY, 0)
-    except FileNotFoundError:
-        # no lock (an old layout, or a crash between creating it and a segment): fall back to the pid
-        return not _pid_alive(pid)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class MappingCache:

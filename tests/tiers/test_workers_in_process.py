@@ -37,7 +37,7 @@ def workers(llm):
 
 
 def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_id="r1", eos=None, finish=None,
-              resumed=()):
+              resumed=(), logprobs=None):
     """What the router does, minus gRPC: register at prefill, push the rows (late, from another
     thread, as an encoder would), take the first token and the KV, continue on decode.
     ``resumed``: outputs the request already produced (a migration resumes after them)."""
@@ -59,6 +59,8 @@ def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_
     pusher.join()
     assert ticket.seq.mm is None or ticket.seq.mm.is_stripped, "prefill must strip its own sequence"
     tokens = [result.first_token_id]
+    if logprobs is not None:
+        logprobs.append(result.first_logprobs)
     if result.finish_reason is None:
         added, updates = decode.start(DecodeJob(request_id, prompt.prompt_token_ids, params, eos,
                                                 result.first_token_id, result.first_logprobs, result.mrope_delta,
@@ -68,6 +70,8 @@ def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_
         while True:
             update = updates.get(timeout=60)
             tokens += update.token_ids
+            if logprobs is not None:
+                logprobs += update.logprobs
             if update.is_last:
                 if finish is not None:
                     finish.append(update.finish_reason)
@@ -104,10 +108,16 @@ def test_a_request_resumed_after_its_outputs_goes_on_as_if_never_moved(llm, work
                                              {"type": "image", "image": IMAGES[1]}, {"type": "text", "text": "?"}]}]
     reference = llm.chat(messages, params)[0]
     assert len(reference.token_ids) == 20, "the reference must run to max_tokens to test resuming late"
-    finish = []
+    finish, logprobs = [], []
     _, tokens = run_split(llm, *workers, messages, params, request_id=f"resumed-{num_resumed}-{params.seed}",
-                          resumed=reference.token_ids[:num_resumed], finish=finish)
+                          resumed=reference.token_ids[:num_resumed], finish=finish, logprobs=logprobs)
     assert tokens == reference.token_ids[num_resumed:]
+    if params.logprobs is not None:  # one per new token, the model's own (all-close: batched differently)
+        expected = reference.logprobs[num_resumed:]
+        assert [lp.token_id for lp in logprobs] == [lp.token_id for lp in expected]
+        assert [list(lp.top) for lp in logprobs] == [list(lp.top) for lp in expected]
+        torch.testing.assert_close([lp.logprob for lp in logprobs], [lp.logprob for lp in expected],
+                                   atol=1e-4, rtol=1e-4)
     assert finish == ([] if num_resumed == 19 else ["length"])  # 19: prefill's token is the last
 
 

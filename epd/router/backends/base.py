@@ -19,6 +19,9 @@ class Job:
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]
     deadline_s: float  # on the time.monotonic() clock
+    # tokens the request already streamed when it moved off a lost worker: this attempt resumes
+    # after them (prefilled like the prompt, counted as output)
+    output_token_ids: tuple[int, ...] = ()
 
     def remaining_s(self) -> float:
         return max(0.0, self.deadline_s - time.monotonic())

@@ -8,11 +8,21 @@ alone decides (workers never call each other, except encoders pushing rows to pr
 
 Closing the output stream early (client gone, stop string) cancels every call still open, which
 aborts the request on the tier that holds it; a KV handle decode never took is released at once.
+
+A worker lost under a request (it died, left rotation by health or progress, or failed the call)
+costs the request nothing while its move budget (``max_migrations``) and deadline last: before the
+first token the request is dispatched again (encoders push its rows again, from their cache);
+mid-stream it **migrates**: the prompt plus every token already streamed is prefilled anew and
+another decode worker goes on from there. Those tokens count as output on the workers (limits,
+and a seeded draw's token index), so a greedy or seeded stream goes on token for token as if it
+had never moved, and the client sees neither a gap nor a repeat.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -42,6 +52,7 @@ from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2,
 log = logging.getLogger("epd.router")
 _PREFIX_KEY_TOKENS = 64  # how much of the prompt decides prefill affinity
 _ENCODE_ATTEMPTS = 2
+_ROTATION_POLL_S = 0.2  # how often a request waiting to move looks for a worker back in rotation
 _RELEASE_TIMEOUT_S = 5.0
 # what a tier said about the request itself keeps its meaning; anything else is that tier failing it
 _PASSED_THROUGH = {ErrorCode.INVALID_ARGUMENT: InvalidRequest, ErrorCode.DEADLINE_EXCEEDED: DeadlineExceeded}
@@ -54,12 +65,14 @@ class DisaggregatedBackend:
         self.embedding_row_bytes = family_for(model_dir).mm_spec(Path(model_dir)).embedding_dim * 4
         self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
                                        "decode": list(config.decodes)}, health_period_s=config.health_period_s,
+                                      health_timeout_s=config.health_timeout_s,
                                       stall_timeout_s=config.stall_timeout_s)
         self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}
         # content hash -> (encoder address, number of encode calls carrying it now): an item already
         # being encoded goes to that encoder, where it waits on the one producer instead of being
         # encoded again elsewhere because its home looked busy
         self._encoding: dict[str, tuple[str, int]] = {}
+        self.moves: collections.Counter[str] = collections.Counter()  # requests moved, by stage
 
     async def start(self) -> None:
         await self.workers.start()
@@ -75,10 +88,27 @@ class DisaggregatedBackend:
 
     def refresh_metrics(self, metrics) -> None:
         metrics.refresh_cluster(self.workers.workers)
+        metrics.refresh_moves(self.moves)
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
         backoff = _Backoff(job, self.config.queue_timeout_s)
+        moves = _Moves(job, self.config.max_migrations)
+        while True:
+            try:
+                async with contextlib.aclosing(self._attempt(moves.job, backoff)) as outputs:
+                    async for output in outputs:
+                        moves.streamed(output)
+                        yield output
+                return
+            except UpstreamError as err:  # a tier lost or failed the request: move it, if it may
+                stage = moves.move(err)
+                self.moves[stage] += 1
+                log.warning("request %s: %s; moving it (%s, %d tokens streamed)", job.request_id, err.message,
+                            stage, len(moves.job.output_token_ids))
+                await self._until_in_rotation(moves.job, backoff)
+
+    async def _attempt(self, job: Job, backoff: _Backoff) -> AsyncIterator[BackendOutput]:
         while True:
             # prefill stays counted (and reachable while drained) until decode took its KV or let go
             with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
@@ -91,6 +121,15 @@ class DisaggregatedBackend:
                     async for output in outputs:
                         yield output
                 return
+
+    async def _until_in_rotation(self, job: Job, backoff: _Backoff) -> None:
+        """Before a move: every tier the request needs has a worker in rotation, or one comes back
+        (a restarted worker) within the queue budget and the deadline; else 503."""
+        tiers = TIERS if job.prompt.items else ("prefill", "decode")
+        while missing := [tier for tier in tiers if not self.workers.candidates(tier)]:
+            if not await backoff.pause(_ROTATION_POLL_S):
+                raise Unavailable(f"request {job.request_id}: no healthy {missing[0]} worker to move it to "
+                                  f"({len(self.workers.workers[missing[0]])} configured)")
 
     async def _after_prefill(self, job: Job, prefill: WorkerState, result: common_pb2.PrefillResult,
                              backoff: _Backoff) -> AsyncIterator[BackendOutput]:
@@ -110,19 +149,20 @@ class DisaggregatedBackend:
                 await _release_lease(prefill, result.kv)
 
     async def _prefill(self, job: Job, prefill: WorkerState, backoff: _Backoff) -> common_pb2.PrefillResult:
-        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids)
+        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
+                                output_token_ids=job.output_token_ids)
         call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
                                     timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
         try:
-            accepted = await call.read()
+            accepted = await _unless_lost(prefill, call.read())
             if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
             # registered there: from now on the encoders may push its rows
             for address, indices in self._encoder_groups(job.prompt).items():
                 encodes.add(self._encode_on(address, job, indices, prefill.address, backoff),
                             self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
-            reply = await encodes.race(reader := asyncio.ensure_future(call.read()))
+            reply = await encodes.race(reader := asyncio.ensure_future(call.read()), prefill)
             if reply is grpc.aio.EOF or not reply.HasField("result"):
                 raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
             result = reply.result
@@ -170,13 +210,16 @@ class DisaggregatedBackend:
         while True:
             with self._holding("encoder", address=address) as encoder:
                 try:
-                    await encoder.stub.Encode(request, timeout=job.remaining_s())
+                    await _unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
                     return
                 except grpc.aio.AioRpcError as err:
-                    error, code = self._tier_error("encoder", address, err), err.code()
+                    error = self._tier_error("encoder", address, err)
+                    is_lost = err.code() == grpc.StatusCode.UNAVAILABLE
+                except _Lost as err:
+                    error, is_lost = err, True
             if isinstance(error, Overloaded):  # full: wait its hint; then the same or a quieter encoder
                 await backoff.wait(error)
-            elif code != grpc.StatusCode.UNAVAILABLE or (unavailable := unavailable + 1) == _ENCODE_ATTEMPTS:
+            elif not is_lost or (unavailable := unavailable + 1) == _ENCODE_ATTEMPTS:
                 raise error
             # a restarted worker's first call can fail on the old connection; try again, on another
             # encoder when one is healthy
@@ -186,14 +229,17 @@ class DisaggregatedBackend:
 
     async def _decode(self, job: Job, result: common_pb2.PrefillResult,
                       backoff: _Backoff) -> AsyncIterator[BackendOutput]:
-        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False)
+        meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False,
+                                output_token_ids=job.output_token_ids)
         request = decode_pb2.GenerateRequest(request=meta, prefill=result)
         while True:
             with self._holding("decode", job.request_id) as decode:
                 call = decode.stub.Generate(request, timeout=job.remaining_s())
                 is_finished, is_started = False, False
                 try:
-                    async for chunk in call:
+                    # each read gives up when decode leaves rotation: a wedged worker (stopped,
+                    # stalled) keeps the stream open, and the request must move on without it
+                    while (chunk := await _unless_lost(decode, call.read())) is not grpc.aio.EOF:
                         is_finished, is_started = bool(chunk.finish_reason), True
                         yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
                                             chunk.finish_reason or None)
@@ -244,11 +290,61 @@ class _Backoff:
 
     async def wait(self, err: Overloaded) -> None:
         wait_s = err.retry_after_s or 0.0
-        if wait_s > min(self.left_s, self.job.remaining_s()):
+        if not await self.pause(wait_s):
             raise Overloaded(f"request {self.job.request_id}: the cluster is saturated ({err.message})",
                              retry_after_s=max(wait_s, 1.0))
+
+    async def pause(self, wait_s: float) -> bool:
+        """Sleep ``wait_s`` out of the budget; False (and no sleep) when it does not fit."""
+        if wait_s > min(self.left_s, self.job.remaining_s()):
+            return False
         self.left_s -= wait_s
         await asyncio.sleep(wait_s)
+        return True
+
+
+class _Moves:
+    """A request's moves off lost workers: what it streamed so far (the next attempt resumes after
+    it, under its own request id on the workers) and how many moves are left."""
+
+    def __init__(self, job: Job, max_moves: int) -> None:
+        self.original, self.job, self.left, self.count = job, job, max_moves, 0
+        self.tokens: list[int] = []
+
+    def streamed(self, output: BackendOutput) -> None:
+        self.tokens.extend(output.token_ids)
+
+    def move(self, err: UpstreamError) -> str:
+        """-> the stage the request moves from; raises ``err`` when no move is left (budget, deadline)."""
+        if self.left == 0 or self.original.remaining_s() <= 0:
+            if self.count:
+                raise UpstreamError(f"{err.message} (after {self.count} moves, max_migrations reached)") from None
+            raise err
+        self.left, self.count = self.left - 1, self.count + 1
+        self.job = dataclasses.replace(self.original, request_id=f"{self.original.request_id}.m{self.count}",
+                                       output_token_ids=tuple(self.tokens))
+        return "migrated" if self.tokens else "redispatched"
+
+
+class _Lost(UpstreamError):
+    """The worker holding a call left rotation while the call waited on it."""
+
+
+async def _unless_lost(worker: WorkerState, awaitable):
+    """``awaitable``'s result, unless ``worker`` leaves rotation first (then ``_Lost``)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, worker.outage()}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise _Lost(_lost_message(worker))
+
+
+def _lost_message(worker: WorkerState) -> str:
+    return f"{worker.tier} {worker.address} left rotation (dead, not answering or not progressing) during the call"
 
 
 class _Encodes:
@@ -269,13 +365,17 @@ class _Encodes:
         if not task.cancelled() and task.exception() is not None and not self._failed.done():
             self._failed.set_result(task.exception())
 
-    async def race(self, reader: asyncio.Future):
-        """``reader``'s result, or the first encode failure; a reader still running is left to the
-        caller (its result may carry a lease that must not be dropped)."""
-        await asyncio.wait({reader, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+    async def race(self, reader: asyncio.Future, prefill: WorkerState):
+        """``reader``'s result, or the first encode failure, or ``_Lost`` when prefill leaves
+        rotation; a reader still running is left to the caller (its result may carry a lease that
+        must not be dropped)."""
+        outage = prefill.outage()
+        await asyncio.wait({reader, self._failed, outage}, return_when=asyncio.FIRST_COMPLETED)
         if reader.done():
             return reader.result()
-        raise self._failed.result()
+        if self._failed.done():
+            raise self._failed.result()
+        raise _Lost(_lost_message(prefill))
 
     def cancel(self) -> None:
         for task in self._tasks:

@@ -1,0 +1,52 @@
+"""A standby tier process: ``python -m epd.server.standby <tier>`` imports what the tier needs
+(torch, transformers' model code, the tier's servicer), says so, and waits for one line on stdin,
+the JSON argument list of ``epd <tier> ...``; then it becomes that worker. EOF on stdin: it exits.
+
+Why: a worker that dies is replaced by a fresh process, and on a small, busy host most of a cold
+start is imports (torch alone is ~3 s idle here, several times that under load). The local
+supervisor keeps one standby per tier, so a restart costs only the model load and the listener.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+STANDBY_READY = "EPD_STANDBY ready"
+_TIERS = ("encoder", "prefill", "decode")
+# imported ahead; a module a build lacks is skipped (the worker imports what it needs itself)
+_PRELOAD = ("torch", "epd.server.tier", "epd.models.registry", "epd.models.presets",
+            "transformers.models.qwen2_vl.modeling_qwen2_vl", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] not in _TIERS:
+        print(f"usage: python -m epd.server.standby {{{','.join(_TIERS)}}}, got {argv}", file=sys.stderr)
+        return 2
+    tier = argv[0]
+    for name in (*_PRELOAD, f"epd.{tier}.servicer"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    print(STANDBY_READY, flush=True)
+    line = sys.stdin.readline()
+    if not line:
+        return 0  # the supervisor let go of us: nothing to become
+    try:
+        args = json.loads(line)
+    except json.JSONDecodeError:
+        args = None
+    if not isinstance(args, list) or not args or args[0] != tier or not all(isinstance(a, str) for a in args):
+        print(f"epd standby {tier}: expected a JSON list of strings starting with {tier!r}, got {line[:200]!r}",
+              file=sys.stderr)
+        return 2
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # as a cold-started worker's: it never reads stdin
+    from epd.cli import main as epd_main
+    return epd_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 from PIL import Image
 
-_BANNER_LINE = re.compile(r"\s+(encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)$")
+_BANNER_LINE = re.compile(r"\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)$")
 
 
 def noise_data_url(width: int, height: int, seed: int) -> str:
@@ -230,7 +230,7 @@ def window_stats(outcomes: list[Outcome], start_s: float, end_s: float) -> dict:
 
 # ---- the epd serve tree -------------------------------------------------------------------------
 def worker_pids(lines: list[str]) -> dict[str, list[tuple[str, int]]]:
-    """From ``epd serve``'s ready banner: tier -> [(address, pid)]."""
+    """From ``epd serve``'s ready banner: tier (and "router") -> [(address, pid)]."""
     pids: dict[str, list[tuple[str, int]]] = {}
     for line in lines:
         if m := _BANNER_LINE.match(line):

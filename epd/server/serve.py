@@ -66,7 +66,7 @@ def wait_healthy(url: str, timeout_s: float) -> dict:
     raise RuntimeError(f"the cluster did not become healthy within {timeout_s:.0f} s; last answer: {last}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     config = run_or_exit("epd serve", lambda: serve_config_from_args(argv))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,11 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     if config.launcher == "ray":
         from epd.server.ray import serve_on_ray
         serve_on_ray(config, stop)
-        return
-    serve_locally(config, stop)
+        return 0
+    return serve_locally(config, stop)
 
 
-def serve_locally(config: ServeConfig, stop: threading.Event) -> None:
+def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
+    """-> the exit code: 0 when stopped, 1 when the router died."""
     from epd.server.local import LocalCluster
 
     router = config.router
@@ -99,24 +100,26 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> None:
         workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid})\n" for p in cluster.processes
                           if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
-              f"  metrics     {url}/metrics\n  health      {url}/health\n{workers}(Ctrl-C stops everything)",
-              flush=True)
-        supervise(cluster, process, config.max_restarts, stop)
+              f"  metrics     {url}/metrics\n  health      {url}/health\n  router      {url} (pid {process.proc.pid})\n"
+              f"{workers}(Ctrl-C stops everything)", flush=True)
+        return 0 if supervise(cluster, process, config.max_restarts, stop) else 1
     finally:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
 
 
-def supervise(cluster, router, max_restarts: int, stop: threading.Event) -> None:
-    """Until ``stop``: a worker that dies is restarted (``LocalCluster.supervise``); the router's
-    death ends the service, since it holds every request's state (its clients' connections went
-    with it, and a new router would know none of their requests)."""
+def supervise(cluster, router, max_restarts: int, stop: threading.Event) -> bool:
+    """Until ``stop`` (-> True): a worker that dies is restarted (``LocalCluster.supervise``); the
+    router's death ends the service (-> False), since it holds every request's state: its clients'
+    connections went with it, and a new router would know none of their requests. Exiting non-zero
+    lets whatever runs ``epd serve`` (systemd, a container runtime) restart the whole service."""
     while not stop.is_set():
         if router.proc.poll() is not None:
             print(f"epd serve: the router exited with {router.proc.returncode}; stopping.\n{router.tail()}",
                   file=sys.stderr, flush=True)
-            return
+            return False
         for event in cluster.supervise(max_restarts):
             print(f"epd serve: {event}", file=sys.stderr, flush=True)
         stop.wait(0.5)
+    return True

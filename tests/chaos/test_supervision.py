@@ -1,117 +1,154 @@
-"""A worker's death under load, as a user sees it through ``epd serve``: kill -9 one of two encoders
-while 8 streaming clients keep sending one-image chats. No client request fails (the router sends
-the dead encoder's items to the other one), the dead worker's shared memory is reclaimed within
-10 s, it is restarted on its own port and back in rotation, and after stop nothing of it is left
-in /dev/shm or the process table."""
+"""Faults under load, as a user sees them through ``epd serve --encoders 2 --prefills 2 --decodes 2``.
+
+First 16 clients with no fault: none may fail (a saturated cluster slows down, it does not fail
+requests). Then 8 streaming clients while one worker of each tier is killed with SIGKILL in turn, at
+a random point (mid-encode, mid-prefill or mid-stream), and then a decode worker is stopped
+(SIGSTOP: alive but wedged). No client request fails; every answer equals its chat's fault-free
+answer token for token (greedy and seeded, images interleaved, one image twice, an image in an
+earlier turn, logprobs, a stop string, usage counts); a killed worker's shared memory is gone within
+10 s and it is back in rotation within 15 s; requests really migrated; after stop nothing is left
+in /dev/shm or the process table. Killing the router stops ``epd serve`` (exit 1), no orphans.
+"""
 from __future__ import annotations
 
-import base64
-import json
 import os
-import re
+import random
 import signal
-import threading
 import time
-import urllib.request
 
-import httpx
 import pytest
 
-from tests.conftest import make_image_bytes
+from epd.bench.chaos import (
+    LoopingClients,
+    chats,
+    in_rotation,
+    mismatches,
+    moves,
+    references,
+    restarted_pid,
+    segments_of,
+    stop_twin,
+    worker_pids,
+)
 from tests.e2e.serve_process import ServeProcess, wait_until
 
 pytestmark = pytest.mark.slow
-NUM_CLIENTS = 8
-# a restarted worker imports torch and loads its model on 2 cores busy with 8 clients and the
-# other tiers: 30-35 s measured here, of which the restart delay is 1 s
-BACK_IN_ROTATION_S = 60
+MODEL = "tiny-qwen2-vl"
+SHM_GONE_S, BACK_IN_ROTATION_S = 10, 15
+NO_FAULT_CLIENTS, NO_FAULT_REQUESTS, CHAOS_CLIENTS = 16, 128, 8
+# where each fault lands: printed, and set EPD_CHAOS_SEED to replay a failing run's timing
+SEED = int(os.environ.get("EPD_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 16))))
 
 
-def _worker_pids(serve: ServeProcess) -> dict[str, list[tuple[str, int]]]:
-    """From the ready banner: tier -> [(address, pid)]."""
-    pids: dict[str, list[tuple[str, int]]] = {}
-    for line in serve.lines:
-        if m := re.match(r"\s+(encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)$", line):
-            pids.setdefault(m.group(1), []).append((m.group(2), int(m.group(3))))
-    return pids
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children start their own sessions; their parent stays)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
 
 
-def _health(serve: ServeProcess) -> dict:
+def _gone(pid: int) -> bool:
     try:
-        with urllib.request.urlopen(f"{serve.base_url}/health", timeout=5) as resp:
-            return json.loads(resp.read())
-    except urllib.error.HTTPError as err:  # 503 while degraded: the body still says who is down
-        return json.loads(err.read())
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
-def _segments_of(pid: int) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"epd_{pid}_")]
+def _assert_all_gone(pids: set[int]) -> None:
+    assert wait_until(lambda: all(_gone(p) for p in pids), 20), [p for p in pids if not _gone(p)]
+    left = [name for p in pids for name in segments_of(p)]
+    assert not left, left
 
 
-class _Clients:
-    """Streaming one-image chats in a loop until stopped; every outcome recorded."""
-
-    def __init__(self, base_url: str) -> None:
-        self.base_url, self.stop = base_url, threading.Event()
-        self.ok, self.failures = 0, []
-        self.threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(NUM_CLIENTS)]
-
-    def __enter__(self) -> "_Clients":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(120)
-
-    def _loop(self, client: int) -> None:
-        with httpx.Client(timeout=120) as http:
-            for n in range(10_000):
-                if self.stop.is_set():
-                    return
-                self._one(http, client * 10_000 + n)
-
-    def _one(self, http: httpx.Client, seed: int) -> None:
-        url = "data:image/png;base64," + base64.b64encode(make_image_bytes(64, 48, seed=seed)).decode()
-        body = {"model": "tiny-qwen2-vl", "stream": True, "max_tokens": 8, "temperature": 0,
-                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                                          {"type": "text", "text": "What is it?"}]}]}
-        try:
-            with http.stream("POST", f"{self.base_url}/v1/chat/completions", json=body) as response:
-                lines = list(response.iter_lines()) if response.status_code == 200 else [response.read().decode()]
-            finished = response.status_code == 200 and any('"finish_reason":"length"' in line.replace(" ", "")
-                                                           for line in lines)
-            if finished:
-                self.ok += 1
-            else:
-                self.failures.append(f"{response.status_code}: {lines[-3:]}")
-        except httpx.HTTPError as err:
-            self.failures.append(repr(err))
+def _kill(serve: ServeProcess, clients: LoopingClients, pids: dict, tier: str) -> int:
+    """SIGKILL the tier's first worker; -> its new pid, once restarted and back in rotation."""
+    address, pid = pids[tier][0]
+    seen = len(serve.lines)
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert wait_until(lambda: not segments_of(pid), SHM_GONE_S), segments_of(pid)
+    back = wait_until(lambda: restarted_pid(serve.lines, tier, address, seen) is not None
+                      and in_rotation(serve.base_url, tier, address), BACK_IN_ROTATION_S, period_s=0.1)
+    assert back, f"{tier} {address} not back in rotation {time.monotonic() - killed_at:.1f} s after its kill:\n" + \
+        "\n".join(serve.lines[seen:][-20:])
+    new_pid = restarted_pid(serve.lines, tier, address, seen)
+    pids[tier][0] = (address, new_pid)
+    _wait_for_progress(clients)
+    return new_pid
 
 
-def test_killing_an_encoder_under_load_fails_no_request_and_it_comes_back():
-    serve = ServeProcess("--model", "tiny-qwen2-vl", "--encoders", "2")
+def _wedge(serve: ServeProcess, clients: LoopingClients, pids: dict, tier: str) -> None:
+    """SIGSTOP the tier's first worker: it leaves rotation, its requests move on and others keep
+    being served; after SIGCONT it comes back."""
+    address, pid = pids[tier][0]
+    os.kill(pid, signal.SIGSTOP)
     try:
-        (address, pid), _ = _worker_pids(serve)["encoder"]
-        with _Clients(serve.base_url) as clients:
-            assert wait_until(lambda: clients.ok >= 8, 60), clients.failures
-            os.kill(pid, signal.SIGKILL)
-            killed_at_s = time.monotonic()
-            assert wait_until(lambda: not _segments_of(pid), 10), _segments_of(pid)
-            assert wait_until(lambda: re.search(rf"encoder {re.escape(address)} restarted \(pid \d+\)",
-                                                "\n".join(serve.lines)), 10)
-            back = wait_until(lambda: all(w["healthy"] for w in _health(serve)["workers"]["encoder"]),
-                              BACK_IN_ROTATION_S - (time.monotonic() - killed_at_s))
-            assert back, _health(serve)
-            served_before_end = clients.ok
-            assert wait_until(lambda: clients.ok >= served_before_end + 8, 60)
-        assert not clients.failures, clients.failures[:5]
-        new_pid = int(re.search(rf"encoder {re.escape(address)} restarted \(pid (\d+)\)",
-                                "\n".join(serve.lines)).group(1))
+        assert wait_until(lambda: not in_rotation(serve.base_url, tier, address), 30)
+        _wait_for_progress(clients)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: in_rotation(serve.base_url, tier, address), 30)
+
+
+def _wait_for_progress(clients: LoopingClients) -> None:
+    done = clients.num_ok
+    assert wait_until(lambda: clients.num_ok >= done + CHAOS_CLIENTS, 90), [o.error for o in clients.failures()][:3]
+
+
+def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
+    print(f"EPD_CHAOS_SEED={SEED}")
+    rng = random.Random(SEED)
+    serve = ServeProcess("--model", MODEL, "--encoders", "2", "--prefills", "2", "--decodes", "2",
+                         "--health-timeout-s", "2")
+    started = _descendants(serve.proc.pid)
+    try:
+        chat_list = chats(max_tokens=32, seed=SEED)
+        refs = references(serve.base_url, MODEL, chat_list)
+        if (twin := stop_twin(chat_list[0], refs[chat_list[0].name])) is not None:
+            chat_list.append(twin)
+            refs.update(references(serve.base_url, MODEL, [twin]))
+        with LoopingClients(serve.base_url, MODEL, chat_list, NO_FAULT_CLIENTS) as crowd:
+            assert wait_until(lambda: len(crowd.snapshot()) >= NO_FAULT_REQUESTS, 300)
+        assert not crowd.failures(), [f"{o.status} {o.error}" for o in crowd.failures()][:5]
+        assert not mismatches(crowd.snapshot(), refs)
+
+        pids = worker_pids(serve.lines)
+        with LoopingClients(serve.base_url, MODEL, chat_list, CHAOS_CLIENTS) as clients:
+            assert wait_until(lambda: clients.num_ok >= CHAOS_CLIENTS, 60)
+            for tier in ("encoder", "prefill", "decode"):
+                time.sleep(rng.uniform(0.0, 2.0))
+                _kill(serve, clients, pids, tier)
+            _wedge(serve, clients, pids, "decode")
+        outcomes = clients.snapshot()
+        assert not clients.failures(), [f"{o.chat}: {o.status} {o.error}" for o in clients.failures()][:5]
+        assert not mismatches(outcomes, refs)
+        assert moves(serve.base_url).get("migrated", 0) >= 1, "no request was ever moved mid-stream"
+        started |= _descendants(serve.proc.pid)  # the restarted workers and the standbys made since
     finally:
         assert serve.stop() == 0, "\n".join(serve.lines[-30:])
-    for p in (pid, new_pid):
-        assert not _segments_of(p)
-        assert not os.path.exists(f"/proc/{p}") or open(f"/proc/{p}/stat").read().split()[2] == "Z"
+    _assert_all_gone(started)
+
+
+def test_killing_the_router_stops_epd_serve_and_leaves_no_orphans():
+    serve = ServeProcess("--model", MODEL)
+    started = _descendants(serve.proc.pid)
+    try:
+        (_, router_pid), = worker_pids(serve.lines)["router"]
+        assert router_pid in started
+        os.kill(router_pid, signal.SIGKILL)
+        assert serve.proc.wait(60) == 1
+        assert any("the router exited with -9; stopping" in line for line in serve.lines)
+    finally:
+        serve.stop()
+    _assert_all_gone(started)

@@ -1,5 +1,6 @@
 """EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end): a multimodal
-request through the HTTP API; a killed worker actor is restarted by Ray and serves again; a tier
+request through the HTTP API; a killed worker actor is restarted by Ray and serves again; a decode
+actor killed under streaming clients costs no request (they migrate, token for token); a tier
 scales up (new worker registers with the router) and down (drained first)."""
 from __future__ import annotations
 
@@ -62,6 +63,37 @@ def test_killed_encoder_actor_is_restarted_and_serves_again(cluster):
     health = cluster.wait_healthy(180)
     assert health["workers"]["encoder"][0]["healthy"]
     ask(cluster, 2)
+
+
+def test_a_decode_actor_killed_mid_stream_costs_no_request_and_ray_restarts_it(cluster):
+    from epd.bench.chaos import LoopingClients, chats, mismatches, moves, references
+
+    cluster.scale("decode", 2)
+    cluster.wait_healthy(180)
+    chat_list = chats(max_tokens=32)
+    refs = references(cluster.http_url, "m", chat_list)
+    victim = cluster.actors["decode"][0]
+    old_pid = ray.get(victim.pid.remote(), timeout=30)
+    with LoopingClients(cluster.http_url, "m", chat_list, num_clients=4) as clients:
+        deadline = time.monotonic() + 120
+        while (clients.num_ok < 4 or not _in_flight(cluster, "decode", 0)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ray.kill(victim, no_restart=False)  # with streams on it
+        done = clients.num_ok
+        while clients.num_ok < done + 8 and time.monotonic() < deadline + 120:
+            time.sleep(0.1)
+    assert not clients.failures(), [f"{o.status} {o.error}" for o in clients.failures()][:5]
+    assert not mismatches(clients.snapshot(), refs)
+    assert clients.num_ok >= done + 8
+    assert sum(moves(cluster.http_url).values()) >= 1
+    assert ray.get(victim.pid.remote(), timeout=180) != old_pid  # restarted by Ray, on its own port
+    assert cluster.wait_healthy(180)["workers"]["decode"][0]["healthy"]
+    cluster.scale("decode", 1)
+
+
+def _in_flight(cluster, tier: str, index: int) -> int:
+    address = cluster.addresses[tier][index]
+    return next(w["in_flight"] for w in cluster.health()["workers"][tier] if w["address"] == address)
 
 
 def test_scale_decode_up_and_down(cluster):

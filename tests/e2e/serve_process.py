@@ -30,6 +30,7 @@ class ServeProcess:
                 self.base_url = m.group(1)
             if m := re.search(r"gRPC API\s+(\S+)", line):
                 self.grpc_address = m.group(1)
+            if "(Ctrl-C stops everything)" in line:  # the banner's last line: every worker is listed
                 ready.set()
         ready.set()
 

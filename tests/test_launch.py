@@ -128,3 +128,15 @@ def test_a_standby_only_becomes_a_worker_of_its_own_tier(line, code, says):
                           text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
     assert "EPD_STANDBY ready" in done.stdout and says in done.stderr
+
+
+def test_worker_ports_come_from_below_the_ephemeral_range():
+    from epd.server.local import port_outside_ephemeral_range
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    if low < 1280:
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    ports = {port_outside_ephemeral_range() for _ in range(8)}
+    assert all(0 < p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # drawn, not one fixed port two clusters on a host would both want

@@ -42,9 +42,12 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     async def _encode(self, request, context) -> encoder_pb2.EncodeResponse:
         request_id = request.request_id
+        # one request's items may reach this encoder in several calls (its own group, and another
+        # encoder's group retried here after that encoder was lost): the engine keys each call
+        key = f"{request_id}@{min((m.item_index for m in request.items), default=0)}"
         timeout_s = remaining_s(context, self.config.request_timeout_s)
         try:
-            future = self.engine.submit(request_id, [_item(msg) for msg in request.items])
+            future = self.engine.submit(key, [_item(msg) for msg in request.items])
         except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
             raise InvalidRequest(f"request {request_id}: {err}") from None
         try:  # a router cancelling the call frees the request's place in the queue and its pins
@@ -52,7 +55,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             pushes = await self.ctx.blocking(lambda: self._export_all(request, result),
                                              undo=lambda made: self.store.release([p.embedding.lease_id for p in made]))
         finally:
-            self.engine.release(request_id)  # rows are copied into the handles' storage
+            self.engine.release(key)  # rows are copied into the handles' storage
         try:
             await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
         except Exception as err:  # noqa: BLE001 - the push failed: the rows will never be used

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +75,33 @@ def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -
     if num_processes < 2 or EPD_NUM_THREADS in environ or OMP_NUM_THREADS in environ:
         return None
     return max(1, usable_cores() // num_processes)
+
+
+def port_outside_ephemeral_range(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A free port below the kernel's ephemeral range (0 if none is found: the kernel picks).
+
+    Why: a worker that dies is restarted on its own port, so the router's address for it stays
+    valid. A port from the ephemeral range may meanwhile be taken by any outgoing connection on the
+    host; one below it is only ever taken by a listener that asked for it.
+    """
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    first = 20000 if low > 21000 else 1024
+    if low - first < 256:
+        return 0
+    rng = random.SystemRandom()
+    for _ in range(attempts):
+        port = rng.randrange(first, low)
+        with socket.socket() as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return 0
 
 
 class LocalCluster:
@@ -223,6 +252,8 @@ class LocalCluster:
         return path
 
     def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> TierProcess:
+        if with_defaults and port == 0:
+            port = port_outside_ephemeral_range()
         return self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, with_defaults, port)])
 
     def _worker_argv(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> list[str]:

@@ -99,26 +99,53 @@ def test_same_image_in_ten_concurrent_requests_is_encoded_once(driver):
     assert _encoded_items(driver) - before == 1
 
 
-def test_items_spread_over_encoders_come_back_in_order(driver, llm):
-    if len(encoders(driver)) < 2:
-        pytest.skip("needs two encoders")
-    # content hashes include the checkpoint path, so pick images until the router's own encoder
-    # policy (rendezvous hashing; idle workers: equal load) sends some to each encoder
+def _images_for_every_encoder(driver, llm, seed: int = 100) -> list[bytes]:
+    """Images the router's own encoder policy (rendezvous hashing; idle workers: equal load) spreads
+    over every encoder; content hashes include the checkpoint path, so they are picked here."""
     policy = HashAffinity()
     idle = [Candidate(address, 0.0) for address in encoders(driver)]
     images, homes = [], set()
     for i in range(40):
-        image = make_image_bytes(56 + 8 * (i % 6), 64, seed=100 + i)
+        image = make_image_bytes(56 + 8 * (i % 6), 64, seed=seed + i)
         prompt = driver.pipeline.processor.process_messages(*llm.extract_images(user_message("x", [image])))
         images.append(image)
         homes.add(policy.pick(prompt.items[0].mm_hash, idle))
         if len(images) >= 4 and homes == set(encoders(driver)):
-            break
-    assert homes == set(encoders(driver)), "40 images all routed to one encoder"
+            return images
+    raise AssertionError("40 images all routed to one encoder")
+
+
+def test_items_spread_over_encoders_come_back_in_order(driver, llm):
+    if len(encoders(driver)) < 2:
+        pytest.skip("needs two encoders")
+    images = _images_for_every_encoder(driver, llm)
     before = {address: _encoded_items_at(address) for address in encoders(driver)}
     messages = user_message("List them.", images)
     assert driver.chat(messages, GREEDY).token_ids == llm.chat(messages, GREEDY)[0].token_ids
     assert all(_encoded_items_at(address) > before[address] for address in encoders(driver))
+
+
+def test_an_encoder_lost_mid_call_has_its_items_encoded_by_the_other_one(driver, llm, monkeypatch):
+    """Its items join, on the other encoder, the call that encoder already has for the same request
+    (one request, two calls there): both are encoded and the answer is unchanged."""
+    if len(encoders(driver)) < 2:
+        pytest.skip("needs two encoders")
+    from epd.router.backends import disaggregated
+
+    images = _images_for_every_encoder(driver, llm, seed=300)
+    lost_address, real_unless_lost, lost = encoders(driver)[0], disaggregated._unless_lost, []
+
+    async def lose_the_first_encode_there(worker, awaitable):
+        if worker.tier == "encoder" and worker.address == lost_address and not lost:
+            lost.append(worker.address)
+            awaitable.cancel()  # the call never reaches it: as if it died as the call went out
+            raise disaggregated._Lost(disaggregated._lost_message(worker))
+        return await real_unless_lost(worker, awaitable)
+
+    monkeypatch.setattr(disaggregated, "_unless_lost", lose_the_first_encode_there)
+    messages = user_message("List them.", images)
+    assert driver.chat(messages, GREEDY).token_ids == llm.chat(messages, GREEDY)[0].token_ids
+    assert lost == [lost_address]
 
 
 def _encoded_items(driver) -> int:

@@ -94,10 +94,12 @@ def _inject(server, clients, pids, action: str, tier: str, gap_s: float) -> dict
     entry = {"fault": f"{action}:{tier}", "address": address, "pid": pid, "at_s": round(at_s, 1)}
     if action == "kill":
         os.kill(pid, signal.SIGKILL)
-        entry["shm_gone_s"] = _wait(lambda: not segments_of(pid), 30)
-        entry["restarted_s"] = _wait(lambda: restarted_pid(server.lines, tier, address, seen) is not None, 60)
+        since = time.monotonic()  # every figure below is seconds after the kill
+        entry["shm_gone_s"] = _wait(lambda: not segments_of(pid), 30, since=since)
+        entry["restarted_s"] = _wait(lambda: restarted_pid(server.lines, tier, address, seen) is not None, 60,
+                                     since=since)
         entry["back_in_rotation_s"] = _wait(lambda: restarted_pid(server.lines, tier, address, seen) is not None
-                                            and in_rotation(server.url, tier, address), 120)
+                                            and in_rotation(server.url, tier, address), 120, since=since)
         new_pid = restarted_pid(server.lines, tier, address, seen)
         if new_pid is not None:
             pids[tier][0] = (address, new_pid)
@@ -108,29 +110,34 @@ def _inject(server, clients, pids, action: str, tier: str, gap_s: float) -> dict
             time.sleep(max(0.0, STOPPED_FOR_S - (clients.now_s() - at_s)))
         finally:
             os.kill(pid, signal.SIGCONT)
-        entry["back_in_rotation_s"] = _wait(lambda: in_rotation(server.url, tier, address), 60)
+        entry["back_in_rotation_s"] = _wait(lambda: in_rotation(server.url, tier, address), 60)  # after SIGCONT
     time.sleep(max(0.0, gap_s - (clients.now_s() - at_s)))
     print(f"  {entry}", file=sys.stderr, flush=True)
     return entry
 
 
-def _wait(predicate, timeout_s: float, period_s: float = 0.1) -> float | None:
-    """Seconds until ``predicate`` held, None if it never did within ``timeout_s``."""
+def _wait(predicate, timeout_s: float, period_s: float = 0.1, since: float | None = None) -> float | None:
+    """Seconds from ``since`` (default: now) until ``predicate`` held; None if it did not within
+    ``timeout_s`` of now."""
     start = time.monotonic()
+    since = start if since is None else since
     while time.monotonic() - start < timeout_s:
         if predicate():
-            return round(time.monotonic() - start, 1)
+            return round(time.monotonic() - since, 1)
         time.sleep(period_s)
     return None
 
 
 def _print(report: dict) -> None:
-    print(f"{'fault':<14} {'at_s':>6} {'shm_gone_s':>10} {'back_s':>7} | {'before: n':>9} {'fail':>4} "
+    print("(shm_gone_s, restart_s, back_s: seconds after the kill; for stop:, out_s is when it left rotation)")
+    print(f"{'fault':<14} {'at_s':>6} {'shm_gone_s':>10} {'restart_s':>9} {'back_s':>7} {'out_s':>6} | "
+          f"{'before: n':>9} {'fail':>4} "
           f"{'p50':>7} {'p99':>7} | {'after: n':>8} {'fail':>4} {'p50':>7} {'p99':>7}")
     for f in report["faults"]:
         b, a = f["before"], f["after"]
         print(f"{f['fault']:<14} {f['at_s']:>6} {str(f.get('shm_gone_s', '-')):>10} "
-              f"{str(f.get('back_in_rotation_s')):>7} | {b['requests']:>9} {b['failed']:>4} {str(b['ttft_p50_ms']):>7} "
+              f"{str(f.get('restarted_s', '-')):>9} {str(f.get('back_in_rotation_s')) if 'shm_gone_s' in f else '-':>7} "
+              f"{str(f.get('out_of_rotation_s', '-')):>6} | {b['requests']:>9} {b['failed']:>4} {str(b['ttft_p50_ms']):>7} "
               f"{str(b['ttft_p99_ms']):>7} | {a['requests']:>8} {a['failed']:>4} {str(a['ttft_p50_ms']):>7} "
               f"{str(a['ttft_p99_ms']):>7}")
     print(f"requests {report['requests']}, failed {len(report['failed'])}, differing from their reference "

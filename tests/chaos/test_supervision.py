@@ -79,7 +79,8 @@ def _kill(serve: ServeProcess, clients: LoopingClients, pids: dict, tier: str) -
     killed_at = time.monotonic()
     assert wait_until(lambda: not segments_of(pid), SHM_GONE_S), segments_of(pid)
     back = wait_until(lambda: restarted_pid(serve.lines, tier, address, seen) is not None
-                      and in_rotation(serve.base_url, tier, address), BACK_IN_ROTATION_S, period_s=0.1)
+                      and in_rotation(serve.base_url, tier, address),
+                      BACK_IN_ROTATION_S - (time.monotonic() - killed_at), period_s=0.1)
     assert back, f"{tier} {address} not back in rotation {time.monotonic() - killed_at:.1f} s after its kill:\n" + \
         "\n".join(serve.lines[seen:][-20:])
     new_pid = restarted_pid(serve.lines, tier, address, seen)

@@ -235,11 +235,12 @@ class DisaggregatedBackend:
         while True:
             with self._holding("decode", job.request_id) as decode:
                 call = decode.stub.Generate(request, timeout=job.remaining_s())
+                # a wedged decode (stopped, stalled) keeps the stream open: its call is cancelled
+                # when it leaves rotation, and the request moves on without it
+                lost = _CancelWhenLost(decode, call)
                 is_finished, is_started = False, False
                 try:
-                    # each read gives up when decode leaves rotation: a wedged worker (stopped,
-                    # stalled) keeps the stream open, and the request must move on without it
-                    while (chunk := await _unless_lost(decode, call.read())) is not grpc.aio.EOF:
+                    async for chunk in call:
                         is_finished, is_started = bool(chunk.finish_reason), True
                         yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
                                             chunk.finish_reason or None)
@@ -248,7 +249,12 @@ class DisaggregatedBackend:
                     error = self._tier_error("decode", decode.address, err)
                     if is_started or not isinstance(error, Overloaded):
                         raise error from None
+                except asyncio.CancelledError:
+                    if not lost.fired or _is_being_cancelled():
+                        raise
+                    raise _Lost(_lost_message(decode)) from None
                 finally:
+                    lost.close()
                     if not is_finished:
                         call.cancel()  # decode aborts the request
             await backoff.wait(error)  # that decode worker is full: wait its hint, then ask again
@@ -341,6 +347,31 @@ async def _unless_lost(worker: WorkerState, awaitable):
     if task.done() and not task.cancelled():
         return task.result()
     raise _Lost(_lost_message(worker))
+
+
+class _CancelWhenLost:
+    """Cancels ``call`` when ``worker`` leaves rotation (then ``fired``): one callback for a whole
+    token stream, where racing every read against the outage would cost ~40 us a token."""
+
+    def __init__(self, worker: WorkerState, call) -> None:
+        self.call, self.fired = call, False
+        self._outage = worker.outage()
+        self._outage.add_done_callback(self._fire)
+
+    def _fire(self, _) -> None:
+        self.fired = True
+        self.call.cancel()  # its reader gets CancelledError
+
+    def close(self) -> None:
+        self._outage.remove_done_callback(self._fire)
+
+
+def _is_being_cancelled() -> bool:
+    """Whether the current task itself is being cancelled (not just a call it read from). Before
+    Python 3.11 the two cannot be told apart and the call's cancel is assumed: a task cancel in the
+    same instant as a worker's loss is rare, and that request still ends at its deadline."""
+    task = asyncio.current_task()
+    return task is not None and hasattr(task, "cancelling") and task.cancelling() > 0
 
 
 def _lost_message(worker: WorkerState) -> str:

@@ -20,8 +20,9 @@ class _Engine:
     def __init__(self) -> None:
         self.block_manager = BlockManager(64, BLOCK)
 
-    def add_request(self, token_ids, params, *, request_id, mm, mm_items):
-        return Sequence(token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items)
+    def add_request(self, token_ids, params, *, request_id, mm, mm_items, output_token_ids=()):
+        return Sequence(token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items,
+                        output_token_ids=output_token_ids)
 
 
 def job(request_id: str, image_hash: str):

@@ -198,13 +198,32 @@ class RouterConfig(_Config):
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
+    api_keys: tuple[str, ...] = Field((), description="API keys a client must send as 'Authorization: Bearer "
+                                                      "<key>' (repeatable; a flag shows in ps: prefer "
+                                                      "--api-key-file or the EPD_API_KEY variable)",
+                                      json_schema_extra={"flag": "api_key"})
+    api_key_file: str | None = Field(None, description="file with one API key per line, read again when it changes "
+                                                       "(rotate keys without a restart)")
+    protect_health_and_metrics: bool = Field(False, description="/health and /metrics need an API key too")
+    admin_port: Port | None = Field(None, description="port of the admin API (register and drain workers) on "
+                                                       "admin_host; off when unset. Needs a token: "
+                                                       "EPD_ADMIN_TOKEN or admin_token_file")
+    admin_host: str = Field("127.0.0.1", description="where the admin API listens")
+    admin_token_file: str | None = Field(None, description="file with the admin API's token(s), one per line")
     aggregated: bool = Field(False, description="no tiers: run the whole model in the router process")
     engine: EngineConfig = EngineConfig()  # the in-process engine's (with aggregated only)
 
-    @field_validator("encoders", "prefills", "decodes", mode="before")
+    @field_validator("encoders", "prefills", "decodes", "api_keys", mode="before")
     @classmethod
-    def _addresses(cls, value: Any) -> Any:
+    def _comma_separated(cls, value: Any) -> Any:
         return [a for a in value.split(",") if a] if isinstance(value, str) else value
+
+    @field_validator("api_key_file", "admin_token_file")
+    @classmethod
+    def _readable_key_file(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"expected a readable file of keys, got {value!r} (no such file)")
+        return value
 
     @model_validator(mode="after")
     def _engine_only_when_aggregated(self) -> "RouterConfig":

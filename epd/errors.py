@@ -17,6 +17,7 @@ RETRY_AFTER_KEY = "retry-after"  # gRPC trailing metadata with an Overloaded err
 class ErrorCode(enum.Enum):
     # value: (HTTP status, gRPC status name, OpenAI error type)
     INVALID_ARGUMENT = (400, "INVALID_ARGUMENT", "invalid_request_error")
+    UNAUTHENTICATED = (401, "UNAUTHENTICATED", "authentication_error")
     NOT_FOUND = (404, "NOT_FOUND", "not_found_error")
     RESOURCE_EXHAUSTED = (429, "RESOURCE_EXHAUSTED", "rate_limit_error")
     CANCELLED = (499, "CANCELLED", "cancelled")
@@ -62,6 +63,12 @@ class InvalidRequest(EPDError, ValueError):
     code = ErrorCode.INVALID_ARGUMENT
 
 
+class Unauthenticated(EPDError, PermissionError):
+    """No valid API key came with the request (never says which keys exist, nor echoes the one sent)."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 class NotFound(EPDError, LookupError):
     code = ErrorCode.NOT_FOUND
 
@@ -97,7 +104,8 @@ class DeadlineExceeded(EPDError, TimeoutError):
 
 
 _BY_CODE: dict[ErrorCode, type[EPDError]] = {cls.code: cls for cls in (
-    InvalidRequest, NotFound, Overloaded, Cancelled, InternalError, UpstreamError, Unavailable, DeadlineExceeded)}
+    InvalidRequest, Unauthenticated, NotFound, Overloaded, Cancelled, InternalError, UpstreamError, Unavailable,
+    DeadlineExceeded)}
 
 
 def error_class(code: ErrorCode) -> type[EPDError]:

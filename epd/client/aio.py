@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import grpc
 
 from epd.client.errors import error_from_rpc
-from epd.client.request import ImageInput, Messages, build_request
+from epd.client.request import ImageInput, Messages, auth_metadata, build_request
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
 from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -62,8 +62,10 @@ class AsyncChatStream:
 class AsyncEPDClient:
     """The asyncio twin of EPDClient. Use it from one event loop (the channel binds to it)."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = ()) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = (),
+                 api_key: str | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
+        self._metadata = auth_metadata(api_key)
         self._options = [*CHANNEL_OPTIONS, *options]
         self._channel: grpc.aio.Channel | None = None
         self._stub_: router_pb2_grpc.RouterStub | None = None
@@ -99,7 +101,7 @@ class AsyncEPDClient:
         request = build_request(messages, images=images, max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
                                 timeout_s=timeout_s, request_id=request_id)
-        return AsyncChatStream(self._stub.Generate(request, timeout=timeout_s), self.address)
+        return AsyncChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
 
     async def models(self, *, timeout_s: float | None = None) -> list[str]:
         response = await self._unary(self._stub.Models, router_pb2.ModelsRequest(), timeout_s)
@@ -110,7 +112,7 @@ class AsyncEPDClient:
 
     async def _unary(self, method, request, timeout_s: float | None):
         try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
+            return await method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
 

@@ -128,3 +128,8 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs) -> common_p
 def _describe(value: object) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The call metadata that carries ``api_key`` to a router that requires one (none without a key)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()

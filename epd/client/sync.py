@@ -6,7 +6,7 @@ from collections.abc import Sequence
 import grpc
 
 from epd.client.errors import error_from_rpc
-from epd.client.request import ImageInput, Messages, build_request
+from epd.client.request import ImageInput, Messages, auth_metadata, build_request
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
 from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -59,8 +59,10 @@ class ChatStream:
 class EPDClient:
     """Talks to a router's public gRPC API. ``timeout_s`` is the default per-call deadline."""
 
-    def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = ()) -> None:
+    def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = (),
+                 api_key: str | None = None) -> None:
         self.address, self.timeout_s = address, timeout_s
+        self._metadata = auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
@@ -86,7 +88,7 @@ class EPDClient:
         request = build_request(messages, images=images, max_tokens=max_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
                                 timeout_s=timeout_s, request_id=request_id)
-        return ChatStream(self._stub.Generate(request, timeout=timeout_s), self.address)
+        return ChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
 
     def models(self, *, timeout_s: float | None = None) -> list[str]:
         response = self._unary(self._stub.Models, router_pb2.ModelsRequest(), timeout_s)
@@ -97,7 +99,7 @@ class EPDClient:
 
     def _unary(self, method, request, timeout_s: float | None):
         try:
-            return method(request, timeout=timeout_s or self.timeout_s)
+            return method(request, timeout=timeout_s or self.timeout_s, metadata=self._metadata)
         except grpc.RpcError as err:
             raise error_from_rpc(err, self.address) from None
 

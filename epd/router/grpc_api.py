@@ -12,9 +12,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd.errors import EPDError, InvalidRequest, as_epd_error
+from epd.errors import EPDError, InvalidRequest, Unauthenticated, as_epd_error
 from epd.protocol import logprobs_to_proto
 from epd.router.api import RouterCore
+from epd.router.auth import ApiKeys
 from epd.rpc import abort_with_async
 from epd.types import ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
@@ -102,6 +103,40 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k or -1,
             seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """The public API's calls need ``authorization: Bearer <key>`` metadata (``ApiKeys``); Health
+    stays open unless ``protect_health``. A refused call ends UNAUTHENTICATED before its handler."""
+
+    def __init__(self, api_keys: ApiKeys, *, protect_health: bool = False) -> None:
+        self.api_keys, self.protect_health = api_keys, protect_health
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if handler is None or (details.method.endswith("/Health") and not self.protect_health):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        try:
+            self.api_keys.check_bearer(metadata.get("authorization"))
+        except Unauthenticated as err:
+            return _refusing(handler, err)
+        return handler
+
+
+def _refusing(handler: grpc.RpcMethodHandler, err: Unauthenticated) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that only aborts with ``err``'s status."""
+    async def refuse(request, context):
+        await context.abort(err.grpc_status(), err.message)
+
+    async def refuse_stream(request, context):
+        await context.abort(err.grpc_status(), err.message)
+        yield  # unreachable: makes this an async generator, as a streaming handler must be
+
+    serde = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, **serde)
+    return grpc.unary_unary_rpc_method_handler(refuse, **serde)
 
 
 def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int = 256

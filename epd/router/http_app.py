@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd.errors import EPDError, ErrorCode, InternalError, InvalidRequest, NotFound, UpstreamError
+from epd.errors import EPDError, ErrorCode, InternalError, InvalidRequest, NotFound, Unauthenticated, UpstreamError
 from epd.router.api import RouterCore
+from epd.router.auth import ApiKeys
 from epd.router.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -58,14 +59,29 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None) -> FastAPI:
+def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None, api_keys: ApiKeys | None = None,
+              protect_health_and_metrics: bool = False) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
-    tokens in logprobs; without it they are their ids as strings."""
+    tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
+    (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
     chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_keys is not None and api_keys.enabled:
+        guarded = ("/v1/", "/health", "/metrics") if protect_health_and_metrics else ("/v1/",)
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if request.url.path.startswith(guarded):
+                try:
+                    api_keys.check_bearer(request.headers.get("authorization"))
+                except Unauthenticated as err:
+                    response = error_response(err)
+                    response.headers["WWW-Authenticate"] = "Bearer"
+                    return response
+            return await call_next(request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -102,8 +102,10 @@ class WorkerRegistry:
     def candidates(self, tier: str) -> list[Candidate]:
         return [Candidate(w.address, w.load) for w in self.workers.get(tier, []) if w.healthy and not w.draining]
 
-    async def add(self, tier: str, address: str) -> WorkerState:
-        """Register a new worker (scale-up); it enters rotation once a health check passes."""
+    async def add(self, tier: str, address: str, *, expected_model: str | None = None) -> WorkerState:
+        """Register a new worker (scale-up) once it answers EPD's health RPC as ``tier`` (and, when
+        given, as ``expected_model``); ValueError otherwise: an address that is not such a worker
+        never gets traffic. It enters rotation at once."""
         if tier not in _STUBS:
             raise ValueError(f"unknown tier {tier!r}; expected one of {sorted(_STUBS)}")
         existing = [w for w in self.workers.setdefault(tier, []) if w.address == address]
@@ -111,6 +113,16 @@ class WorkerRegistry:
             existing[0].draining = False
             return existing[0]
         w = _state(tier, address)
+        try:
+            health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as err:
+            await w.channel.close()
+            code = err.code().name if isinstance(err, grpc.aio.AioRpcError) else "timeout"
+            raise ValueError(f"{address} does not answer EPD's {tier} health RPC ({code})") from None
+        if health.tier != tier or (expected_model is not None and health.model != expected_model):
+            await w.channel.close()
+            raise ValueError(f"{address} is a {health.tier or 'unknown'} worker of model {health.model!r}; expected "
+                             f"a {tier} worker of model {expected_model!r}")
         self.workers[tier].append(w)
         await self._check(w)
         return w

@@ -61,6 +61,9 @@ class Command:
         if _is_bool(annotation):
             self.parser.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                      help=help_text)
+        elif typing.get_origin(_base(annotation)) is tuple:  # repeatable, and each may be a comma list
+            self.parser.add_argument(option, dest=dest, default=None, action="append", metavar=_metavar(annotation),
+                                     help=help_text + " (repeatable)")
         else:
             self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation), help=help_text)
         self.flags[name] = _Flag(dest, [path])
@@ -72,6 +75,8 @@ class Command:
             value = getattr(args, flag.dest)
             if value is None:
                 continue
+            if isinstance(value, list):  # a repeated flag: one comma list
+                value = ",".join(value)
             for path in flag.paths:
                 node = out
                 for key in path[:-1]:

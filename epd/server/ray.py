@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import socket
 import threading
 import time
@@ -47,15 +48,19 @@ class TierActor:
 class RouterActor:
     """The router (HTTP + public gRPC) on its own event loop thread inside the actor."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, admin_token: str) -> None:
+        import os
+
+        from epd.router.auth import ENV_ADMIN_TOKEN
         from epd.server.router import serve
-        self._urls: tuple[str, str] | None = None
+        os.environ[ENV_ADMIN_TOKEN] = admin_token  # the actor's own process: never in a config or a log
+        self._urls: tuple[str, str, str] | None = None
         self._server = None
         ready = threading.Event()
 
         def run() -> None:
             asyncio.run(serve(config, handle_signals=False,
-                              on_ready=lambda h, g: (setattr(self, "_urls", (h, g)), ready.set()),
+                              on_ready=lambda h, g, a: (setattr(self, "_urls", (h, g, a)), ready.set()),
                               on_server=lambda s: setattr(self, "_server", s)))
             ready.set()
 
@@ -63,8 +68,8 @@ class RouterActor:
         if not ready.wait(300) or self._urls is None:
             raise RuntimeError("router did not start")
 
-    def urls(self) -> tuple[str, str]:
-        """(HTTP base URL, public gRPC address)"""
+    def urls(self) -> tuple[str, str, str]:
+        """(HTTP base URL, public gRPC address, admin API URL)"""
         return self._urls
 
     def stop(self) -> None:
@@ -78,7 +83,8 @@ class RayEPDCluster:
         self.actors: dict[str, list] = {t: [] for t in TIERS}
         self.addresses: dict[str, list[str]] = {t: [] for t in TIERS}
         self.router = None
-        self.http_url = self.grpc_address = None
+        self.http_url = self.grpc_address = self.admin_url = None
+        self._admin_token = secrets.token_urlsafe(32)
         self._group = None  # placement group that packs prefill and decode workers on one node
         self._group_next = 0
 
@@ -129,10 +135,12 @@ class RayEPDCluster:
 
     def _start_router(self, timeout_s: float) -> None:
         config = self.d.router.model_copy(update={
+            # the admin API (scaling) on a free port of the router's host, with a token made for this cluster
+            "admin_port": 0, "admin_host": self._host(),
             "model": self.d.model, "host": self._host(), "port": self.d.http_port, "grpc_port": self.d.grpc_port,
             "transport": self.d.transport, **{f"{tier}s": tuple(self.addresses[tier]) for tier in TIERS}})
-        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(config)
-        self.http_url, self.grpc_address = ray.get(self.router.urls.remote(), timeout=timeout_s)
+        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(config, self._admin_token)
+        self.http_url, self.grpc_address, self.admin_url = ray.get(self.router.urls.remote(), timeout=timeout_s)
 
     # ---- run-time scaling --------------------------------------------------------------------------
     def scale(self, tier: str, replicas: int, timeout_s: float = 300.0) -> None:
@@ -147,8 +155,9 @@ class RayEPDCluster:
             ray.kill(actor, no_restart=True)
 
     def _admin(self, method: str, body: dict) -> dict:
-        req = urllib.request.Request(f"{self.http_url}/admin/workers", data=json.dumps(body).encode(),
-                                     method=method, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(f"{self.admin_url}/admin/workers", data=json.dumps(body).encode(), method=method,
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self._admin_token}"})
         with urllib.request.urlopen(req, timeout=120) as resp:
             return json.loads(resp.read())
 

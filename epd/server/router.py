@@ -1,6 +1,7 @@
 """The router process: the OpenAI-compatible HTTP API (uvicorn) and the public gRPC API on one event
 loop, over one ``RequestPipeline`` whose backend is the tiers (or, with ``--aggregated``, the whole
-model in this process); plus the admin endpoints launchers use to add and drain workers.
+model in this process); plus, on a listener of its own (``admin_port``, with a token), the admin
+endpoints launchers use to add and drain workers.
 
     epd router [--config router.yaml] [--encoders A,B --prefills C --decodes D] [RouterConfig flags]
 """
@@ -53,17 +54,34 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
     return RequestPipeline(model_dir, config, backend, media=media)
 
 
-def add_admin_routes(app, workers) -> None:
-    """Scale a tier at run time: launchers (Ray, scripts) register new workers and drain old ones."""
-    from fastapi import Body
+def build_admin_app(workers, model: str, tokens):
+    """The admin API (its own listener, never the public port): launchers and autoscalers register
+    new workers and drain old ones, with an admin token (``ApiKeys``). A worker is registered only
+    when it answers EPD's health RPC as the tier and model it claims: a stranger's address never
+    gets users' images."""
+    from fastapi import Body, FastAPI, Request
     from fastapi.responses import JSONResponse
+
+    from epd.errors import Unauthenticated
+    from epd.router.http_app import error_response
+
+    app = FastAPI(title="EPD admin", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        try:
+            tokens.check_bearer(request.headers.get("authorization"))
+        except Unauthenticated as err:
+            return error_response(err)
+        return await call_next(request)
 
     @app.post("/admin/workers")
     async def add_worker(body: dict = Body(...)):
         try:
-            worker = await workers.add(body["tier"], body["address"])
+            worker = await workers.add(body["tier"], body["address"], expected_model=model)
         except (KeyError, ValueError) as err:
-            return JSONResponse({"error": f"expected {{tier, address}}: {err}"}, status_code=400)
+            return JSONResponse({"error": f"expected {{tier, address}} of a live EPD worker of model {model!r}: "
+                                          f"{err}"}, status_code=400)
         return worker.as_dict()
 
     @app.delete("/admin/workers")
@@ -74,23 +92,49 @@ def add_admin_routes(app, workers) -> None:
             return JSONResponse({"error": f"no such worker: {err}"}, status_code=404)
         return {"removed": body["address"], "drained": drained}
 
+    return app
+
+
+async def _start_admin(config: RouterConfig, router):
+    """The admin listener when ``admin_port`` is set (-> (uvicorn server, its task, its URL)), else None."""
+    from epd.router.auth import ENV_ADMIN_TOKEN, ApiKeys
+
+    if config.admin_port is None or not hasattr(router.backend, "workers"):
+        return None
+    tokens = ApiKeys((), config.admin_token_file, env_var=ENV_ADMIN_TOKEN)
+    if not tokens.enabled:
+        raise RuntimeError(f"router: admin_port is set but no admin token is ({ENV_ADMIN_TOKEN} or admin_token_file)")
+    app = build_admin_app(router.backend.workers, config.model, tokens)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.admin_host, port=config.admin_port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if not server.started:
+        raise RuntimeError(f"router: cannot serve the admin API on {config.admin_host}:{config.admin_port} (taken?)")
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, task, f"http://{config.admin_host}:{port}"
+
 
 async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
-    from epd.router.grpc_api import add_router_grpc
+    from epd.router.auth import ApiKeys
+    from epd.router.grpc_api import ApiKeyInterceptor, add_router_grpc
     from epd.router.http_app import build_app
 
     raise_open_files_limit()  # a connection per streaming client
+    api_keys = ApiKeys(config.api_keys, config.api_key_file)
     router = await asyncio.to_thread(build_pipeline, config)
     await router.start()
-    grpc_server = grpc.aio.server(options=SERVER_OPTIONS)
+    interceptors = [ApiKeyInterceptor(api_keys, protect_health=config.protect_health_and_metrics)] \
+        if api_keys.enabled else []
+    grpc_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
     add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens)
     grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
         raise RuntimeError(f"router: cannot bind gRPC {config.host}:{config.grpc_port} (taken?)")
     await grpc_server.start()
-    app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens)
-    if hasattr(router.backend, "workers"):
-        add_admin_routes(app, router.backend.workers)
+    app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
+                    api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics)
+    admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
     if on_server is not None:
@@ -104,10 +148,14 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
         await asyncio.sleep(0.05)
     if server.started:
         http_port = server.servers[0].sockets[0].getsockname()[1]
-        announce_ready("router", f"http://{config.host}:{http_port}", f"grpc={config.host}:{grpc_port}")
-        if on_ready is not None:
-            on_ready(f"http://{config.host}:{http_port}", f"{config.host}:{grpc_port}")
+        announce_ready("router", f"http://{config.host}:{http_port}", f"grpc={config.host}:{grpc_port}",
+                       *([f"admin={admin[2]}"] if admin else []))
+        if on_ready is not None:  # (HTTP URL, gRPC address, admin URL or None)
+            on_ready(f"http://{config.host}:{http_port}", f"{config.host}:{grpc_port}", admin[2] if admin else None)
     await serving
+    if admin is not None:
+        admin[0].should_exit = True
+        await admin[1]
     await grpc_server.stop(grace=2)
     await router.close()
 

@@ -74,8 +74,8 @@ class FakeCore:
 class RouterServerThread:
     """The public Router service over ``core`` on a free 127.0.0.1 port, in a thread with its own loop."""
 
-    def __init__(self, core) -> None:
-        self.core = core
+    def __init__(self, core, interceptors=()) -> None:
+        self.core, self.interceptors = core, list(interceptors)
         self.address = ""
 
     def __enter__(self) -> RouterServerThread:
@@ -97,7 +97,7 @@ class RouterServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     async def _start(self) -> str:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS)
+        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=self.interceptors)
         add_router_grpc(self._server, self.core)
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()

@@ -384,10 +384,12 @@ def test_schema_knows_every_config_field():
     assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
     assert set(defs["workerConfig"]["properties"]) == fields(
         WorkerConfig, minus=("model", "host", "port", "metrics_port", "transport"))
-    # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all
+    # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all;
+    # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file
     assert set(defs["routerConfig"]["properties"]) == fields(
         RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes", "host", "port", "grpc_port",
-                             "allowed_local_media_path", "allow_private_network", "aggregated", "engine"))
+                             "allowed_local_media_path", "allow_private_network", "aggregated", "engine",
+                             "api_keys"))
 
 
 def test_schema_enums_follow_the_registries():

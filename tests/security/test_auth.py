@@ -1,0 +1,170 @@
+"""API keys on the public APIs and a token on the admin API. HTTP (the official openai client
+included) and gRPC (the SDK) refuse a missing or wrong key with 401 / UNAUTHENTICATED in their own
+error shapes, take the right one, leave /health and /metrics open unless asked, rotate keys from a
+file without a restart, and never put a key in a log line or an error. The admin API lives on its
+own listener with its own token and registers only live EPD workers of the right tier and model."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from epd.client import EPDClient
+from epd.errors import Unauthenticated
+from epd.router import auth
+from epd.router.auth import ApiKeys
+from epd.router.grpc_api import ApiKeyInterceptor
+from epd.router.http_app import build_app
+from epd.router.workers import WorkerRegistry
+from epd.server.router import build_admin_app
+from epd.v1 import common_pb2, encoder_pb2_grpc
+from tests.client.fakes import FakeCore as GrpcCore
+from tests.client.fakes import RouterServerThread
+from tests.router.fake_core import FakeRouterCore, serve_app
+
+KEY, OTHER = "sk-epd-test-0123456789abcdef", "sk-epd-test-wrong-key-000000"
+
+
+@pytest.fixture
+def http_url():
+    app = build_app(FakeRouterCore(), api_keys=ApiKeys([KEY], environ={}))
+    with serve_app(app) as url:
+        yield url
+
+
+def _chat(url: str, headers: dict) -> httpx.Response:
+    body = {"model": "fake-qwen2-vl", "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=10)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": f"Bearer {OTHER}"}, {"Authorization": KEY},
+                                     {"Authorization": "Bearer"}, {"Authorization": f"Basic {KEY}"}],
+                         ids=["none", "wrong", "no-scheme", "empty", "basic"])
+def test_http_without_the_right_key_is_a_401_in_openais_shape(http_url, headers):
+    for response in (_chat(http_url, headers), httpx.get(f"{http_url}/v1/models", headers=headers, timeout=10)):
+        assert response.status_code == 401
+        assert response.headers["www-authenticate"] == "Bearer"
+        error = response.json()["error"]
+        assert error["type"] == "authentication_error" and error["code"] == 401
+        assert KEY not in response.text and OTHER not in response.text
+
+
+def test_http_with_the_key_serves_and_health_and_metrics_stay_open(http_url):
+    assert _chat(http_url, {"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{http_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{http_url}/metrics", timeout=10).status_code == 200
+
+
+def test_the_official_openai_client_just_works_with_its_api_key(http_url):
+    good = openai.OpenAI(base_url=f"{http_url}/v1", api_key=KEY, max_retries=0, timeout=10)
+    assert good.chat.completions.create(model="fake-qwen2-vl", messages=[{"role": "user", "content": "hi"}]
+                                        ).choices[0].message.content == "Hello, world!"
+    bad = openai.OpenAI(base_url=f"{http_url}/v1", api_key=OTHER, max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_health_and_metrics_can_be_protected_too():
+    app = build_app(FakeRouterCore(), api_keys=ApiKeys([KEY], environ={}), protect_health_and_metrics=True)
+    with serve_app(app) as url:
+        for path in ("/health", "/metrics"):
+            assert httpx.get(f"{url}{path}", timeout=10).status_code == 401
+            assert httpx.get(f"{url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+
+
+def test_no_key_configured_leaves_the_api_open():
+    with serve_app(build_app(FakeRouterCore(), api_keys=ApiKeys(environ={}))) as url:
+        assert _chat(url, {}).status_code == 200
+
+
+def test_keys_come_from_the_environment_and_rotate_through_the_key_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(auth, "_RECHECK_S", 0.0)
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# team A\n{KEY}\n\n")
+    keys = ApiKeys(key_file=key_file, environ={"EPD_API_KEY": "env-key-1, env-key-2"})
+    assert keys.allows(KEY) and keys.allows("env-key-2") and not keys.allows(OTHER)
+    key_file.write_text(f"{OTHER}  # the new key\n")  # rotated: the old one stops working at once
+    assert keys.allows(OTHER) and not keys.allows(KEY) and keys.allows("env-key-1")
+    key_file.unlink()  # gone: its keys admit nobody (fail closed)
+    assert not keys.allows(OTHER)
+
+
+def test_a_refused_key_is_never_logged_or_echoed(caplog):
+    keys = ApiKeys([KEY], environ={})
+    with caplog.at_level(logging.DEBUG):
+        with pytest.raises(Unauthenticated) as raised:
+            keys.check_bearer(f"Bearer {OTHER}")
+    assert OTHER not in str(raised.value) and KEY not in str(raised.value)
+    assert OTHER not in caplog.text and KEY not in caplog.text
+
+
+def test_grpc_needs_the_key_in_metadata_and_the_sdk_sends_it():
+    with RouterServerThread(GrpcCore(), interceptors=[ApiKeyInterceptor(ApiKeys([KEY], environ={}))]) as server:
+        for key in (None, OTHER):
+            with EPDClient(server.address, timeout_s=10, api_key=key) as client:
+                with pytest.raises(Unauthenticated):
+                    client.chat("hi", max_tokens=4)
+                with pytest.raises(Unauthenticated):
+                    client.models()
+        with EPDClient(server.address, timeout_s=10, api_key=KEY) as client:
+            assert client.chat("hi", max_tokens=4).text
+            assert client.models()
+        with EPDClient(server.address, timeout_s=10) as client:
+            assert client.health().status  # open unless protect_health_and_metrics
+
+
+# ---- the admin API ------------------------------------------------------------------------------------
+class _EncoderHealth(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, tier: str, model: str) -> None:
+        self.tier, self.model = tier, model
+
+    async def Health(self, request, context):
+        return common_pb2.HealthResponse(status="SERVING", tier=self.tier, model=self.model)
+
+
+def test_admin_api_needs_its_token_and_registers_only_live_epd_workers_of_its_model():
+    async def scenario():
+        servers, addresses = [], {}
+        for name, tier, model in (("good", "encoder", "m"), ("wrong-model", "encoder", "other"),
+                                  ("wrong-tier", "decode", "m")):
+            server = grpc.aio.server()
+            encoder_pb2_grpc.add_EncoderServicer_to_server(_EncoderHealth(tier, model), server)
+            addresses[name] = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+            await server.start()
+            servers.append(server)
+        with socket.socket() as not_grpc:  # something listening that is not an EPD worker
+            not_grpc.bind(("127.0.0.1", 0))
+            not_grpc.listen()
+            addresses["stranger"] = f"127.0.0.1:{not_grpc.getsockname()[1]}"
+            registry = WorkerRegistry({"encoder": []}, health_timeout_s=2)
+            app = build_admin_app(registry, "m", ApiKeys(["admin-token-123"], environ={}))
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://admin") as http:
+                body = {"tier": "encoder", "address": addresses["good"]}
+                assert (await http.post("/admin/workers", json=body)).status_code == 401
+                assert (await http.post("/admin/workers", json=body, headers={"Authorization": "Bearer x"})
+                        ).status_code == 401
+                auth_header = {"Authorization": "Bearer admin-token-123"}
+                for name in ("stranger", "wrong-model", "wrong-tier"):
+                    refused = await http.post("/admin/workers", json={"tier": "encoder", "address": addresses[name]},
+                                              headers=auth_header)
+                    assert refused.status_code == 400, (name, refused.text)
+                accepted = await http.post("/admin/workers", json=body, headers=auth_header)
+                assert accepted.status_code == 200 and accepted.json()["healthy"]
+            assert [w.address for w in registry.workers["encoder"]] == [addresses["good"]]
+            await registry.close()
+        for server in servers:
+            await server.stop(None)
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_the_public_port_has_no_admin_api(http_url):
+    response = httpx.post(f"{http_url}/admin/workers", json={"tier": "encoder", "address": "127.0.0.1:1"},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert response.status_code == 404

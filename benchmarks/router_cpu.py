@@ -41,7 +41,7 @@ _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _STORY = "Once upon a time, in a land far away, there lived a curious fox named Ada. "
 _CLIENT = """
 import httpx, json, sys
-body = {"model": "m", "messages": [{"role": "user", "content": "Write a long story."}],
+body = {"model": "bench", "messages": [{"role": "user", "content": "Write a long story."}],
         "max_tokens": int(sys.argv[2]), "temperature": 0, "ignore_eos": True, "stream": True}
 with httpx.stream("POST", sys.argv[1] + "/v1/chat/completions", json=body, timeout=600) as response:
     print(sum(line.startswith("data: {") for line in response.iter_lines()))
@@ -133,7 +133,7 @@ def process_cpu_s(pid: int) -> float:
 
 
 def stream_tokens(url: str, max_tokens: int) -> list[int]:
-    body = {"model": "m", "messages": [{"role": "user", "content": "Write a very long story."}],
+    body = {"model": "bench", "messages": [{"role": "user", "content": "Write a very long story."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     token_ids: list[int] = []

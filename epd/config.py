@@ -167,6 +167,8 @@ class RouterConfig(_Config):
     """The router: its workers, admission limits, routing policies, media policy and listeners."""
 
     model: str = Field("tiny-qwen2-vl", description="preset name or Hugging Face checkpoint directory")
+    served_model_name: tuple[str, ...] = Field((), description="the name(s) clients send as `model` (default: "
+                                                               "--model); any other is a 404")
     encoders: tuple[str, ...] = Field((), description="encoder addresses (host:port)")
     prefills: tuple[str, ...] = Field((), description="prefill addresses (host:port)")
     decodes: tuple[str, ...] = Field((), description="decode addresses (host:port)")
@@ -213,7 +215,7 @@ class RouterConfig(_Config):
     aggregated: bool = Field(False, description="no tiers: run the whole model in the router process")
     engine: EngineConfig = EngineConfig()  # the in-process engine's (with aggregated only)
 
-    @field_validator("encoders", "prefills", "decodes", "api_keys", mode="before")
+    @field_validator("encoders", "prefills", "decodes", "api_keys", "served_model_name", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         return [a for a in value.split(",") if a] if isinstance(value, str) else value

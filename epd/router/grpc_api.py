@@ -55,7 +55,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             await _abort(context, error, request_id)
 
     async def Models(self, request, context) -> router_pb2.ModelsResponse:
-        return router_pb2.ModelsResponse(models=[router_pb2.ModelCard(id=self.core.model_name)])
+        cards = [router_pb2.ModelCard(id=name) for name in self.core.served_model_names]
+        return router_pb2.ModelsResponse(models=cards)
 
     async def Health(self, request, context) -> router_pb2.RouterHealthResponse:
         report = self.core.health()

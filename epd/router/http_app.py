@@ -89,14 +89,15 @@ def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return JSONResponse(ModelList(data=[ModelCard(id=core.model_name, created=created)]).model_dump())
+        cards = [ModelCard(id=name, created=created) for name in core.served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
-        if model_id != core.model_name:
-            return error_response(NotFound(f"model {model_id!r} does not exist; this server serves "
-                                           f"{core.model_name!r}", param="model"))
-        return JSONResponse(ModelCard(id=core.model_name, created=created).model_dump())
+        try:
+            return JSONResponse(ModelCard(id=served_name(core, model_id), created=created).model_dump())
+        except NotFound as err:
+            return error_response(err)
 
     @app.get("/health")
     async def health() -> Response:
@@ -125,6 +126,16 @@ def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None
     return app
 
 
+def served_name(core: RouterCore, model: str | None) -> str:
+    """The served name a request asked for (none: the first); any other name is a 404, as vLLM's."""
+    if model is None:
+        return core.model_name
+    if model not in core.served_model_names:
+        served = ", ".join(repr(name) for name in core.served_model_names)
+        raise NotFound(f"the model {model!r} does not exist; this server serves {served}", param="model")
+    return model
+
+
 def error_response(err: EPDError) -> JSONResponse:
     """An ``EPDError`` as OpenAI sends errors; 429 carries Retry-After in whole seconds."""
     headers = {}
@@ -143,12 +154,13 @@ class _ChatCompletions:
         pump: _CorePump | None = None
         try:
             body = parse_chat_body(await _read_json(request))
+            model = served_name(self.core, body.model)
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
             pump = _CorePump(self.core, chat)
             first = await pump.next(request)
             if first is None:
                 raise UpstreamError("the router's stream ended before any output")
-            out = _Completion(request_id, self.core.model_name, body, chat, self.token_text)
+            out = _Completion(request_id, model, body, chat, self.token_text)
             if body.stream:
                 stream, pump = self._stream(request, pump, first, out), None  # the stream owns the pump now
                 return StreamingResponse(stream, media_type="text/event-stream",

@@ -70,7 +70,7 @@ class StreamOptions(_Lenient):
 
 
 class ChatCompletionRequest(_Lenient):
-    model: str | None = None  # any name is accepted; responses carry the served model's name
+    model: str | None = None  # one of the served names (else 404); none: the first
     messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None

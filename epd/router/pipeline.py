@@ -40,7 +40,8 @@ class RequestPipeline:
                  media: MediaFetcher | None = None) -> None:
         model_dir = Path(model_dir)
         self.config = config
-        self.model_name = config.model
+        self.served_model_names = config.served_model_name or (config.model,)
+        self.model_name = self.served_model_names[0]
         self.backend = backend
         self.tokenizer = load_tokenizer(model_dir)
         self.processor = family_for(model_dir).input_processor(model_dir, self.tokenizer)

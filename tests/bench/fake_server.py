@@ -25,6 +25,7 @@ from epd.types import ChatRequest, StreamEvent
 
 class DelayCore:
     model_name = "fake-bench-vl"
+    served_model_names = ("fake-bench-vl",)
 
     def __init__(self, *, first_delay_s: float = 0.05, itl_s: float = 0.005, fail_every: int = 0,
                  prompt_len: int = 40) -> None:

@@ -29,6 +29,7 @@ class FakeCore:
     iterator was closed before the end (``closed``) or ran out (``finished``)."""
 
     model_name = "fake-vl"
+    served_model_names = ("fake-vl",)
 
     def __init__(self, media: MediaFetcher | None = None) -> None:
         self.media = media or MediaFetcher()

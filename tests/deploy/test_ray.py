@@ -40,7 +40,7 @@ def cluster(tmp_path_factory):
 def ask(cluster, seed: int) -> str:
     image = base64.b64encode(make_image_bytes(64, 48, seed=seed)).decode()
     client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0, timeout=120)
-    out = client.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
+    out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
         {"type": "text", "text": "What is it?"}]}])
     assert out.choices[0].finish_reason in ("length", "stop")
@@ -71,10 +71,10 @@ def test_a_decode_actor_killed_mid_stream_costs_no_request_and_ray_restarts_it(c
     cluster.scale("decode", 2)
     cluster.wait_healthy(180)
     chat_list = chats(max_tokens=32)
-    refs = references(cluster.http_url, "m", chat_list)
+    refs = references(cluster.http_url, "tiny-qwen2-vl", chat_list)
     victim = cluster.actors["decode"][0]
     old_pid = ray.get(victim.pid.remote(), timeout=30)
-    with LoopingClients(cluster.http_url, "m", chat_list, num_clients=4) as clients:
+    with LoopingClients(cluster.http_url, "tiny-qwen2-vl", chat_list, num_clients=4) as clients:
         deadline = time.monotonic() + 120
         while (clients.num_ok < 4 or not _in_flight(cluster, "decode", 0)) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -25,7 +25,8 @@ def model_dir(tmp_path_factory):
 def server(model_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text("max_model_len: 2048\nmax_items_per_request: 2\n")
-    serve = ServeProcess("--aggregated", "--model", str(model_dir), "--config", str(config))
+    serve = ServeProcess("--aggregated", "--model", str(model_dir), "--served-model-name", "m",
+                         "--config", str(config))
     yield serve
     serve.stop_and_check_clean(model_dir)
 

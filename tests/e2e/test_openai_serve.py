@@ -41,7 +41,8 @@ def media_dir(tmp_path_factory):
 def server(model_dir, media_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text(ROUTER_YAML)
-    serve = ServeProcess("--model", str(model_dir), "--allowed-local-media-path", str(media_dir),
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m",
+                         "--allowed-local-media-path", str(media_dir),
                          "--config", str(config), "--allow-private-network")  # http images from a loopback server
     yield serve
     serve.stop_and_check_clean(model_dir)
@@ -68,8 +69,13 @@ def metric(server, name: str, labels: str = "") -> float:
 
 
 def test_models_and_health(client, server):
-    assert [m.id for m in client.models.list().data]
+    assert [m.id for m in client.models.list().data] == ["m"]  # --served-model-name
     assert urllib.request.urlopen(f"{server.base_url}/health", timeout=10).status == 200
+
+
+def test_a_model_that_is_not_served_is_a_404(client):
+    with pytest.raises(openai.NotFoundError, match="the model 'tiny-qwen2-vl' does not exist"):
+        client.chat.completions.create(model="tiny-qwen2-vl", messages=chat("x", []), max_tokens=2)
 
 
 def test_greedy_output_equals_transformers_by_data_url_and_stream(client, model_dir):

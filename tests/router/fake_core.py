@@ -49,7 +49,7 @@ class FakeRouterCore:
                  model_name: str = "fake-qwen2-vl", admission_error: Exception | None = None,
                  hang_after: int | None = None, fail_after: int | None = None, delay_s: float = 0.0,
                  health_status: str = "ok") -> None:
-        self.model_name = model_name
+        self.model_name, self.served_model_names = model_name, (model_name,)
         self._events = events if events is not None else make_events(["Hello", ",", " world", "!"])
         self.admission_error, self.hang_after, self.fail_after = admission_error, hang_after, fail_after
         self.delay_s, self.health_status = delay_s, health_status

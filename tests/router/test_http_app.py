@@ -34,7 +34,7 @@ def served(core: FakeRouterCore | None = None, **options):
 
 
 def create(client: openai.OpenAI, **kwargs):
-    return client.chat.completions.create(model="any", messages=kwargs.pop("messages", USER), **kwargs)
+    return client.chat.completions.create(model="fake-qwen2-vl", messages=kwargs.pop("messages", USER), **kwargs)
 
 
 def test_non_stream_and_stream_give_the_same_text():
@@ -120,7 +120,7 @@ def test_saturated_core_answers_429_with_retry_after():
     with served(FakeRouterCore(admission_error=error)) as (_, base, client):
         with pytest.raises(openai.RateLimitError) as info:
             create(client, stream=True)
-        raw = httpx.post(f"{base}/v1/chat/completions", json={"model": "m", "messages": USER})
+        raw = httpx.post(f"{base}/v1/chat/completions", json={"model": "fake-qwen2-vl", "messages": USER})
     assert info.value.response.headers["retry-after"] == "3" and "server saturated" in info.value.message
     assert raw.status_code == 429 and raw.headers["retry-after"] == "3"
     assert raw.json() == {"error": {"message": "server saturated: 8 running, 16 queued", "type": "rate_limit_error",
@@ -162,14 +162,14 @@ def test_client_leaving_a_non_stream_request_cancels_the_core():
     core = FakeRouterCore(hang_after=1)
     with served(core) as (_, _, client):
         with pytest.raises(openai.APITimeoutError):
-            client.with_options(timeout=0.5).chat.completions.create(model="m", messages=USER)
+            client.with_options(timeout=0.5).chat.completions.create(model="fake-qwen2-vl", messages=USER)
         assert core.wait_cancelled(5)
 
 
 def test_async_client_streams():
     async def run(base: str) -> str:
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:
-            stream = await client.chat.completions.create(model="m", messages=USER, stream=True)
+            stream = await client.chat.completions.create(model="fake-qwen2-vl", messages=USER, stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream])
 
     with served() as (_, base, _):
@@ -223,3 +223,19 @@ def test_server_stops_promptly_after_a_hanging_stream():
         next(iter(stream))
         stream.close()
     assert time.monotonic() - started < 8
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_and_a_served_one_is_echoed():
+    core = FakeRouterCore()
+    core.served_model_names = ("fake-qwen2-vl", "alias")
+    with serve_app(build_app(core)) as base:
+        missing = httpx.post(f"{base}/v1/chat/completions", json={"model": "gpt-4o", "messages": USER}, timeout=10)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["param"] == "model" and "'gpt-4o' does not exist" in missing.text
+        assert not core.requests, "refused before any work"
+        ok = httpx.post(f"{base}/v1/chat/completions", json={"model": "alias", "messages": USER}, timeout=10)
+        assert ok.status_code == 200 and ok.json()["model"] == "alias"
+        listed = httpx.get(f"{base}/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in listed] == ["fake-qwen2-vl", "alias"]
+        assert httpx.get(f"{base}/v1/models/alias", timeout=10).status_code == 200
+        assert httpx.get(f"{base}/v1/models/gpt-4o", timeout=10).status_code == 404

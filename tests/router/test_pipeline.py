@@ -70,7 +70,7 @@ def test_a_stop_string_truncates_the_output_and_cancels_the_backend_on_both_fron
     outputs = pieces(tokenizer, ["Hello", " wor", "ld and", " more"])
     backend = ScriptedBackend(outputs, finish_reason=None, hang_after=3)
     with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
-        response = http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+        response = http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                 stop="world")
         assert backend.wait_cancelled(5)
         result = sdk.chat("Hi", stop="o w")
@@ -82,7 +82,7 @@ def test_a_stop_string_truncates_the_output_and_cancels_the_backend_on_both_fron
 def test_a_stop_string_split_across_streamed_events_is_never_sent(model_dir, tokenizer):
     backend = ScriptedBackend(pieces(tokenizer, ["Hi, wo", "rld!", " more"]), finish_reason=None, hang_after=2)
     with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
-        chunks = list(http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+        chunks = list(http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                    stream=True, stop=["world", "zzz"]))
         deltas = [d.text for d in sdk.stream("Hi", stop=["world"])]
     texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
@@ -98,7 +98,7 @@ def test_text_is_streamed_without_splitting_a_character(model_dir, tokenizer):
     backend = ScriptedBackend([[t] for t in ids])
     with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
         deltas = [d.text for d in sdk.stream("Hi")]
-        chunks = list(http.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}],
+        chunks = list(http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                    stream=True))
     assert "".join(deltas) == text == tokenizer.decode(ids)
     assert "\ufffd" not in "".join(deltas) and "" in deltas  # some tokens carried half a character
@@ -109,7 +109,7 @@ def test_text_is_streamed_without_splitting_a_character(model_dir, tokenizer):
 def test_a_data_url_image_reaches_the_backend_as_its_bytes(model_dir, tokenizer):
     backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
     with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
-        http.chat.completions.create(model="m", messages=image_chat(data_url(PNG)))
+        http.chat.completions.create(model="tiny", messages=image_chat(data_url(PNG)))
         sdk.chat(image_chat(data_url(PNG)))
         sdk.chat("What is this?", images=[PNG])
     assert [[item.data for item in job.prompt.items] for job in backend.jobs] == [[PNG]] * 3
@@ -124,9 +124,9 @@ def test_local_files_only_under_the_allowed_root(model_dir, tokenizer, tmp_path)
     backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
     media = MediaFetcher(allowed_local_media_path=str(root))
     with both_front_ends(make_pipeline(model_dir, backend, media=media)) as (http, sdk):
-        http.chat.completions.create(model="m", messages=image_chat(f"file://{root / 'ok.png'}"))
+        http.chat.completions.create(model="tiny", messages=image_chat(f"file://{root / 'ok.png'}"))
         with pytest.raises(openai.BadRequestError, match="outside the allowed root"):
-            http.chat.completions.create(model="m", messages=image_chat(f"file://{tmp_path / 'secret.png'}"))
+            http.chat.completions.create(model="tiny", messages=image_chat(f"file://{tmp_path / 'secret.png'}"))
         with pytest.raises(SdkInvalidRequest, match="outside the allowed root") as info:
             sdk.chat(image_chat(f"file://{tmp_path / 'secret.png'}"))
     assert "messages[0].content[0]" in str(info.value)
@@ -139,16 +139,16 @@ def test_http_images_come_only_from_public_addresses_unless_allowed(model_dir, t
     with serve_files(routes) as files:
         with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
             with pytest.raises(openai.BadRequestError, match="loopback address; private-network targets"):
-                http.chat.completions.create(model="m", messages=image_chat(f"{files}/cat.png"))
+                http.chat.completions.create(model="tiny", messages=image_chat(f"{files}/cat.png"))
             with pytest.raises(SdkInvalidRequest, match="loopback address; private-network targets"):
                 sdk.chat("What is this?", images=[f"{files}/cat.png"])
         assert backend.jobs == []
         allowing = MediaFetcher(allow_private_network=True, limits=FetchLimits(max_bytes=10000))
         with both_front_ends(make_pipeline(model_dir, backend, media=allowing)) as (http, sdk):
-            http.chat.completions.create(model="m", messages=image_chat(f"{files}/cat.png"))
+            http.chat.completions.create(model="tiny", messages=image_chat(f"{files}/cat.png"))
             sdk.chat("What is this?", images=[f"{files}/cat.png"])
             with pytest.raises(openai.BadRequestError, match="exceeds the limit of 10000 bytes"):
-                http.chat.completions.create(model="m", messages=image_chat(f"{files}/huge.png"))
+                http.chat.completions.create(model="tiny", messages=image_chat(f"{files}/huge.png"))
     assert [job.prompt.items[0].data for job in backend.jobs] == [PNG, PNG]
 
 

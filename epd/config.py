@@ -178,6 +178,12 @@ class RouterConfig(_Config):
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     default_max_tokens: PositiveInt = Field(256, description="max_tokens of a request that gives none")
     max_items_per_request: PositiveInt = Field(16, description="images per request")
+    max_request_body_bytes: PositiveInt = Field(100 * MiB, description="an HTTP request body beyond this is a 413, "
+                                                                       "refused before it is read")
+    max_messages: PositiveInt = Field(1024, description="messages per request")
+    max_content_parts: PositiveInt = Field(4096, description="content parts per request, all messages together")
+    max_text_chars: PositiveInt = Field(2_000_000, description="characters of text per request, all messages "
+                                                               "together (checked before tokenizing)")
     encoder_output_budget_bytes: PositiveInt | None = Field(
         None, description="embedding bytes of one request (default: 4096 rows, the encoder's default)")
     encoder_max_item_tokens: PositiveInt | None = Field(None, description="encoder tokens of one image")

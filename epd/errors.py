@@ -18,6 +18,7 @@ class ErrorCode(enum.Enum):
     # value: (HTTP status, gRPC status name, OpenAI error type)
     INVALID_ARGUMENT = (400, "INVALID_ARGUMENT", "invalid_request_error")
     UNAUTHENTICATED = (401, "UNAUTHENTICATED", "authentication_error")
+    PAYLOAD_TOO_LARGE = (413, "INVALID_ARGUMENT", "invalid_request_error")  # on gRPC: a bad request
     NOT_FOUND = (404, "NOT_FOUND", "not_found_error")
     RESOURCE_EXHAUSTED = (429, "RESOURCE_EXHAUSTED", "rate_limit_error")
     CANCELLED = (499, "CANCELLED", "cancelled")
@@ -61,6 +62,12 @@ class InvalidRequest(EPDError, ValueError):
     """The request can never be served as sent (bad message, media, sampling value, limit): fix it."""
 
     code = ErrorCode.INVALID_ARGUMENT
+
+
+class PayloadTooLarge(InvalidRequest):
+    """The request body is larger than the server reads (HTTP 413)."""
+
+    code = ErrorCode.PAYLOAD_TOO_LARGE
 
 
 class Unauthenticated(EPDError, PermissionError):

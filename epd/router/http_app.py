@@ -18,13 +18,23 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from epd.errors import EPDError, ErrorCode, InternalError, InvalidRequest, NotFound, Unauthenticated, UpstreamError
+from epd.errors import (
+    EPDError,
+    ErrorCode,
+    InternalError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    Unauthenticated,
+    UpstreamError,
+)
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.openai_protocol import (
@@ -59,14 +69,30 @@ class _ClientGone(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one request body may hold; each is checked before any heavy work (decoding the JSON into
+    the request model, fetching media, tokenizing) and refused naming the limit."""
+
+    max_body_bytes: int = 100 * 1024 * 1024
+    max_messages: int = 1024
+    max_content_parts: int = 4096
+    max_text_chars: int = 2_000_000
+
+    @classmethod
+    def from_config(cls, config) -> "BodyLimits":
+        return cls(config.max_request_body_bytes, config.max_messages, config.max_content_parts,
+                   config.max_text_chars)
+
+
 def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None, api_keys: ApiKeys | None = None,
-              protect_health_and_metrics: bool = False) -> FastAPI:
+              protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits()) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
     (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
     if default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
-    chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens)
+    chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens, limits)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
     if api_keys is not None and api_keys.enabled:
@@ -145,15 +171,18 @@ def error_response(err: EPDError) -> JSONResponse:
 
 
 class _ChatCompletions:
-    def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int) -> None:
+    def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int,
+                 limits: BodyLimits) -> None:
         self.core, self.token_text = core, token_text
-        self.default_max_tokens = default_max_tokens
+        self.default_max_tokens, self.limits = default_max_tokens, limits
 
     async def handle(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         pump: _CorePump | None = None
         try:
-            body = parse_chat_body(await _read_json(request))
+            raw = await _read_json(request, self.limits.max_body_bytes)
+            _check_shape(raw, self.limits)
+            body = parse_chat_body(raw)
             model = served_name(self.core, body.model)
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
             pump = _CorePump(self.core, chat)
@@ -352,12 +381,48 @@ class _TokenText:
         return text
 
 
-async def _read_json(request: Request):
-    raw = await request.body()
+async def _read_json(request: Request, max_bytes: int):
+    """The body as JSON; a body over ``max_bytes`` is refused by its Content-Length, or as soon as
+    that many bytes arrived, never read whole."""
+    too_large = PayloadTooLarge(f"the request body is larger than {max_bytes} bytes (max_request_body_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
     try:
-        return json.loads(raw)
+        return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_shape(body, limits: BodyLimits) -> None:
+    """Counts of messages, content parts and text characters, on the raw JSON (the request model
+    names anything malformed afterwards)."""
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"messages: {len(messages)} messages; at most {limits.max_messages} (max_messages)",
+                             param="messages")
+    num_parts = num_chars = 0
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            num_chars += len(content)
+        elif isinstance(content, list):
+            num_parts += len(content)
+            num_chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    if num_parts > limits.max_content_parts:
+        raise InvalidRequest(f"messages: {num_parts} content parts; at most {limits.max_content_parts} "
+                             f"(max_content_parts)", param="messages")
+    if num_chars > limits.max_text_chars:
+        raise InvalidRequest(f"messages: {num_chars} characters of text; at most {limits.max_text_chars} "
+                             f"(max_text_chars)", param="messages")
 
 
 async def _maybe_await(value):

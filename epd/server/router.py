@@ -118,7 +118,7 @@ async def _start_admin(config: RouterConfig, router):
 async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
     from epd.router.auth import ApiKeys
     from epd.router.grpc_api import ApiKeyInterceptor, add_router_grpc
-    from epd.router.http_app import build_app
+    from epd.router.http_app import BodyLimits, build_app
 
     raise_open_files_limit()  # a connection per streaming client
     api_keys = ApiKeys(config.api_keys, config.api_key_file)
@@ -133,7 +133,8 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
         raise RuntimeError(f"router: cannot bind gRPC {config.host}:{config.grpc_port} (taken?)")
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
-                    api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics)
+                    api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
+                    limits=BodyLimits.from_config(config))
     admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

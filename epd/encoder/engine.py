@@ -17,7 +17,7 @@ import torch
 
 from epd.config import EncoderConfig
 from epd.encoder.cache import CacheMetrics, EncoderCacheKey
-from epd.encoder.errors import MultimodalEncoderRequestError
+from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import (
     EncoderItem,
     MultimodalEncoderRequestState,
@@ -243,7 +243,7 @@ class EncoderEngine:
         self.num_encoded_items += len(batch)
         try:
             ready = self.runner.forward_items(batch)
-        except MultimodalEncoderRequestError as error:
+        except (MultimodalEncoderRequestError, MultimodalEncoderInputError) as error:
             self._fail_requests(error.request_ids, error)
             return
         except Exception as error:  # a bug past the runner's own handling must not kill the loop

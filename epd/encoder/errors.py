@@ -17,6 +17,15 @@ class MultimodalEncoderRequestError(UpstreamError):
         self.request_ids: frozenset[str] = frozenset(request_ids)
 
 
+class MultimodalEncoderInputError(InvalidRequest):
+    """Items whose media can never be encoded (they do not decode): every request using them fails
+    with a bad-request error naming the item; the rest of their batch is encoded as usual."""
+
+    def __init__(self, message: str, *, request_ids: Iterable[str]) -> None:
+        super().__init__(message)
+        self.request_ids: frozenset[str] = frozenset(request_ids)
+
+
 class MultimodalEncoderAdmissionError(InvalidRequest):
     """A request that can never be encoded under the configured budgets; rejected on arrival."""
 

@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 
 from epd.encoder.cache import EncoderCacheKey
-from epd.encoder.errors import MultimodalEncoderRequestError
+from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
+from epd.errors import InvalidRequest
 
 # Used when the model declares nothing: the grid stays on CPU, where the vision tower reads it
 # with Python loops; on the device every such read would be a device-to-host sync.
@@ -76,6 +77,10 @@ class MultimodalEncoderRunner:
                 count = len(outputs) if isinstance(outputs, (list, tuple)) else type(outputs).__name__
                 raise ValueError(f"encoder returned {count} outputs for {len(targets)} items")
         except Exception as error:
+            # one undecodable image must fail only the requests that sent it, as a bad request:
+            # find it item by item (only on this path), and the rest go back to be batched again
+            if undecodable := self._undecodable(batch):
+                raise self._fail_users(batch, undecodable, MultimodalEncoderInputError) from error
             raise self._fail_producers(batch, error) from error
         # Validate the entire batch before publishing any output: a bad later item must not
         # leave earlier items READY and their requests sent on to prefill.
@@ -118,11 +123,25 @@ class MultimodalEncoderRunner:
             f"encoder batch of {len(batch)} items failed: {type(error).__name__}: {error}",
             request_ids=failed | batch.producer_request_ids)
 
-    def _fail_users(self, batch: ScheduledBatch, problems: dict[EncoderCacheKey, str]) -> MultimodalEncoderRequestError:
-        # A wrong output is traced to its key: every request using that key fails. The rest of
-        # the batch is published by nobody and goes back to waiting under the same producers.
+    def _undecodable(self, batch: ScheduledBatch) -> dict[EncoderCacheKey, str]:
+        """The items whose media alone fail to preprocess as a bad input (``InvalidRequest``: not an
+        image, truncated, corrupt, too large), by cache key, each with its cause."""
+        found = {}
+        for s in batch.items:
+            try:
+                self.model.preprocess([s.item.data])
+            except InvalidRequest as err:
+                found[s.cache_key] = f"MM item {s.item_index} of request {s.request_id!r}: {err.message}"
+            except Exception:  # noqa: BLE001 - not a bad input: the batch-level failure stands
+                continue
+        return found
+
+    def _fail_users(self, batch: ScheduledBatch, problems: dict[EncoderCacheKey, str],
+                    error_type=MultimodalEncoderRequestError):
+        # A wrong output (or input) is traced to its key: every request using that key fails. The
+        # rest of the batch is published by nobody and goes back to waiting under the same producers.
         message = "; ".join(problems.values())
-        error = MultimodalEncoderRequestError(message, request_ids=())
+        error = error_type(message, request_ids=())
         failed = set()
         for key in problems:
             failed |= self.cache.fail(key, error, producer_only=False)

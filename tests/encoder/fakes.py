@@ -6,6 +6,7 @@ import threading
 import torch
 
 from epd.encoder.item_scheduler import EncoderItem
+from epd.multimodal.media import MediaError
 
 HIDDEN = 4
 BYTES_PER_ROW = HIDDEN * 4  # float32
@@ -35,10 +36,14 @@ class FakeEncoder:
         self.fail_next_encodes = 0
         self.wrong_rows: dict[str, int] = {}  # name -> rows actually produced
         self.wrong_dtype: set[str] = set()
+        self.undecodable: set[str] = set()  # names whose media do not decode (preprocess refuses them)
         self._lock = threading.Lock()
 
     def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        self._pending = [data.decode().split(":") for data in images]
+        pending = [data.decode().split(":") for data in images]
+        if bad := [name for name, _ in pending if name in self.undecodable]:
+            raise MediaError(f"PNG data is truncated or corrupt ({bad[0]})")
+        self._pending = pending
         rows = [int(r) for _, r in self._pending]
         return torch.ones(sum(rows) * 4, 3), torch.tensor([[1, 2 * r, 2] for r in rows])
 

@@ -2,8 +2,9 @@ import pytest
 import torch
 
 from epd.encoder.cache import CacheEntryState
-from epd.encoder.errors import MultimodalEncoderRequestError
+from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.runner import MultimodalEncoderRunner
+from epd.errors import InvalidRequest
 
 from .fakes import FakeEncoder, expected_output, make_item
 from .test_item_scheduler import names, scheduler
@@ -69,6 +70,24 @@ def test_wrong_shape_fails_every_user_of_that_key_and_commits_nothing(setup):
     batch = s.schedule()
     assert [(x.request_id, x.item.content_hash) for x in batch.items] == [("r0", "good"), ("r3", "other")]
     assert sorted(st.request_id for st in runner.forward_items(batch)) == ["r0", "r3"]
+
+
+def test_an_undecodable_item_fails_only_its_users_as_a_bad_request_and_the_rest_encode(setup):
+    s, model, runner = setup
+    s.add_request("r0", [make_item("good")])
+    s.add_request("r1", [make_item("broken")])
+    s.add_request("r2", [make_item("other"), make_item("broken")])  # a consumer of "broken"
+    model.undecodable.add("broken")
+    with pytest.raises(MultimodalEncoderInputError) as info:
+        runner.forward_items(s.schedule())
+    assert isinstance(info.value, InvalidRequest)  # a 400 at the edge, not a 502
+    assert info.value.request_ids == {"r1", "r2"}
+    assert str(info.value) == "MM item 0 of request 'r1': PNG data is truncated or corrupt (broken)"
+    for request_id in info.value.request_ids:  # what the engine does with the error
+        s.abort_request(request_id)
+    batch = s.schedule()  # the innocent item is batched again and encodes
+    assert [(x.request_id, x.item.content_hash) for x in batch.items] == [("r0", "good")]
+    assert [st.request_id for st in runner.forward_items(batch)] == ["r0"]
 
 
 def test_wrong_dtype_is_a_validation_failure(setup):

@@ -9,7 +9,7 @@ import pytest
 from epd.errors import UpstreamError
 from epd.models.spec import ProcessedPrompt
 from epd.router.backends.base import BackendOutput, Job
-from epd.router.backends.disaggregated import _Moves
+from epd.router.backends.moves import Moves
 from epd.types import SamplingParams
 
 
@@ -19,7 +19,7 @@ def _job(deadline_in_s: float = 60.0) -> Job:
 
 
 def test_a_move_before_the_first_token_redispatches_and_one_after_it_migrates_with_the_tokens_so_far():
-    moves = _Moves(_job(), max_moves=2)
+    moves = Moves(_job(), max_moves=2)
     assert moves.move(UpstreamError("prefill 127.0.0.1:1 failed the request: gone")) == "redispatched"
     assert (moves.job.request_id, moves.job.output_token_ids) == ("req#ab12.m1", ())
     moves.streamed(BackendOutput([7]))
@@ -30,7 +30,7 @@ def test_a_move_before_the_first_token_redispatches_and_one_after_it_migrates_wi
 
 
 def test_a_request_out_of_moves_fails_naming_the_tier_and_the_moves_it_made():
-    moves = _Moves(_job(), max_moves=1)
+    moves = Moves(_job(), max_moves=1)
     moves.move(UpstreamError("decode 127.0.0.1:2 failed the request: gone"))
     with pytest.raises(UpstreamError, match=r"decode 127.0.0.1:3 failed the request: gone \(after 1 moves, "
                                             r"max_migrations reached\)"):
@@ -40,7 +40,7 @@ def test_a_request_out_of_moves_fails_naming_the_tier_and_the_moves_it_made():
 def test_no_move_allowed_or_no_time_left_passes_the_tiers_error_on():
     error = UpstreamError("encoder 127.0.0.1:4 failed the request: gone")
     with pytest.raises(UpstreamError) as raised:
-        _Moves(_job(), max_moves=0).move(error)
+        Moves(_job(), max_moves=0).move(error)
     assert raised.value is error
     with pytest.raises(UpstreamError):
-        _Moves(_job(deadline_in_s=-1.0), max_moves=3).move(error)
+        Moves(_job(deadline_in_s=-1.0), max_moves=3).move(error)

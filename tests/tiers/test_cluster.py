@@ -133,16 +133,16 @@ def test_an_encoder_lost_mid_call_has_its_items_encoded_by_the_other_one(driver,
     from epd.router.backends import disaggregated
 
     images = _images_for_every_encoder(driver, llm, seed=300)
-    lost_address, real_unless_lost, lost = encoders(driver)[0], disaggregated._unless_lost, []
+    lost_address, real_unless_lost, lost = encoders(driver)[0], disaggregated.unless_lost, []
 
     async def lose_the_first_encode_there(worker, awaitable):
         if worker.tier == "encoder" and worker.address == lost_address and not lost:
             lost.append(worker.address)
             awaitable.cancel()  # the call never reaches it: as if it died as the call went out
-            raise disaggregated._Lost(disaggregated._lost_message(worker))
+            raise disaggregated.WorkerLost(disaggregated.lost_message(worker))
         return await real_unless_lost(worker, awaitable)
 
-    monkeypatch.setattr(disaggregated, "_unless_lost", lose_the_first_encode_there)
+    monkeypatch.setattr(disaggregated, "unless_lost", lose_the_first_encode_there)
     messages = user_message("List them.", images)
     assert driver.chat(messages, GREEDY).token_ids == llm.chat(messages, GREEDY)[0].token_ids
     assert lost == [lost_address]

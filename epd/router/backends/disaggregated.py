@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -44,6 +43,15 @@ from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
+from epd.router.backends.moves import (
+    Backoff,
+    CancelWhenLost,
+    Moves,
+    WorkerLost,
+    is_being_cancelled,
+    lost_message,
+    unless_lost,
+)
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
 from epd.rpc import retry_after_s
@@ -92,8 +100,8 @@ class DisaggregatedBackend:
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
-        backoff = _Backoff(job, self.config.queue_timeout_s)
-        moves = _Moves(job, self.config.max_migrations)
+        backoff = Backoff(job, self.config.queue_timeout_s)
+        moves = Moves(job, self.config.max_migrations)
         while True:
             try:
                 async with contextlib.aclosing(self._attempt(moves.job, backoff)) as outputs:
@@ -108,7 +116,7 @@ class DisaggregatedBackend:
                             stage, len(moves.job.output_token_ids))
                 await self._until_in_rotation(moves.job, backoff)
 
-    async def _attempt(self, job: Job, backoff: _Backoff) -> AsyncIterator[BackendOutput]:
+    async def _attempt(self, job: Job, backoff: Backoff) -> AsyncIterator[BackendOutput]:
         while True:
             # prefill stays counted (and reachable while drained) until decode took its KV or let go
             with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
@@ -122,7 +130,7 @@ class DisaggregatedBackend:
                         yield output
                 return
 
-    async def _until_in_rotation(self, job: Job, backoff: _Backoff) -> None:
+    async def _until_in_rotation(self, job: Job, backoff: Backoff) -> None:
         """Before a move: every tier the request needs has a worker in rotation, or one comes back
         (a restarted worker) within the queue budget and the deadline; else 503."""
         tiers = TIERS if job.prompt.items else ("prefill", "decode")
@@ -132,7 +140,7 @@ class DisaggregatedBackend:
                                   f"({len(self.workers.workers[missing[0]])} configured)")
 
     async def _after_prefill(self, job: Job, prefill: WorkerState, result: common_pb2.PrefillResult,
-                             backoff: _Backoff) -> AsyncIterator[BackendOutput]:
+                             backoff: Backoff) -> AsyncIterator[BackendOutput]:
         is_finished = bool(result.finish_reason)
         try:
             first_logprobs = [logprobs_from_proto(result.first_logprobs)] if result.HasField("first_logprobs") else []
@@ -148,14 +156,14 @@ class DisaggregatedBackend:
             if not is_finished:  # decode failed, or never started (client gone, no decode worker)
                 await _release_lease(prefill, result.kv)
 
-    async def _prefill(self, job: Job, prefill: WorkerState, backoff: _Backoff) -> common_pb2.PrefillResult:
+    async def _prefill(self, job: Job, prefill: WorkerState, backoff: Backoff) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
                                 output_token_ids=job.output_token_ids)
         call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
                                     timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
         try:
-            accepted = await _unless_lost(prefill, call.read())
+            accepted = await unless_lost(prefill, call.read())
             if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
             # registered there: from now on the encoders may push its rows
@@ -202,7 +210,7 @@ class DisaggregatedBackend:
         return done
 
     async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str,
-                         backoff: _Backoff) -> None:
+                         backoff: Backoff) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
         request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
                                             transport=self.config.transport)
@@ -210,12 +218,12 @@ class DisaggregatedBackend:
         while True:
             with self._holding("encoder", address=address) as encoder:
                 try:
-                    await _unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
+                    await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
                     return
                 except grpc.aio.AioRpcError as err:
                     error = self._tier_error("encoder", address, err)
                     is_lost = err.code() == grpc.StatusCode.UNAVAILABLE
-                except _Lost as err:
+                except WorkerLost as err:
                     error, is_lost = err, True
             if isinstance(error, Overloaded):  # full: wait its hint; then the same or a quieter encoder
                 await backoff.wait(error)
@@ -228,7 +236,7 @@ class DisaggregatedBackend:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
     async def _decode(self, job: Job, result: common_pb2.PrefillResult,
-                      backoff: _Backoff) -> AsyncIterator[BackendOutput]:
+                      backoff: Backoff) -> AsyncIterator[BackendOutput]:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False,
                                 output_token_ids=job.output_token_ids)
         request = decode_pb2.GenerateRequest(request=meta, prefill=result)
@@ -237,7 +245,7 @@ class DisaggregatedBackend:
                 call = decode.stub.Generate(request, timeout=job.remaining_s())
                 # a wedged decode (stopped, stalled) keeps the stream open: its call is cancelled
                 # when it leaves rotation, and the request moves on without it
-                lost = _CancelWhenLost(decode, call)
+                lost = CancelWhenLost(decode, call)
                 is_finished, is_started = False, False
                 try:
                     async for chunk in call:
@@ -250,9 +258,9 @@ class DisaggregatedBackend:
                     if is_started or not isinstance(error, Overloaded):
                         raise error from None
                 except asyncio.CancelledError:
-                    if not lost.fired or _is_being_cancelled():
+                    if not lost.fired or is_being_cancelled():
                         raise
-                    raise _Lost(_lost_message(decode)) from None
+                    raise WorkerLost(lost_message(decode)) from None
                 finally:
                     lost.close()
                     if not is_finished:
@@ -286,98 +294,6 @@ class DisaggregatedBackend:
         return error_type(f"{tier} {address} failed the request: {err.details() or err.code().name}")
 
 
-class _Backoff:
-    """A request's waits on tiers that said they are full (RESOURCE_EXHAUSTED with a retry hint):
-    their hint each time, ``budget_s`` in all (the router's own queue timeout) and never past the
-    request's deadline; after that the client gets the 429 with Retry-After."""
-
-    def __init__(self, job: Job, budget_s: float) -> None:
-        self.job, self.left_s = job, budget_s
-
-    async def wait(self, err: Overloaded) -> None:
-        wait_s = err.retry_after_s or 0.0
-        if not await self.pause(wait_s):
-            raise Overloaded(f"request {self.job.request_id}: the cluster is saturated ({err.message})",
-                             retry_after_s=max(wait_s, 1.0))
-
-    async def pause(self, wait_s: float) -> bool:
-        """Sleep ``wait_s`` out of the budget; False (and no sleep) when it does not fit."""
-        if wait_s > min(self.left_s, self.job.remaining_s()):
-            return False
-        self.left_s -= wait_s
-        await asyncio.sleep(wait_s)
-        return True
-
-
-class _Moves:
-    """A request's moves off lost workers: what it streamed so far (the next attempt resumes after
-    it, under its own request id on the workers) and how many moves are left."""
-
-    def __init__(self, job: Job, max_moves: int) -> None:
-        self.original, self.job, self.left, self.count = job, job, max_moves, 0
-        self.tokens: list[int] = []
-
-    def streamed(self, output: BackendOutput) -> None:
-        self.tokens.extend(output.token_ids)
-
-    def move(self, err: UpstreamError) -> str:
-        """-> the stage the request moves from; raises ``err`` when no move is left (budget, deadline)."""
-        if self.left == 0 or self.original.remaining_s() <= 0:
-            if self.count:
-                raise UpstreamError(f"{err.message} (after {self.count} moves, max_migrations reached)") from None
-            raise err
-        self.left, self.count = self.left - 1, self.count + 1
-        self.job = dataclasses.replace(self.original, request_id=f"{self.original.request_id}.m{self.count}",
-                                       output_token_ids=tuple(self.tokens))
-        return "migrated" if self.tokens else "redispatched"
-
-
-class _Lost(UpstreamError):
-    """The worker holding a call left rotation while the call waited on it."""
-
-
-async def _unless_lost(worker: WorkerState, awaitable):
-    """``awaitable``'s result, unless ``worker`` leaves rotation first (then ``_Lost``)."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        await asyncio.wait({task, worker.outage()}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    raise _Lost(_lost_message(worker))
-
-
-class _CancelWhenLost:
-    """Cancels ``call`` when ``worker`` leaves rotation (then ``fired``): one callback for a whole
-    token stream, where racing every read against the outage would cost ~40 us a token."""
-
-    def __init__(self, worker: WorkerState, call) -> None:
-        self.call, self.fired = call, False
-        self._outage = worker.outage()
-        self._outage.add_done_callback(self._fire)
-
-    def _fire(self, _) -> None:
-        self.fired = True
-        self.call.cancel()  # its reader gets CancelledError
-
-    def close(self) -> None:
-        self._outage.remove_done_callback(self._fire)
-
-
-def _is_being_cancelled() -> bool:
-    """Whether the current task itself is being cancelled (not just a call it read from). Before
-    Python 3.11 the two cannot be told apart and the call's cancel is assumed: a task cancel in the
-    same instant as a worker's loss is rare, and that request still ends at its deadline."""
-    task = asyncio.current_task()
-    return task is not None and hasattr(task, "cancelling") and task.cancelling() > 0
-
-
-def _lost_message(worker: WorkerState) -> str:
-    return f"{worker.tier} {worker.address} left rotation (dead, not answering or not progressing) during the call"
-
-
 class _Encodes:
     """A request's encode calls: the first failure wins a race against prefill's result (prefill
     would otherwise wait for rows that will never come)."""
@@ -397,7 +313,7 @@ class _Encodes:
             self._failed.set_result(task.exception())
 
     async def race(self, reader: asyncio.Future, prefill: WorkerState):
-        """``reader``'s result, or the first encode failure, or ``_Lost`` when prefill leaves
+        """``reader``'s result, or the first encode failure, or ``WorkerLost`` when prefill leaves
         rotation; a reader still running is left to the caller (its result may carry a lease that
         must not be dropped)."""
         outage = prefill.outage()
@@ -406,7 +322,7 @@ class _Encodes:
             return reader.result()
         if self._failed.done():
             raise self._failed.result()
-        raise _Lost(_lost_message(prefill))
+        raise WorkerLost(lost_message(prefill))
 
     def cancel(self) -> None:
         for task in self._tasks:

@@ -1,0 +1,103 @@
+"""A request's waits and moves in the disaggregated backend: waiting out tiers that said they are
+full (``Backoff``), moving off workers it lost (``Moves``), and noticing that a worker a call waits
+on has left rotation (``unless_lost``, ``CancelWhenLost``)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from epd.errors import Overloaded, UpstreamError
+from epd.router.backends.base import BackendOutput, Job
+from epd.router.workers import WorkerState
+
+
+class Backoff:
+    """A request's waits on tiers that said they are full (RESOURCE_EXHAUSTED with a retry hint):
+    their hint each time, ``budget_s`` in all (the router's own queue timeout) and never past the
+    request's deadline; after that the client gets the 429 with Retry-After."""
+
+    def __init__(self, job: Job, budget_s: float) -> None:
+        self.job, self.left_s = job, budget_s
+
+    async def wait(self, err: Overloaded) -> None:
+        wait_s = err.retry_after_s or 0.0
+        if not await self.pause(wait_s):
+            raise Overloaded(f"request {self.job.request_id}: the cluster is saturated ({err.message})",
+                             retry_after_s=max(wait_s, 1.0))
+
+    async def pause(self, wait_s: float) -> bool:
+        """Sleep ``wait_s`` out of the budget; False (and no sleep) when it does not fit."""
+        if wait_s > min(self.left_s, self.job.remaining_s()):
+            return False
+        self.left_s -= wait_s
+        await asyncio.sleep(wait_s)
+        return True
+
+
+class Moves:
+    """A request's moves off lost workers: what it streamed so far (the next attempt resumes after
+    it, under its own request id on the workers) and how many moves are left."""
+
+    def __init__(self, job: Job, max_moves: int) -> None:
+        self.original, self.job, self.left, self.count = job, job, max_moves, 0
+        self.tokens: list[int] = []
+
+    def streamed(self, output: BackendOutput) -> None:
+        self.tokens.extend(output.token_ids)
+
+    def move(self, err: UpstreamError) -> str:
+        """-> the stage the request moves from; raises ``err`` when no move is left (budget, deadline)."""
+        if self.left == 0 or self.original.remaining_s() <= 0:
+            if self.count:
+                raise UpstreamError(f"{err.message} (after {self.count} moves, max_migrations reached)") from None
+            raise err
+        self.left, self.count = self.left - 1, self.count + 1
+        self.job = dataclasses.replace(self.original, request_id=f"{self.original.request_id}.m{self.count}",
+                                       output_token_ids=tuple(self.tokens))
+        return "migrated" if self.tokens else "redispatched"
+
+
+class WorkerLost(UpstreamError):
+    """The worker holding a call left rotation while the call waited on it."""
+
+
+async def unless_lost(worker: WorkerState, awaitable):
+    """``awaitable``'s result, unless ``worker`` leaves rotation first (then ``WorkerLost``)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await asyncio.wait({task, worker.outage()}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise WorkerLost(lost_message(worker))
+
+
+class CancelWhenLost:
+    """Cancels ``call`` when ``worker`` leaves rotation (then ``fired``): one callback for a whole
+    token stream, where racing every read against the outage would cost ~40 us a token."""
+
+    def __init__(self, worker: WorkerState, call) -> None:
+        self.call, self.fired = call, False
+        self._outage = worker.outage()
+        self._outage.add_done_callback(self._fire)
+
+    def _fire(self, _) -> None:
+        self.fired = True
+        self.call.cancel()  # its reader gets CancelledError
+
+    def close(self) -> None:
+        self._outage.remove_done_callback(self._fire)
+
+
+def is_being_cancelled() -> bool:
+    """Whether the current task itself is being cancelled (not just a call it read from). Before
+    Python 3.11 the two cannot be told apart and the call's cancel is assumed: a task cancel in the
+    same instant as a worker's loss is rare, and that request still ends at its deadline."""
+    task = asyncio.current_task()
+    return task is not None and hasattr(task, "cancelling") and task.cancelling() > 0
+
+
+def lost_message(worker: WorkerState) -> str:
+    return f"{worker.tier} {worker.address} left rotation (dead, not answering or not progressing) during the call"

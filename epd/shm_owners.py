@@ -68,10 +68,14 @@ def unlink_quietly(name: str) -> None:
         pass  # already gone: a cleanup of a previous run, or a test that removed it
 
 
-def owner_alive(segment_name: str) -> bool:
-    """True while the process that created ``segment_name`` lives (it holds the owner lock)."""
+def owner_alive(name: str) -> bool:
+    """True while the process that made ``name`` lives (it holds the owner lock). ``name`` is a
+    segment's or an owner lock's own: a lock names itself (reading it as a segment's name would
+    look for a lock that does not exist and call a live owner dead)."""
+    match = _parse(name)
+    lock_name = name if match is not None and match["token"] is None else owner_lock_name(name)
     try:
-        fd = _posixshmem.shm_open("/" + owner_lock_name(segment_name), os.O_RDONLY, 0)
+        fd = _posixshmem.shm_open("/" + lock_name, os.O_RDONLY, 0)
     except FileNotFoundError:
         return False  # a closing store removes its segments first, its lock last
     try:

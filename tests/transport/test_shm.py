@@ -165,3 +165,16 @@ def test_cleanup_falls_back_to_the_pid_when_there_is_no_owner_lock():
         for name in names.values():
             if os.path.exists(f"/dev/shm/{name}"):
                 _posixshmem.shm_unlink("/" + name)
+
+
+def test_a_live_owner_is_alive_by_its_segments_name_and_by_its_locks_own(clock):
+    """The suite's leak check asks this of every new name in /dev/shm, owner locks included: calling
+    a running cluster's lock dead got it unlinked under its workers."""
+    from epd.shm_owners import owner_alive, owner_lock_name
+
+    store = TensorStore(clock=clock)
+    segment = store.export(torch.zeros(16), transport="shm", ttl_s=10).shm.segment_name
+    lock = owner_lock_name(segment)
+    assert owner_alive(segment) and owner_alive(lock)
+    store.close()
+    assert not owner_alive(segment) and not owner_alive(lock)

@@ -9,8 +9,6 @@ and usage counts. EOS is ignored so every answer has a known length.
 """
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import re
@@ -22,17 +20,10 @@ import urllib.request
 from dataclasses import dataclass, field
 
 import httpx
-import numpy as np
-from PIL import Image
+
+from epd.bench.workload import ImageSpec, data_url, render_image
 
 _BANNER_LINE = re.compile(r"\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)$")
-
-
-def noise_data_url(width: int, height: int, seed: int) -> str:
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -46,8 +37,8 @@ class Chat:
 
 def chats(max_tokens: int = 48, seed: int = 0) -> list[Chat]:
     """The chats the clients cycle through (each a function of ``seed``)."""
-    img = [{"type": "image_url", "image_url": {"url": noise_data_url(64 + 16 * i, 48, seed * 100 + i)}}
-           for i in range(4)]
+    img = [{"type": "image_url", "image_url": {
+        "url": data_url(render_image(ImageSpec(64 + 16 * i, 48, seed * 100 + i, "noise")))}} for i in range(4)]
 
     def text(t: str) -> dict:
         return {"type": "text", "text": t}

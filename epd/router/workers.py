@@ -124,7 +124,7 @@ class WorkerRegistry:
             raise ValueError(f"{address} is a {health.tier or 'unknown'} worker of model {health.model!r}; expected "
                              f"a {tier} worker of model {expected_model!r}")
         self.workers[tier].append(w)
-        await self._check(w)
+        await self._check(w, health)
         return w
 
     async def remove(self, tier: str, address: str, drain_timeout_s: float = 60.0) -> bool:
@@ -163,9 +163,11 @@ class WorkerRegistry:
             await asyncio.sleep(self.health_period_s)
             await self.check_all()
 
-    async def _check(self, w: WorkerState) -> None:
+    async def _check(self, w: WorkerState, health: common_pb2.HealthResponse | None = None) -> None:
+        """Ask ``w`` for its health (or take ``health``, just asked) and judge it."""
         try:
-            health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
+            if health is None:
+                health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError):
             w.consecutive_failures += 1
             if w.healthy and w.consecutive_failures >= self.unhealthy_after:

@@ -5,6 +5,7 @@
       WorkerConfig        every tier process: where it serves and how it hands tensors on, plus
         EngineConfig      the LLM engine of prefill and decode
         EncoderConfig     the encoder's budgets and cache
+        TlsConfig         mutual TLS between EPD's processes (the router has one too)
     RayDeployment         epd serve --launcher ray: per-tier TierSpec (replicas, resources, WorkerConfig)
 
 Configs are frozen. A wrong key, type or value anywhere is a ``ConfigError`` with one line naming
@@ -135,6 +136,40 @@ class EncoderConfig(_Config):
         return _torch_dtype(self.dtype)
 
 
+class TlsConfig(_Config):
+    """Mutual TLS between EPD's own processes (router, encoder, prefill, decode): every internal gRPC
+    server asks for a client certificate signed by ``tls_ca`` and every internal channel presents
+    ``tls_cert``. The same block, the same files, on every process (one Secret in the chart)."""
+
+    tls_cert: str | None = Field(None, description="PEM certificate this process presents to its peers (mutual TLS "
+                                                   "between router and tiers; needs tls_key and tls_ca)")
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: str | None = Field(None, description="PEM CA bundle: a peer whose certificate it did not sign is refused")
+    tls_server_name: str | None = Field(None, description="name to check in a worker's certificate instead of its "
+                                                          "address (one certificate for every pod)")
+
+    @field_validator("tls_cert", "tls_key", "tls_ca")
+    @classmethod
+    def _readable_pem(cls, value: str | None) -> str | None:
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"expected a readable PEM file, got {value!r} (no such file)")
+        return value
+
+    @model_validator(mode="after")
+    def _all_or_none(self) -> "TlsConfig":
+        given = {name: getattr(self, name) is not None for name in ("tls_cert", "tls_key", "tls_ca")}
+        if any(given.values()) and not all(given.values()):
+            missing = sorted(name for name, ok in given.items() if not ok)
+            raise ValueError(f"mutual TLS needs tls_cert, tls_key and tls_ca together; missing {missing}")
+        if self.tls_server_name is not None and not self.enabled:
+            raise ValueError("tls_server_name applies only with tls_cert, tls_key and tls_ca")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.tls_cert is not None
+
+
 class WorkerConfig(_Config):
     """One tier process: what it serves, where, and how it hands tensors on."""
 
@@ -157,6 +192,7 @@ class WorkerConfig(_Config):
     metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
     overlap_prefill_with_encode: bool = Field(True, description="prefill text before images while encoding",
                                               json_schema_extra={"flag": "overlap"})
+    tls: TlsConfig = TlsConfig()
 
     @property
     def address(self) -> str:
@@ -218,6 +254,7 @@ class RouterConfig(_Config):
                                                        "EPD_ADMIN_TOKEN or admin_token_file")
     admin_host: str = Field("127.0.0.1", description="where the admin API listens")
     admin_token_file: str | None = Field(None, description="file with the admin API's token(s), one per line")
+    tls: TlsConfig = TlsConfig()  # the router's channels to its workers
     aggregated: bool = Field(False, description="no tiers: run the whole model in the router process")
     engine: EngineConfig = EngineConfig()  # the in-process engine's (with aggregated only)
 
@@ -288,11 +325,28 @@ class RayDeployment(_Config):
     tiers: dict[Literal["encoder", "prefill", "decode"], TierSpec] = Field(
         default_factory=lambda: {tier: TierSpec() for tier in TIERS})
     router: RouterConfig = RouterConfig()
+    tls: TlsConfig = Field(TlsConfig(), description="mutual TLS of every process (the router's and each tier's own "
+                                                    "tls block must then be unset)")
 
     @field_validator("tiers", mode="after")
     @classmethod
     def _every_tier(cls, tiers: dict) -> dict:
         return {tier: tiers.get(tier, TierSpec()) for tier in TIERS}
+
+    @model_validator(mode="after")
+    def _one_tls_block(self) -> "RayDeployment":
+        """The deployment's ``tls`` is every process's: it fills the router's and each tier's, which
+        may only repeat it (two identities in one cluster would refuse each other)."""
+        if not self.tls.enabled:
+            return self
+        nested = {"router.tls": self.router.tls, **{f"tiers.{t}.config.tls": s.config.tls for t, s in self.tiers.items()}}
+        for key, tls in nested.items():
+            if tls.enabled and tls != self.tls:
+                raise ValueError(f"{key} differs from the deployment's tls block; give mutual TLS once, in 'tls'")
+        object.__setattr__(self, "router", self.router.model_copy(update={"tls": self.tls}))
+        object.__setattr__(self, "tiers", {t: s.model_copy(update={"config": s.config.model_copy(update={
+            "tls": self.tls})}) for t, s in self.tiers.items()})
+        return self
 
 
 # ---- loading ---------------------------------------------------------------------------------------

@@ -22,6 +22,26 @@ CHANNEL_OPTIONS = (*_MESSAGE_OPTIONS, ("grpc.max_reconnect_backoff_ms", 2000))
 SERVER_OPTIONS = (*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
+def open_channel(address: str, tls=None, *, aio: bool = False, options=()):
+    """A channel to ``address``: plain, or mutual TLS with ``tls`` (an ``epd.tls.MutualTls``)."""
+    grpc_module = grpc.aio if aio else grpc
+    opts = [*CHANNEL_OPTIONS, *options]
+    if tls is None:
+        return grpc_module.insecure_channel(address, options=opts)
+    return grpc_module.secure_channel(address, tls.channel_credentials(), options=[*opts, *tls.channel_options()])
+
+
+def add_port(server, address: str, tls=None) -> int:
+    """Bind ``address`` on a grpc or grpc.aio server, demanding client certificates with ``tls``;
+    -> the port (0 when it cannot be bound)."""
+    try:
+        if tls is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.server_credentials())
+    except RuntimeError:
+        return 0
+
+
 def abort_with(context, err) -> None:
     """End a call with an ``EPDError``'s own status (``epd.errors`` maps it); raises like ``context.abort``."""
     context.abort(err.grpc_status(), err.message)
@@ -68,15 +88,13 @@ class AioServerThread:
         """Run a coroutine on the server's loop and wait for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def bind(self, address: str, *, migration_pool=None, timeout_s: float = 30.0) -> int:
+    def bind(self, address: str, *, migration_pool=None, tls=None, timeout_s: float = 30.0) -> int:
         """Make the server and bind ``address`` (host:port, port 0: a free one); -> the port. A port
-        that cannot be bound is a ``RuntimeError``. ``migration_pool`` runs synchronous handlers."""
+        that cannot be bound is a ``RuntimeError``. ``migration_pool`` runs synchronous handlers;
+        with ``tls`` (``epd.tls.MutualTls``) only clients with a certificate from its CA get in."""
         async def bind() -> int:
             self.server = grpc.aio.server(migration_thread_pool=migration_pool, options=SERVER_OPTIONS)
-            try:
-                port = self.server.add_insecure_port(address)
-            except RuntimeError:
-                port = 0
+            port = add_port(self.server, address, tls)
             if port == 0:
                 raise RuntimeError(f"cannot bind {address} (taken, or not an address of this host)")
             return port

@@ -17,7 +17,8 @@ from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_processor_kwargs
-from epd.rpc import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES, abort_with_async, remaining_s
+from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
+from epd.tls import process_tls
 from epd.transport import choose_transport
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -172,7 +173,7 @@ class PushBatcher:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = open_channel(address, process_tls(), aio=True)
         return self._channels[address]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from epd.router.routing import Candidate
-from epd.rpc import CHANNEL_OPTIONS
+from epd.rpc import open_channel
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("epd.router")
@@ -79,7 +79,10 @@ class WorkerState:
 
 class WorkerRegistry:
     def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
-                 health_timeout_s: float = 5.0, unhealthy_after: int = 3, stall_timeout_s: float = 60.0) -> None:
+                 health_timeout_s: float = 5.0, unhealthy_after: int = 3, stall_timeout_s: float = 60.0,
+                 tls=None) -> None:
+        """``tls``: an ``epd.tls.MutualTls`` when the tiers demand client certificates."""
+        self._tls = tls
         self._initial = {tier: list(addresses) for tier, addresses in workers.items()}
         self.workers: dict[str, list[WorkerState]] = {tier: [] for tier in workers}
         self.health_period_s, self.health_timeout_s = health_period_s, health_timeout_s
@@ -88,7 +91,7 @@ class WorkerRegistry:
 
     async def start(self) -> None:
         """Open the channels (on the running loop: grpc.aio channels belong to one) and check all."""
-        self.workers = {tier: [_state(tier, a) for a in addresses] for tier, addresses in self._initial.items()}
+        self.workers = {tier: [self._state(tier, a) for a in addresses] for tier, addresses in self._initial.items()}
         await self.check_all()
         self._task = asyncio.create_task(self._poll_forever())
 
@@ -112,7 +115,7 @@ class WorkerRegistry:
         if existing:
             existing[0].draining = False
             return existing[0]
-        w = _state(tier, address)
+        w = self._state(tier, address)
         try:
             health = await w.stub.Health(common_pb2.HealthRequest(), timeout=self.health_timeout_s)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as err:
@@ -155,6 +158,9 @@ class WorkerRegistry:
         w.set_healthy(False)
         w.consecutive_failures = max(w.consecutive_failures, self.unhealthy_after)
 
+    def _state(self, tier: str, address: str) -> WorkerState:
+        return WorkerState(tier, address, open_channel(address, self._tls, aio=True))
+
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for states in self.workers.values() for w in states))
 
@@ -189,6 +195,3 @@ class WorkerRegistry:
             log.info("%s %s is healthy; in rotation", w.tier, w.address)
         w.set_healthy(True)
 
-
-def _state(tier: str, address: str) -> WorkerState:
-    return WorkerState(tier, address, grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS))

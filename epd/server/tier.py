@@ -29,6 +29,7 @@ from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.metrics import TierMetrics
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit, wait_for_stop_signal
+from epd.tls import MutualTls, use_for_process
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 
 log = logging.getLogger("epd.server")
@@ -87,6 +88,8 @@ class RunningTier:
 def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
     module_name, exports = _TIERS[tier]
     raise_open_files_limit()
+    tls = MutualTls.from_config(config.tls)
+    use_for_process(tls)  # this process's channels to other tiers (pushes, tensor fetches) present its certificate
     if exports:
         cleanup_stale_segments()  # a restarted producer reclaims what its previous life left behind
     server = AioServerThread(f"{tier}-grpc")
@@ -94,7 +97,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
     store, close = None, (lambda: None)
     try:
         # bound before the model loads: a taken port fails fast, and the store knows its address
-        port = server.bind(f"{config.host}:{config.port}", migration_pool=io)
+        port = server.bind(f"{config.host}:{config.port}", migration_pool=io, tls=tls)
         address = f"{config.host}:{port}"
         metrics = TierMetrics(tier)
         if exports:

@@ -9,7 +9,8 @@ import threading
 
 import grpc
 
-from epd.rpc import CHANNEL_OPTIONS
+from epd.rpc import open_channel
+from epd.tls import process_tls
 
 
 class ChannelPool:
@@ -23,8 +24,8 @@ class ChannelPool:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                # insecure: producer and consumer talk inside the cluster network; TLS belongs to deployment
-                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                # mutual TLS when this process has a certificate (a tier started with tls_*), else plain
+                channel = self._channels[address] = open_channel(address, process_tls())
             return channel
 
     def close_all(self) -> None:

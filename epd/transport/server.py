@@ -6,7 +6,7 @@ from concurrent import futures
 import grpc
 
 from epd.errors import InvalidRequest
-from epd.rpc import SERVER_OPTIONS, abort_with
+from epd.rpc import SERVER_OPTIONS, abort_with, add_port
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
 from epd.transport.leases import TensorStore
@@ -57,12 +57,12 @@ def add_tensor_store(server: grpc.Server, store: TensorStore) -> TensorStoreServ
 
 
 def serve_tensor_store(store: TensorStore, host: str = "127.0.0.1", port: int = 0,
-                       max_workers: int = 8) -> grpc.Server:
+                       max_workers: int = 8, tls=None) -> grpc.Server:
     """Start a server for ``store`` alone (tests, benchmarks, a bare producer) and set ``store.address``.
     Tiers instead call ``add_tensor_store`` on the server they already run. Stop it with ``server.stop(0)``."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     add_tensor_store(server, store)
-    bound_port = server.add_insecure_port(f"{host}:{port}")
+    bound_port = add_port(server, f"{host}:{port}", tls)
     if bound_port == 0:
         raise TransportError(f"could not bind a TensorStore server to {host}:{port}")
     store.address = f"{host}:{bound_port}"

@@ -54,6 +54,11 @@ CASES: dict[str, dict] = {
                "router": {"replicas": 2, "service": {"type": "NodePort", "nodePorts": {"http": 30800}},
                           "config": {"max_concurrent_requests": 8, "queue_timeout_s": 2.5}},
                "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Exists"}]},
+    "secured": {"tls": {"enabled": True, "secretName": "epd-tls", "serverName": "epd.serving.internal"},
+                "apiKeys": {"secretName": "epd-api-keys", "key": "keys"},
+                "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]},
+                "router": {"service": {"type": "LoadBalancer"}}},
     "nccl": {"gpu": {"enabled": True}, "transport": "nccl", "decode": {"gpus": 2},
              "encoder": {"config": {"encoder": {"device": "cuda:0", "cuda_graph_buckets": [[4096, 4]]}}}},
 }
@@ -154,6 +159,9 @@ BAD_VALUES = {
     "unknown top-level key": {"replicas": 3},
     "non-numeric gpus": {"gpu": {"count": "one"}},
     "bad hpa bounds": {"encoder": {"autoscaling": {"enabled": True, "minReplicas": 0}}},
+    "tls without a secret": {"tls": {"enabled": True}},
+    "api keys without a key name": {"apiKeys": {"secretName": "keys", "key": ""}},
+    "chart-managed tls in a tier": {"encoder": {"config": {"tls": {"tls_cert": "/x"}}}},
 }
 
 
@@ -187,16 +195,26 @@ def _arg(args: list[str], flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
+_SECRET_DIRS = ("/var/run/secrets/epd/tls", "/var/run/secrets/epd/api-keys")
+
+
 def _config_files(docs: list[dict], tmp_path: Path) -> dict[str, Path]:
+    """The ConfigMap's files, with the mounted Secrets' paths moved under ``tmp_path`` (where
+    stand-in files are made: the configs check that their key files exist)."""
     (cm,) = by_kind(docs, "ConfigMap").values()
     files = {}
     for key, text in cm["data"].items():
+        for secret_dir in _SECRET_DIRS:
+            for name in re.findall(re.escape(secret_dir) + r"/([\w.-]+)", text):
+                (tmp_path / secret_dir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+                (tmp_path / secret_dir.lstrip("/") / name).write_text("-----BEGIN STAND-IN-----\n")
+            text = text.replace(secret_dir, str(tmp_path / secret_dir.lstrip("/")))
         files[key] = tmp_path / key
         files[key].write_text(text)
     return files
 
 
-@pytest.mark.parametrize("case", ["default", "gpu", "cpu", "hpa", "pvc", "scaled", "nccl"])
+@pytest.mark.parametrize("case", ["default", "gpu", "cpu", "hpa", "pvc", "scaled", "nccl", "secured"])
 def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
     """Each container's args + its ConfigMap file parse with EPD's own CLI/config code."""
     from epd.config import EncoderConfig
@@ -255,6 +273,52 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
         else:
             assert sts["spec"]["replicas"] == values.get(tier, {}).get("replicas", 1)
     assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
+
+
+def test_the_secured_chart_wires_secrets_and_network_policies(rendered, tmp_path):
+    """tls: every pod mounts the Secret and every process config points at it, with the one
+    server name; apiKeys: the router mounts its Secret as a directory (updated in place, so a
+    rotated key needs no restart) and reads it as api_key_file; networkPolicy: workers admit
+    only this release's pods on gRPC, the router admits routerFrom."""
+    from epd.server.router import router_config_from_args
+    from epd.server.tier import worker_config_from_args
+
+    docs = rendered["secured"]
+    files = _config_files(docs, tmp_path)
+    root = tmp_path / "var/run/secrets/epd"
+    router_doc = by_kind(docs, "Deployment")["epd-router"]
+    rc = router_config_from_args([str(files["router.yaml"]) if a == "/etc/epd/router.yaml" else a
+                                  for a in _container(router_doc)["args"][1:]])
+    assert rc.api_key_file == str(root / "api-keys/keys")
+    expected_tls = {"tls_cert": str(root / "tls/tls.crt"), "tls_key": str(root / "tls/tls.key"),
+                    "tls_ca": str(root / "tls/ca.crt"), "tls_server_name": "epd.serving.internal"}
+    assert rc.tls.model_dump() == expected_tls
+    for tier in TIERS:
+        wc = worker_config_from_args(tier, ["--config", str(files[f"{tier}.yaml"]), "--host", "10.1.2.3"])
+        assert wc.tls.model_dump() == expected_tls
+    for doc in [router_doc, *by_kind(docs, "StatefulSet").values()]:
+        pod = doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["tls"]["secret"]["secretName"] == "epd-tls"
+        mounts = {m["name"]: m for m in _container(doc)["volumeMounts"]}
+        assert mounts["tls"]["mountPath"] == "/var/run/secrets/epd/tls" and mounts["tls"]["readOnly"]
+        assert ("api-keys" in volumes) == (doc is router_doc)
+    assert "subPath" not in {m["name"]: m for m in _container(router_doc)["volumeMounts"]}["api-keys"]
+    policies = by_kind(docs, "NetworkPolicy")
+    assert set(policies) == {"epd-router", *(f"epd-{t}" for t in TIERS)}
+    for tier in TIERS:
+        grpc_rule, metrics_rule = policies[f"epd-{tier}"]["spec"]["ingress"]
+        assert grpc_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
+                                                                      "app.kubernetes.io/part-of": "epd"}}}]
+        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+        assert "from" not in metrics_rule and metrics_rule["ports"] == [{"port": 9090, "protocol": "TCP"}]
+    (router_rule,) = policies["epd-router"]["spec"]["ingress"]
+    assert router_rule["from"] == CASES["secured"]["networkPolicy"]["routerFrom"]
+    # the pods carry the labels the worker policies admit
+    for doc in [router_doc, *by_kind(docs, "StatefulSet").values()]:
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE and labels["app.kubernetes.io/part-of"] == "epd"
+    assert not by_kind(rendered["default"], "NetworkPolicy")
 
 
 def test_probes_use_the_health_endpoints(rendered):
@@ -383,13 +447,14 @@ def test_schema_knows_every_config_field():
     assert set(defs["engineConfig"]["properties"]) == fields(EngineConfig)
     assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
     assert set(defs["workerConfig"]["properties"]) == fields(
-        WorkerConfig, minus=("model", "host", "port", "metrics_port", "transport"))
+        WorkerConfig, minus=("model", "host", "port", "metrics_port", "transport", "tls"))
     # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all;
-    # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file
+    # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file; tls comes
+    # from the chart's own tls block (a mounted Secret)
     assert set(defs["routerConfig"]["properties"]) == fields(
         RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes", "host", "port", "grpc_port",
                              "allowed_local_media_path", "allow_private_network", "aggregated", "engine",
-                             "api_keys"))
+                             "api_keys", "tls"))
 
 
 def test_schema_enums_follow_the_registries():

@@ -1,7 +1,8 @@
 """EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end): a multimodal
 request through the HTTP API; a killed worker actor is restarted by Ray and serves again; a decode
 actor killed under streaming clients costs no request (they migrate, token for token); a tier
-scales up (new worker registers with the router) and down (drained first)."""
+scales up (new worker registers with the router) and down (drained first). Every process talks
+mutual TLS (the deployment's one ``tls`` block, certificates made here): a plain client is refused."""
 from __future__ import annotations
 
 import base64
@@ -19,14 +20,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from epd.config import RayDeployment, TierSpec
+    from epd.config import RayDeployment, TierSpec, TlsConfig
     from epd.server.ray import RayEPDCluster
+    from tests.security.certs import issue, make_pki
 
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
     spec = TierSpec(replicas=1, num_cpus=1, max_restarts=2)
+    pki = tmp_path_factory.mktemp("pki")
+    identity = issue(pki, make_pki(pki, "ray"), "worker")
+    tls = TlsConfig(tls_cert=str(identity.cert), tls_key=str(identity.key), tls_ca=str(identity.ca))
     deployment = RayDeployment(model="tiny-qwen2-vl", http_port=0, grpc_port=0, colocate_prefill_decode=True,
-                               tiers={"encoder": spec, "prefill": spec, "decode": spec})
+                               tiers={"encoder": spec, "prefill": spec, "decode": spec}, tls=tls)
     c = RayEPDCluster(deployment)
     try:
         c.start(timeout_s=300)
@@ -49,6 +54,19 @@ def ask(cluster, seed: int) -> str:
 
 def test_multimodal_request_through_http(cluster):
     ask(cluster, 1)
+
+
+def test_every_worker_talks_mutual_tls_only(cluster):
+    import grpc
+
+    from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
+    stubs = {"encoder": encoder_pb2_grpc.EncoderStub, "prefill": prefill_pb2_grpc.PrefillStub,
+             "decode": decode_pb2_grpc.DecodeStub}
+    for tier, addresses in cluster.addresses.items():
+        for address in addresses:
+            with grpc.insecure_channel(address) as plain, pytest.raises(grpc.RpcError) as refused:
+                stubs[tier](plain).Health(common_pb2.HealthRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, address)
 
 
 def test_killed_encoder_actor_is_restarted_and_serves_again(cluster):

@@ -55,6 +55,7 @@ from epd.router.backends.moves import (
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
 from epd.rpc import retry_after_s
+from epd.tls import MutualTls
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2, tensor_pb2_grpc
 
 log = logging.getLogger("epd.router")
@@ -74,7 +75,8 @@ class DisaggregatedBackend:
         self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
                                        "decode": list(config.decodes)}, health_period_s=config.health_period_s,
                                       health_timeout_s=config.health_timeout_s,
-                                      stall_timeout_s=config.stall_timeout_s)
+                                      stall_timeout_s=config.stall_timeout_s,
+                                      tls=MutualTls.from_config(config.tls))
         self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}
         # content hash -> (encoder address, number of encode calls carrying it now): an item already
         # being encoded goes to that encoder, where it waits on the one producer instead of being

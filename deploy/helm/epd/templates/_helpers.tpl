@@ -146,14 +146,33 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
 {{- $_ := unset $cfg "encoder" -}}
 {{- end -}}
 {{- $managed := dict "model" (include "epd.modelRef" $root) "host" "0.0.0.0" "port" (int $root.Values.workerPorts.grpc) "metrics_port" (int $root.Values.workerPorts.metrics) "transport" $root.Values.transport -}}
+{{- with (include "epd.tlsConfig" $root | fromYaml) }}{{ $_ := set $managed "tls" . }}{{ end -}}
 {{- toYaml (mustMergeOverwrite $cfg $managed) -}}
 {{- end -}}
 
 {{- define "epd.routerConfig" -}}
 {{- $cfg := deepCopy (.Values.router.config | default dict) -}}
 {{- $managed := dict "model" (include "epd.modelRef" .) "transport" .Values.transport -}}
+{{- with (include "epd.tlsConfig" . | fromYaml) }}{{ $_ := set $managed "tls" . }}{{ end -}}
+{{- if .Values.apiKeys.secretName }}{{ $_ := set $managed "api_key_file" (printf "%s/%s" (include "epd.apiKeysDir" .) .Values.apiKeys.key) }}{{ end -}}
 {{- toYaml (mustMergeOverwrite $cfg $managed) -}}
 {{- end -}}
+
+{{/* TlsConfig of every process (empty when tls is off): the mounted Secret's files. */}}
+{{- define "epd.tlsConfig" -}}
+{{- if .Values.tls.enabled -}}
+{{- $dir := include "epd.tlsDir" . -}}
+tls_cert: {{ printf "%s/tls.crt" $dir }}
+tls_key: {{ printf "%s/tls.key" $dir }}
+tls_ca: {{ printf "%s/ca.crt" $dir }}
+{{- with .Values.tls.serverName }}
+tls_server_name: {{ . | quote }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "epd.tlsDir" -}}/var/run/secrets/epd/tls{{- end -}}
+{{- define "epd.apiKeysDir" -}}/var/run/secrets/epd/api-keys{{- end -}}
 
 {{/* Checks the schema cannot express. */}}
 {{- define "epd.validate" -}}
@@ -192,6 +211,12 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
     path: {{ required "model.hostPath.path is required when model.source=hostPath" .Values.model.hostPath.path }}
     type: {{ .Values.model.hostPath.type }}
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ required "tls.secretName is required when tls.enabled" .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
@@ -216,6 +241,11 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
   {{- if and (eq .Values.model.source "pvc") .Values.model.pvc.subPath }}
   subPath: {{ .Values.model.pvc.subPath }}
   {{- end }}
+{{- end }}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: {{ include "epd.tlsDir" . }}
+  readOnly: true
 {{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}

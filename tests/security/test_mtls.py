@@ -1,0 +1,124 @@
+"""Mutual TLS between EPD's processes, with certificates made here. ``epd serve --tls-*`` serves
+chats end to end (router -> tiers, encoder -> prefill pushes, consumers -> producers' TensorStore
+all over TLS), and every tier refuses a plain-text client, a client without a certificate, one
+whose certificate signs itself and one from another CA; a client with the cluster's CA gets in
+(the control that shows the refusals are about the certificate)."""
+from __future__ import annotations
+
+import re
+
+import grpc
+import openai
+import pytest
+
+from epd.config import ConfigError, TlsConfig, WorkerConfig, load_config
+from epd.models.presets import write_preset_checkpoint
+from epd.rpc import open_channel
+from epd.tls import MutualTls
+from epd.transport import TensorStore, serve_tensor_store
+from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc, tensor_pb2, tensor_pb2_grpc
+from tests.conftest import make_image_bytes
+from tests.e2e.serve_process import ServeProcess
+from tests.e2e.test_openai_serve import chat, data_url
+from tests.security.certs import SERVER_NAME, issue, make_pki, self_signed
+
+_STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "prefill": prefill_pb2_grpc.PrefillStub,
+          "decode": decode_pb2_grpc.DecodeStub}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("pki")
+    cluster_ca, stranger_ca = make_pki(directory, "cluster"), make_pki(directory, "stranger")
+    return {"dir": directory, "cluster": issue(directory, cluster_ca, "worker"),
+            "client": issue(directory, cluster_ca, "client"),
+            "dns_only": issue(directory, cluster_ca, "dns-only", ip=False),
+            "stranger": issue(directory, stranger_ca, "stranger"),
+            "self_signed": self_signed(directory, "self-signed", trusts=cluster_ca[0])}
+
+
+def _tls(identity, server_name: str | None = None) -> MutualTls:
+    return MutualTls.from_config(TlsConfig(tls_cert=str(identity.cert), tls_key=str(identity.key),
+                                           tls_ca=str(identity.ca), tls_server_name=server_name))
+
+
+def _health(address: str, tier: str, channel: grpc.Channel) -> common_pb2.HealthResponse:
+    with channel:
+        return _STUBS[tier](channel).Health(common_pb2.HealthRequest(), timeout=10)
+
+
+def _refusals(address: str, pki) -> dict[str, grpc.Channel]:
+    """Clients the tiers must refuse; each trusts the cluster's CA, so the refusal is the server's."""
+    ca = pki["cluster"].ca.read_bytes()
+    stranger = MutualTls(pki["stranger"].cert.read_bytes(), pki["stranger"].key.read_bytes(), ca)
+    return {"plain text": grpc.insecure_channel(address),
+            "no client certificate": grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca)),
+            "self-signed": open_channel(address, _tls(pki["self_signed"])),
+            "another CA": open_channel(address, stranger)}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_preset_checkpoint("tiny-qwen2-vl", tmp_path_factory.mktemp("mtls") / "ckpt", seed=1357)
+
+
+@pytest.mark.slow
+def test_serve_with_mutual_tls_serves_and_every_tier_refuses_strangers(model_dir, pki):
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", *pki["cluster"].flags())
+    try:
+        client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        image = make_image_bytes(96, 64, seed=4)
+        out = client.chat.completions.create(model="m", max_tokens=3,
+                                             messages=chat("What is it?", [data_url(image), data_url(image)]))
+        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+        workers = {m.group(1): m.group(2) for line in serve.lines
+                   if (m := re.match(r"\s+(encoder|prefill|decode)\s+(\S+) \(pid", line))}
+        assert sorted(workers) == ["decode", "encoder", "prefill"], serve.lines
+        for tier, address in workers.items():
+            for what, channel in _refusals(address, pki).items():
+                with pytest.raises(grpc.RpcError) as refused:
+                    _health(address, tier, channel)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, what)
+            assert _health(address, tier, open_channel(address, _tls(pki["client"]))).tier == tier
+        # the refused handshakes cost nothing: the cluster still serves
+        again = client.chat.completions.create(model="m", max_tokens=2, messages=chat("Again?", [data_url(image)]))
+        assert again.choices[0].finish_reason == "length"
+    finally:
+        serve.stop_and_check_clean(model_dir)
+
+
+def test_a_certificate_for_a_name_is_checked_against_tls_server_name(pki):
+    """One certificate for every pod: it names the service, not each pod's IP. Without
+    tls_server_name the address (127.0.0.1) does not match it and the channel is refused."""
+    store = TensorStore()
+    server = serve_tensor_store(store, tls=_tls(pki["dns_only"]))
+    try:
+        request = tensor_pb2.ReleaseRequest(lease_ids=["nothing"])
+        with open_channel(store.address, _tls(pki["client"], server_name=SERVER_NAME)) as named:
+            assert tensor_pb2_grpc.TensorStoreStub(named).Release(request, timeout=10).num_released == 0
+        with open_channel(store.address, _tls(pki["client"])) as by_address:
+            with pytest.raises(grpc.RpcError) as refused:
+                tensor_pb2_grpc.TensorStoreStub(by_address).Release(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(0)
+        store.close()
+
+
+@pytest.mark.parametrize("tls, expected", [
+    ({"tls_cert": "CERT"}, "mutual TLS needs tls_cert, tls_key and tls_ca together; missing ['tls_ca', 'tls_key']"),
+    ({"tls_cert": "/nonexistent.pem", "tls_key": "KEY", "tls_ca": "CA"}, "tls.tls_cert: expected a readable PEM file"),
+    ({"tls_server_name": "x"}, "tls_server_name applies only with tls_cert, tls_key and tls_ca"),
+])
+def test_an_incomplete_tls_block_is_one_line_naming_it(pki, tls, expected):
+    files = {"CERT": str(pki["cluster"].cert), "KEY": str(pki["cluster"].key), "CA": str(pki["cluster"].ca)}
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        load_config(WorkerConfig, {"tls": {k: files.get(v, v) for k, v in tls.items()}})
+
+
+def test_a_file_that_is_not_pem_is_refused_at_start(tmp_path, pki):
+    not_pem = tmp_path / "cert.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a")
+    config = TlsConfig(tls_cert=str(not_pem), tls_key=str(pki["cluster"].key), tls_ca=str(pki["cluster"].ca))
+    with pytest.raises(ValueError, match=r"tls_cert: expected a PEM file, .*cert.der has no '-----BEGIN' line"):
+        MutualTls.from_config(config)

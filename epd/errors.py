@@ -14,6 +14,10 @@ from typing import ClassVar
 RETRY_AFTER_KEY = "retry-after"  # gRPC trailing metadata with an Overloaded error: seconds, as a decimal
 
 
+# how an encoder names an item that does not decode: "image (content hash <hex>): <cause>"; the
+# router, which knows where each hash sits in its request, turns it into messages[i].content[j]
+UNDECODABLE_MARKER = "image (content hash"
+
 class ErrorCode(enum.Enum):
     # value: (HTTP status, gRPC status name, OpenAI error type)
     INVALID_ARGUMENT = (400, "INVALID_ARGUMENT", "invalid_request_error")

@@ -15,7 +15,7 @@ import torch
 from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
-from epd.errors import InvalidRequest
+from epd.errors import UNDECODABLE_MARKER, InvalidRequest
 
 # Used when the model declares nothing: the grid stays on CPU, where the vision tower reads it
 # with Python loops; on the device every such read would be a device-to-host sync.
@@ -131,7 +131,7 @@ class MultimodalEncoderRunner:
             try:
                 self.model.preprocess([s.item.data])
             except InvalidRequest as err:
-                found[s.cache_key] = f"MM item {s.item_index} of request {s.request_id!r}: {err.message}"
+                found[s.cache_key] = f"{UNDECODABLE_MARKER} {s.item.content_hash}): {err.message}"
             except Exception:  # noqa: BLE001 - not a bad input: the batch-level failure stands
                 continue
         return found

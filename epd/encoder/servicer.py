@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -29,7 +30,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, engine: EncoderEngine, ctx) -> None:
         self.engine, self.ctx = engine, ctx
         self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
-        self.pusher = PushBatcher()
+        self.pusher = PushBatcher(self.config.model, release=self.store.release)
 
     async def Encode(self, request, context):
         try:
@@ -61,6 +62,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
             await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
         except Exception as err:  # noqa: BLE001 - the push failed: the rows will never be used
             self.store.release([p.embedding.lease_id for p in pushes])
+            if isinstance(err, InvalidRequest):
+                raise InvalidRequest(f"request {request_id}: {err.message}") from None
             why = f"{err.details() or err.code().name}" if isinstance(err, grpc.aio.AioRpcError) else repr(err)
             raise UpstreamError(f"request {request_id}: pushing to prefill at {request.prefill_address} failed: "
                                 f"{why}") from None
@@ -108,6 +111,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
 
 _MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2  # one call's pushes; handles are small unless inline
+_CHECK_TIMEOUT_S = 5.0  # a prefill's health answer before its first push
 
 
 @dataclass
@@ -122,15 +126,23 @@ class PushBatcher:
     """Pushes to prefill workers, in as few calls as possible: what is queued for a worker while a
     call to it is in flight leaves together in the next call (under a burst, the results of one
     encoder batch). A caller cancelled meanwhile does not withdraw its pushes: they go, and a
-    prefill that no longer holds the request releases them."""
+    prefill that no longer holds the request sends their leases back (``release`` them here).
 
-    def __init__(self) -> None:
+    Users' embeddings go only to EPD prefill workers of this model: before its first push to an
+    address, the batcher asks it for its health and refuses (``InvalidRequest``) an address that
+    answers as anything else, so an Encode call naming a stranger's address sends it nothing."""
+
+    def __init__(self, model: str, *, release: Callable[[list[str]], object] = lambda lease_ids: None) -> None:
+        self.model, self._release = model, release
         self._queued: dict[str, list[_QueuedPush]] = {}
         self._sending: set[str] = set()
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._checked: dict[str, asyncio.Future] = {}  # address -> its check (done: a verified prefill)
 
     async def push(self, address: str, pushes: list, timeout_s: float) -> None:
-        """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError."""
+        """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError,
+        or ``InvalidRequest`` when ``address`` is not a prefill worker of this model."""
+        await self._check_destination(address, timeout_s)
         loop = asyncio.get_running_loop()
         delivered = loop.create_future()
         delivered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when nobody waits
@@ -140,6 +152,27 @@ class PushBatcher:
             self._sending.add(address)
             loop.create_task(self._send(address))
         await asyncio.shield(delivered)
+
+    async def _check_destination(self, address: str, timeout_s: float) -> None:
+        check = self._checked.get(address)
+        if check is None:  # one check per address, shared by the pushes that wait for it
+            check = self._checked[address] = asyncio.ensure_future(self._ask_health(address, timeout_s))
+            check.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                    or self._checked.pop(address, None))  # a failed check is asked again
+        await asyncio.shield(check)
+
+    async def _ask_health(self, address: str, timeout_s: float) -> None:
+        try:
+            health = await prefill_pb2_grpc.PrefillStub(self._channel(address)).Health(
+                common_pb2.HealthRequest(), timeout=max(0.001, min(timeout_s, _CHECK_TIMEOUT_S)))
+            answer = f"as a {health.tier or 'nameless'} worker of model {health.model!r}"
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise  # down or slow: the push fails like any other, and the router moves the request
+            health, answer = None, "without EPD's prefill service"
+        if health is None or health.tier != "prefill" or health.model != self.model:
+            raise InvalidRequest(f"prefill_address {address} is not a prefill worker of model {self.model!r} "
+                                 f"(it answered {answer}): nothing pushed", param="prefill_address")
 
     async def _send(self, address: str) -> None:
         try:
@@ -163,7 +196,9 @@ class PushBatcher:
         request = prefill_pb2.PushEmbeddingsRequest(pushes=[p for queued in batch for p in queued.pushes])
         timeout_s = max(queued.deadline_s for queued in batch) - asyncio.get_running_loop().time()
         try:
-            await stub.PushEmbeddings(request, timeout=max(0.001, timeout_s))
+            reply = await stub.PushEmbeddings(request, timeout=max(0.001, timeout_s))
+            if reply.refused_lease_ids:  # late: the request is gone there; the rows are ours to free
+                self._release(list(reply.refused_lease_ids))
             error = None
         except Exception as err:  # noqa: BLE001 - every caller of the batch hears it, none hangs
             error = err

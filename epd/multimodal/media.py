@@ -153,7 +153,30 @@ def _decode_data_url(url: str, limits: MediaLimits) -> bytes:
         data = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise MediaError(f"data URL payload is not valid base64: {exc}") from exc
-    return _check_size(data, "data URL payload", limits)
+    _check_size(data, "data URL payload", limits)
+    _check_declared_format(mime_type, data)
+    return data
+
+
+# a data URL's declared type, as the format PIL reads from the bytes
+_FORMAT_OF_MIME = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/pjpeg": "JPEG",
+                   "image/webp": "WEBP", "image/gif": "GIF", "image/bmp": "BMP", "image/tiff": "TIFF"}
+
+
+def _check_declared_format(mime_type: str, data: bytes) -> None:
+    """A data URL whose bytes are another format than it declares is refused: the client sent
+    something else than it meant to (and a type and content that disagree is how filters are
+    slipped past). Types we do not map (``image/*``, vendor types) are not judged."""
+    declared = _FORMAT_OF_MIME.get(mime_type)
+    if declared is None:
+        return
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            actual = image.format
+    except Exception:  # noqa: BLE001 - no readable header: the size check names that problem
+        return
+    if actual is not None and actual != declared:
+        raise MediaError(f"data URL declares {mime_type} but the data is {actual}")
 
 
 def _file_url_path(url: str) -> str:
@@ -178,6 +201,11 @@ def _read_local_file(path: str, allowed_local_root: str | os.PathLike | None, li
 
 def _resolve_inside_root(path: str, allowed_local_root: str | os.PathLike) -> Path:
     root = Path(allowed_local_root).resolve()
+    # "..": judged on the path as written first, so whether a file outside the root exists is
+    # never told (a "does not exist" for root/../../etc/x would be)
+    written = Path(os.path.abspath(Path(path).expanduser()))
+    if not (written.is_relative_to(root) or written.is_relative_to(os.path.abspath(allowed_local_root))):
+        raise LocalFileRefused(f"local file {path!r} lies outside the allowed root {str(root)!r}")
     try:
         # strict: resolve every symlink now, so the containment check sees the real target.
         real_path = Path(path).expanduser().resolve(strict=True)

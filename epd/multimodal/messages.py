@@ -11,6 +11,17 @@ from epd.multimodal.media import load_media_bytes
 IMAGE_PART_TYPES = ("image", "image_url", "input_image")
 
 
+def media_parts(messages: list[dict]) -> list[tuple[int, int, dict]]:
+    """Every image part as (message index, part index, part), in prompt order: the k-th is item k."""
+    return [(i, j, part) for i, message in enumerate(messages)
+            if isinstance(content := message.get("content"), list)
+            for j, part in enumerate(content) if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES]
+
+
+def part_location(message_index: int, part_index: int) -> str:
+    return f"messages[{message_index}].content[{part_index}]"
+
+
 def extract_images(messages: list[dict], *, allowed_local_root: str | os.PathLike | None = None
                    ) -> tuple[list[dict], list[bytes]]:
     """Pull image parts out as encoded bytes and leave ``{"type": "image"}`` markers, which the

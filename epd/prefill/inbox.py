@@ -1,9 +1,9 @@
 """Where encoders' embedding pushes land on a prefill worker: the rows of every registered request.
 
 A request is registered here (``expect``, when the router's Prefill call arrives) before the router
-lets any encoder push for it, so a push
-for a request this worker does not hold is late (the request was cancelled or already finished):
-its lease is released at once, and nothing is ever parked.
+lets any encoder push for it, so a push for a request this worker does not hold is late (the
+request was cancelled or already finished) or a stranger's: it is refused before anything is
+imported (``holds``), its lease goes back to its producer, and nothing is ever parked.
 """
 from __future__ import annotations
 
@@ -35,6 +35,14 @@ class EmbeddingInbox:
             self._rows[request_id] = rows
             self._releases[request_id] = []
         return rows
+
+    def holds(self, request_id: str) -> bool:
+        """Whether pushes for ``request_id`` are expected here; counts the late ones."""
+        with self._lock:
+            if request_id in self._rows:
+                return True
+            self.num_late_pushes += 1
+            return False
 
     def push(self, request_id: str, index: int, tensor: torch.Tensor, release: Callable[[], None] | None = None
              ) -> bool:

@@ -24,12 +24,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
 
     async def PushEmbeddings(self, request, context):
-        return prefill_pb2.PushEmbeddingsResponse(num_accepted=await self.ctx.blocking(lambda: self._accept(request)))
+        return await self.ctx.blocking(lambda: self._accept(request))
 
-    def _accept(self, request) -> int:
-        """On an io thread: importing may wait on the network (a producer on another host)."""
-        accepted = 0
+    def _accept(self, request) -> prefill_pb2.PushEmbeddingsResponse:
+        """On an io thread: importing may wait on the network (a producer on another host). A push
+        for a request not held here is not imported at all (nothing of a stranger's is fetched or
+        mapped): its lease goes back to the producer in the answer."""
+        accepted, refused = 0, []
         for push in request.pushes:
+            if not self.worker.inbox.holds(push.request_id):
+                refused.append(push.embedding.lease_id)
+                continue
             try:
                 with self.metrics.time_import(push.embedding):
                     imported = import_tensor(push.embedding, device=self.worker.engine.config.device)
@@ -38,7 +43,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 continue
             # released from the engine thread when the request is done: without waiting for the encoder
             accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release_soon)
-        return accepted
+        return prefill_pb2.PushEmbeddingsResponse(num_accepted=accepted, refused_lease_ids=refused)
 
     async def Prefill(self, request, context):
         try:

@@ -16,7 +16,8 @@ from epd.errors import EPDError, InvalidRequest, Unauthenticated, as_epd_error
 from epd.protocol import logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
-from epd.rpc import abort_with_async
+from epd.router.body_limits import BodyLimits, check_counts
+from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
 from epd.types import ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
 
@@ -27,9 +28,11 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     """A grpc.aio servicer. The server that hosts it should raise the message size limits
     (``epd.rpc.SERVER_OPTIONS``): requests carry encoded images."""
 
-    def __init__(self, core: RouterCore, *, default_max_tokens: int = 256) -> None:
+    def __init__(self, core: RouterCore, *, default_max_tokens: int = 256, limits: BodyLimits = BodyLimits()
+                 ) -> None:
         self.core = core
         self.default_max_tokens = default_max_tokens
+        self.limits = limits  # the message size itself is the server's max_receive_message_length
 
     async def Generate(self, request: router_pb2.ChatGenerateRequest, context: grpc.aio.ServicerContext):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex}"
@@ -70,6 +73,9 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
                       time_remaining_s: float | None) -> ChatRequest:
         if not request.messages:
             raise ValueError("expected at least one message, got none")
+        check_counts(self.limits, num_messages=len(request.messages),
+                     num_parts=sum(len(m.content) for m in request.messages),
+                     num_chars=sum(len(p.text) for m in request.messages for p in m.content))
         messages = [self._message(i, m) for i, m in enumerate(request.messages)]
         # The call deadline bounds the request too, so the core stops when the client gives up.
         timeouts_s = [t for t in (request.timeout_s, time_remaining_s) if t and t > 0]
@@ -140,10 +146,17 @@ def _refusing(handler: grpc.RpcMethodHandler, err: Unauthenticated) -> grpc.RpcM
     return grpc.unary_unary_rpc_method_handler(refuse, **serde)
 
 
-def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int = 256
-                    ) -> RouterGrpcServicer:
+def public_server_options(limits: BodyLimits) -> list[tuple]:
+    """The public gRPC server's options: a message over the body limit is refused by gRPC itself
+    (RESOURCE_EXHAUSTED) before it is read."""
+    return [*(o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"),
+            ("grpc.max_receive_message_length", min(limits.max_body_bytes, MAX_MESSAGE_BYTES))]
+
+
+def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int = 256,
+                    limits: BodyLimits = BodyLimits()) -> RouterGrpcServicer:
     """Register the public Router service on a grpc.aio server (not started here)."""
-    servicer = RouterGrpcServicer(core, default_max_tokens=default_max_tokens)
+    servicer = RouterGrpcServicer(core, default_max_tokens=default_max_tokens, limits=limits)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     return servicer
 

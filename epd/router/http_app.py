@@ -18,7 +18,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +36,7 @@ from epd.errors import (
 )
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
+from epd.router.body_limits import BodyLimits, check_json_messages
 from epd.router.openai_protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -67,22 +67,6 @@ _pumps: set[asyncio.Task] = set()  # strong references: pumps may outlive their 
 
 class _ClientGone(Exception):
     pass
-
-
-@dataclass(frozen=True)
-class BodyLimits:
-    """What one request body may hold; each is checked before any heavy work (decoding the JSON into
-    the request model, fetching media, tokenizing) and refused naming the limit."""
-
-    max_body_bytes: int = 100 * 1024 * 1024
-    max_messages: int = 1024
-    max_content_parts: int = 4096
-    max_text_chars: int = 2_000_000
-
-    @classmethod
-    def from_config(cls, config) -> "BodyLimits":
-        return cls(config.max_request_body_bytes, config.max_messages, config.max_content_parts,
-                   config.max_text_chars)
 
 
 def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None, api_keys: ApiKeys | None = None,
@@ -181,7 +165,7 @@ class _ChatCompletions:
         pump: _CorePump | None = None
         try:
             raw = await _read_json(request, self.limits.max_body_bytes)
-            _check_shape(raw, self.limits)
+            check_json_messages(raw.get("messages") if isinstance(raw, dict) else None, self.limits)
             body = parse_chat_body(raw)
             model = served_name(self.core, body.model)
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
@@ -398,31 +382,8 @@ async def _read_json(request: Request, max_bytes: int):
         return json.loads(b"".join(chunks))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-
-
-def _check_shape(body, limits: BodyLimits) -> None:
-    """Counts of messages, content parts and text characters, on the raw JSON (the request model
-    names anything malformed afterwards)."""
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
-        return
-    if len(messages) > limits.max_messages:
-        raise InvalidRequest(f"messages: {len(messages)} messages; at most {limits.max_messages} (max_messages)",
-                             param="messages")
-    num_parts = num_chars = 0
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            num_chars += len(content)
-        elif isinstance(content, list):
-            num_parts += len(content)
-            num_chars += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    if num_parts > limits.max_content_parts:
-        raise InvalidRequest(f"messages: {num_parts} content parts; at most {limits.max_content_parts} "
-                             f"(max_content_parts)", param="messages")
-    if num_chars > limits.max_text_chars:
-        raise InvalidRequest(f"messages: {num_chars} characters of text; at most {limits.max_text_chars} "
-                             f"(max_text_chars)", param="messages")
+    except RecursionError:  # [[[[...: the parser gives up before the body ends
+        raise InvalidRequest("the request body nests JSON arrays or objects too deeply to parse") from None
 
 
 async def _maybe_await(value):

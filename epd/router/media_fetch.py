@@ -33,7 +33,7 @@ from epd.multimodal.media import (
     load_media_bytes,
     read_image_size,
 )
-from epd.multimodal.messages import IMAGE_PART_TYPES
+from epd.multimodal.messages import media_parts, part_location
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _URL_PREVIEW_CHARS = 100
@@ -71,18 +71,13 @@ class MediaFetcher:
     async def resolve(self, messages: list[dict]) -> list[dict]:
         """A copy of ``messages`` with every image part (``image_url`` with a URL, ``image`` with
         bytes or a URL) replaced by ``{"type": "image", "image": <bytes>}``; all load concurrently."""
-        slots: list[tuple[int, int, dict]] = []  # (message index, part index, part)
-        for i, message in enumerate(messages):
-            content = message.get("content")
-            for j, part in enumerate(content if isinstance(content, list) else ()):
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                    slots.append((i, j, part))
+        slots = media_parts(messages)
         if not slots:
             return messages
         if len(slots) > self.limits.max_items:
             raise InvalidRequest(f"request has {len(slots)} images; the limit is {self.limits.max_items} per "
                                  f"request (max_items_per_request)", param="messages")
-        tasks = [asyncio.ensure_future(self._load_part(part, f"messages[{i}].content[{j}]")) for i, j, part in slots]
+        tasks = [asyncio.ensure_future(self._load_part(part, part_location(i, j))) for i, j, part in slots]
         try:
             loaded = await asyncio.gather(*tasks)
         finally:  # one bad image fails the request: stop downloading the others

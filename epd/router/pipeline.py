@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from epd.config import RouterConfig
-from epd.errors import DeadlineExceeded, EPDError, InvalidRequest
+from epd.errors import UNDECODABLE_MARKER, DeadlineExceeded, EPDError, InvalidRequest
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
-from epd.multimodal.messages import IMAGE_PART_TYPES, extract_images
+from epd.multimodal.messages import extract_images, media_parts, part_location
 from epd.router.admission import AdmissionGate, RequestLimits
 from epd.router.backends.base import Backend, BackendOutput, Job
 from epd.router.detok import IncrementalDetokenizer
@@ -93,7 +93,10 @@ class RequestPipeline:
         first_at, num_tokens = None, 0
         try:
             while True:
-                output = await _next_before(outputs, deadline, request.request_id)
+                try:
+                    output = await _next_before(outputs, deadline, request.request_id)
+                except InvalidRequest as err:
+                    raise name_the_part(err, prompt, request.messages) from None
                 if output is None:
                     break
                 event = text.event(output, prompt if first_at is None else None)
@@ -164,5 +167,15 @@ _timeout_at = getattr(asyncio, "timeout_at", None)
 
 
 def count_media_parts(messages: list[dict]) -> int:
-    return sum(1 for m in messages if isinstance(m.get("content"), list)
-               for p in m["content"] if isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES)
+    return len(media_parts(messages))
+
+
+def name_the_part(err: InvalidRequest, prompt: ProcessedPrompt, messages: list[dict]) -> InvalidRequest:
+    """An encoder's bad-input error names the image by its content hash (it knows no request's
+    messages): say which of this request's parts it was, ``messages[i].content[j]``."""
+    for item, (i, j, _) in zip(prompt.items, media_parts(messages)):
+        marker = f"{UNDECODABLE_MARKER} {item.mm_hash}): "
+        if marker in err.message:
+            where = part_location(i, j)
+            return InvalidRequest(f"{where}: {err.message.split(marker, 1)[1]}", param=where)
+    return err

@@ -17,7 +17,6 @@ import uvicorn
 
 from epd.config import RouterConfig
 from epd.router.pipeline import RequestPipeline
-from epd.rpc import SERVER_OPTIONS
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
 
@@ -117,8 +116,9 @@ async def _start_admin(config: RouterConfig, router):
 
 async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
     from epd.router.auth import ApiKeys
-    from epd.router.grpc_api import ApiKeyInterceptor, add_router_grpc
-    from epd.router.http_app import BodyLimits, build_app
+    from epd.router.body_limits import BodyLimits
+    from epd.router.grpc_api import ApiKeyInterceptor, add_router_grpc, public_server_options
+    from epd.router.http_app import build_app
 
     raise_open_files_limit()  # a connection per streaming client
     api_keys = ApiKeys(config.api_keys, config.api_key_file)
@@ -126,15 +126,16 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     await router.start()
     interceptors = [ApiKeyInterceptor(api_keys, protect_health=config.protect_health_and_metrics)] \
         if api_keys.enabled else []
-    grpc_server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=interceptors)
-    add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens)
+    limits = BodyLimits.from_config(config)
+    grpc_server = grpc.aio.server(options=public_server_options(limits), interceptors=interceptors)
+    add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits)
     grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:
         raise RuntimeError(f"router: cannot bind gRPC {config.host}:{config.grpc_port} (taken?)")
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
-                    limits=BodyLimits.from_config(config))
+                    limits=limits)
     admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

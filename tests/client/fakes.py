@@ -8,7 +8,7 @@ import threading
 
 import grpc
 
-from epd.router.grpc_api import add_router_grpc
+from epd.router.grpc_api import add_router_grpc, public_server_options
 from epd.router.media_fetch import MediaFetcher
 from epd.rpc import SERVER_OPTIONS as GRPC_OPTIONS
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
@@ -75,8 +75,9 @@ class FakeCore:
 class RouterServerThread:
     """The public Router service over ``core`` on a free 127.0.0.1 port, in a thread with its own loop."""
 
-    def __init__(self, core, interceptors=()) -> None:
-        self.core, self.interceptors = core, list(interceptors)
+    def __init__(self, core, interceptors=(), limits=None) -> None:
+        """``limits``: a ``BodyLimits`` the server applies as the router does (message size included)."""
+        self.core, self.interceptors, self.limits = core, list(interceptors), limits
         self.address = ""
 
     def __enter__(self) -> RouterServerThread:
@@ -98,8 +99,9 @@ class RouterServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     async def _start(self) -> str:
-        self._server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=self.interceptors)
-        add_router_grpc(self._server, self.core)
+        options = GRPC_OPTIONS if self.limits is None else public_server_options(self.limits)
+        self._server = grpc.aio.server(options=options, interceptors=self.interceptors)
+        add_router_grpc(self._server, self.core, **({} if self.limits is None else {"limits": self.limits}))
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         return f"127.0.0.1:{port}"

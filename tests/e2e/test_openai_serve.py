@@ -225,7 +225,8 @@ def test_sdk_and_public_grpc_take_an_http_image_like_a_data_url(client, server):
 def test_an_image_that_does_not_decode_is_a_400_naming_it_and_the_server_keeps_serving(client):
     image = make_image_bytes(160, 120, seed=9)
     truncated = image[: len(image) // 2]  # a valid header: the router's size check passes, the encoder's decode fails
-    with pytest.raises(openai.BadRequestError, match=r"MM item 0 of request .*truncated or corrupt"):
+    named = r"^Error code: 400 - messages\[0\]\.content\[0\]: PNG data is truncated or corrupt"
+    with pytest.raises(openai.BadRequestError, match=named):
         client.chat.completions.create(model="m", messages=chat("What is it?", [data_url(truncated)]), max_tokens=2)
     out = client.chat.completions.create(model="m", messages=chat("What is it?", [data_url(image)]), max_tokens=2)
     assert out.choices[0].finish_reason == "length"

@@ -82,7 +82,7 @@ def test_an_undecodable_item_fails_only_its_users_as_a_bad_request_and_the_rest_
         runner.forward_items(s.schedule())
     assert isinstance(info.value, InvalidRequest)  # a 400 at the edge, not a 502
     assert info.value.request_ids == {"r1", "r2"}
-    assert str(info.value) == "MM item 0 of request 'r1': PNG data is truncated or corrupt (broken)"
+    assert str(info.value) == "image (content hash broken): PNG data is truncated or corrupt (broken)"
     for request_id in info.value.request_ids:  # what the engine does with the error
         s.abort_request(request_id)
     batch = s.schedule()  # the innocent item is batched again and encodes

@@ -322,3 +322,29 @@ def test_transparent_pixels_become_white() -> None:
     decoded = decode_image(_encode(image))
     assert decoded.getpixel((1, 1)) == (255, 255, 255)
     assert decoded.getpixel((0, 0)) == (10, 20, 30)
+
+
+def test_outside_the_root_reads_the_same_whether_the_file_exists_or_not(media_root: Path) -> None:
+    """No oracle for files outside the root: ``..`` is judged on the path as written."""
+    (media_root.parent / "exists.png").write_bytes(b"\x89PNG")
+    messages = []
+    for name in ("exists.png", "missing.png"):
+        with pytest.raises(MediaError) as refused:
+            load_media_bytes(f"{media_root}/../{name}", allowed_local_root=media_root)
+        messages.append(str(refused.value).replace(name, "NAME"))
+    assert messages[0] == messages[1] and "outside the allowed root" in messages[0]
+
+
+def test_a_root_given_through_a_symlink_still_serves_its_files(media_root: Path, png_bytes: bytes) -> None:
+    link = media_root.parent / "link-to-root"
+    link.symlink_to(media_root)
+    assert load_media_bytes(f"{link}/cat.png", allowed_local_root=link) == png_bytes
+
+
+def test_a_data_url_whose_bytes_are_another_format_is_refused(png_bytes: bytes) -> None:
+    import base64
+    payload = base64.b64encode(png_bytes).decode()
+    with pytest.raises(MediaError, match=r"data URL declares image/jpeg but the data is PNG"):
+        load_media_bytes(f"data:image/jpeg;base64,{payload}")
+    assert load_media_bytes(f"data:image/png;base64,{payload}") == png_bytes
+    assert load_media_bytes(f"data:image/*;base64,{payload}") == png_bytes  # a type we do not judge

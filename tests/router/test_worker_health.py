@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 
 import grpc
+import pytest
 
 from epd.encoder.servicer import PushBatcher
+from epd.errors import InvalidRequest
 from epd.router.workers import WorkerRegistry
 from epd.rpc import SERVER_OPTIONS
-from epd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, tensor_pb2
 
 
 class _ScriptedDecode(decode_pb2_grpc.DecodeServicer):
@@ -27,14 +29,21 @@ class _ScriptedDecode(decode_pb2_grpc.DecodeServicer):
 
 
 class _CountingPrefill(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self) -> None:
+    def __init__(self, tier: str = "prefill", model: str = "m") -> None:
         self.calls: list[int] = []  # pushes per call
         self.gate = asyncio.Event()
+        self.health = common_pb2.HealthResponse(tier=tier, model=model)
+        self.holds: set[str] = set()  # request ids it expects; the others' leases come back
 
     async def PushEmbeddings(self, request, context):
         self.calls.append(len(request.pushes))
         await self.gate.wait()  # hold the first call open while more pushes queue
-        return prefill_pb2.PushEmbeddingsResponse(num_accepted=len(request.pushes))
+        refused = [p.embedding.lease_id for p in request.pushes if p.request_id not in self.holds]
+        return prefill_pb2.PushEmbeddingsResponse(num_accepted=len(request.pushes) - len(refused),
+                                                  refused_lease_ids=refused)
+
+    async def Health(self, request, context):
+        return self.health
 
 
 async def _serve(add, servicer) -> tuple[grpc.aio.Server, str]:
@@ -115,7 +124,7 @@ def test_pushes_queued_while_a_call_is_in_flight_share_the_next_call():
     async def run():
         prefill = _CountingPrefill()
         server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
-        batcher = PushBatcher()
+        batcher = PushBatcher("m")
         push = [prefill_pb2.PushEmbeddingsRequest().pushes.add()]  # one (empty) push per caller
         try:
             first = asyncio.create_task(batcher.push(address, push, 10))
@@ -126,6 +135,42 @@ def test_pushes_queued_while_a_call_is_in_flight_share_the_next_call():
             prefill.gate.set()
             await asyncio.gather(first, *others)
             assert prefill.calls == [1, num_waiting]  # not one call per caller
+        finally:
+            await server.stop(0)
+    _run(run())
+
+
+@pytest.mark.parametrize("tier, model", [("decode", "m"), ("prefill", "other-model"), ("", "")],
+                         ids=["a decode worker", "another model's prefill", "not EPD"])
+def test_an_encoder_pushes_only_to_a_prefill_worker_of_its_model(tier, model):
+    async def run():
+        stranger = _CountingPrefill(tier, model)
+        stranger.gate.set()
+        server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, stranger)
+        batcher = PushBatcher("m")
+        try:
+            with pytest.raises(InvalidRequest, match=rf"prefill_address {address} is not a prefill worker of "
+                                                     r"model 'm' \(it answered as a .*\): nothing pushed"):
+                await batcher.push(address, [prefill_pb2.PushEmbeddingsRequest().pushes.add()], 10)
+            assert stranger.calls == []  # it got nothing but the health question
+        finally:
+            await server.stop(0)
+    _run(run())
+
+
+def test_leases_a_prefill_refuses_go_back_to_the_encoders_store():
+    async def run():
+        prefill = _CountingPrefill()
+        prefill.gate.set()
+        prefill.holds = {"held"}
+        server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
+        released: list[list[str]] = []
+        batcher = PushBatcher("m", release=released.append)
+        pushes = [common_pb2.EmbeddingPush(request_id=rid, embedding=tensor_pb2.TensorHandle(lease_id=lease))
+                  for rid, lease in (("held", "lease-a"), ("gone", "lease-b"))]
+        try:
+            await batcher.push(address, pushes, 10)
+            assert released == [["lease-b"]]
         finally:
             await server.stop(0)
     _run(run())

@@ -1,4 +1,4 @@
-"""Request body limits on the HTTP API: each refused with a 413 / 400 that names the limit, before
+"""Request body limits on the HTTP API (and the same on the public gRPC API): each refused with a 413 / 400 that names the limit, before
 the core sees the request, and the server keeps serving."""
 from __future__ import annotations
 
@@ -58,3 +58,32 @@ def test_an_oversize_body_without_a_length_is_cut_off_as_it_streams(served):
                           headers={"Content-Type": "application/json"})
     assert response.status_code == 413 and "max_request_body_bytes" in response.text
     json.loads(response.text)  # an OpenAI-shaped JSON body
+
+
+def _grpc_request(messages):
+    from epd.v1 import router_pb2
+    return router_pb2.ChatGenerateRequest(messages=[
+        router_pb2.ChatMessage(role="user", content=[router_pb2.ContentPart(text=t) for t in texts])
+        for texts in messages])
+
+
+@pytest.mark.parametrize("messages,status,names", [
+    ([["x" * 5000]], "RESOURCE_EXHAUSTED", "larger than max"),
+    ([["hi"]] * 4, "INVALID_ARGUMENT", "max_messages"),
+    ([["a"] * 5], "INVALID_ARGUMENT", "max_content_parts"),
+    ([["y" * 300], ["z" * 201]], "INVALID_ARGUMENT", "max_text_chars"),
+], ids=["message size", "messages", "parts", "text"])
+def test_the_public_grpc_api_has_the_same_limits(messages, status, names):
+    import grpc
+
+    from epd.v1 import router_pb2_grpc
+    from tests.client.fakes import FakeCore, RouterServerThread
+
+    core = FakeCore()
+    with RouterServerThread(core, limits=LIMITS) as server, grpc.insecure_channel(server.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(_grpc_request(messages), timeout=10))
+        assert refused.value.code().name == status and names in refused.value.details()
+        assert core.requests == []
+        assert list(stub.Generate(_grpc_request([["still here?"]]), timeout=10))  # and it serves on

@@ -249,6 +249,11 @@ class RouterConfig(_Config):
     api_key_file: str | None = Field(None, description="file with one API key per line, read again when it changes "
                                                        "(rotate keys without a restart)")
     protect_health_and_metrics: bool = Field(False, description="/health and /metrics need an API key too")
+    api_key_requests_per_s: float | None = Field(None, gt=0, description="chat requests per second each API key "
+                                                                         "may send on average (token bucket); "
+                                                                         "beyond: 429. Off when unset")
+    api_key_burst: PositiveInt = Field(10, description="chat requests an API key may send at once, on top of "
+                                                       "api_key_requests_per_s")
     admin_port: Port | None = Field(None, description="port of the admin API (register and drain workers) on "
                                                        "admin_host; off when unset. Needs a token: "
                                                        "EPD_ADMIN_TOKEN or admin_token_file")

@@ -9,6 +9,7 @@ configured: the APIs are open. A key is never logged, put in a metric label or e
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
@@ -46,23 +47,29 @@ class ApiKeys:
     def enabled(self) -> bool:
         return bool(self._fixed) or self._file is not None
 
-    def check_bearer(self, authorization: str | None) -> None:
-        """Raise ``Unauthenticated`` unless ``authorization`` is ``Bearer <a key>`` (or no key is set)."""
+    def check_bearer(self, authorization: str | None) -> str:
+        """Raise ``Unauthenticated`` unless ``authorization`` is ``Bearer <a key>``; -> the key's
+        fingerprint (what rate limits and logs may name), "" when no key is set."""
         if not self.enabled:
-            return
+            return ""
         scheme, _, presented = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not presented.strip():
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
-        if not self.allows(presented.strip()):
+        matched = self._match(presented.strip())
+        if matched is None:
             raise Unauthenticated("invalid API key")
+        return fingerprint(matched)
 
     def allows(self, presented: str) -> bool:
+        return self._match(presented) is not None
+
+    def _match(self, presented: str) -> str | None:
         """Constant-time against every key: the time taken says nothing about how close it came."""
         self._maybe_reload()
-        given = presented.encode()
-        matched = False
+        given, matched = presented.encode(), None
         for key in (*self._fixed, *self._file_keys):
-            matched |= hmac.compare_digest(given, key.encode())
+            if hmac.compare_digest(given, key.encode()):
+                matched = key
         return matched
 
     def _maybe_reload(self) -> None:
@@ -92,6 +99,11 @@ class ApiKeys:
         self._file_keys = tuple(_clean(line.split("#", 1)[0] for line in lines))
         self._stamp = (st.st_mtime_ns, st.st_size)
         log.info("api_key_file %s: %d key(s)", self._file, len(self._file_keys))
+
+
+def fingerprint(key: str) -> str:
+    """A name for a key that does not reveal it: 'key-' and 12 hex digits of its SHA-256."""
+    return "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def _clean(keys: Iterable[str]) -> list[str]:

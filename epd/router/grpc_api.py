@@ -12,11 +12,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd.errors import EPDError, InvalidRequest, Unauthenticated, as_epd_error
+from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
 from epd.protocol import logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
+from epd.router.rate_limit import KeyRateLimiter
 from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
 from epd.types import ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
@@ -116,8 +117,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """The public API's calls need ``authorization: Bearer <key>`` metadata (``ApiKeys``); Health
     stays open unless ``protect_health``. A refused call ends UNAUTHENTICATED before its handler."""
 
-    def __init__(self, api_keys: ApiKeys, *, protect_health: bool = False) -> None:
-        self.api_keys, self.protect_health = api_keys, protect_health
+    def __init__(self, api_keys: ApiKeys, *, protect_health: bool = False,
+                 rate_limiter: KeyRateLimiter | None = None) -> None:
+        self.api_keys, self.protect_health, self.rate_limiter = api_keys, protect_health, rate_limiter
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
@@ -125,19 +127,21 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             return handler
         metadata = dict(details.invocation_metadata or ())
         try:
-            self.api_keys.check_bearer(metadata.get("authorization"))
-        except Unauthenticated as err:
+            key_id = self.api_keys.check_bearer(metadata.get("authorization"))
+            if self.rate_limiter is not None and details.method.endswith("/Generate"):
+                self.rate_limiter.admit(key_id)
+        except (Unauthenticated, Overloaded) as err:
             return _refusing(handler, err)
         return handler
 
 
-def _refusing(handler: grpc.RpcMethodHandler, err: Unauthenticated) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that only aborts with ``err``'s status."""
+def _refusing(handler: grpc.RpcMethodHandler, err: EPDError) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that only aborts with ``err``'s status (and retry hint)."""
     async def refuse(request, context):
-        await context.abort(err.grpc_status(), err.message)
+        await abort_with_async(context, err)
 
     async def refuse_stream(request, context):
-        await context.abort(err.grpc_status(), err.message)
+        await abort_with_async(context, err)
         yield  # unreachable: makes this an async generator, as a streaming handler must be
 
     serde = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)

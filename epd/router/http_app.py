@@ -30,6 +30,7 @@ from epd.errors import (
     InternalError,
     InvalidRequest,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
     Unauthenticated,
     UpstreamError,
@@ -55,6 +56,7 @@ from epd.router.openai_protocol import (
     parse_chat_body,
     to_chat_request,
 )
+from epd.router.rate_limit import KeyRateLimiter
 from epd.types import ChatRequest, StreamEvent
 
 log = logging.getLogger("epd.router.http")
@@ -70,7 +72,8 @@ class _ClientGone(Exception):
 
 
 def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None, api_keys: ApiKeys | None = None,
-              protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits()) -> FastAPI:
+              protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits(),
+              rate_limiter: KeyRateLimiter | None = None) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
     (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
@@ -86,11 +89,16 @@ def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None
         async def require_api_key(request: Request, call_next):
             if request.url.path.startswith(guarded):
                 try:
-                    api_keys.check_bearer(request.headers.get("authorization"))
+                    key_id = api_keys.check_bearer(request.headers.get("authorization"))
                 except Unauthenticated as err:
                     response = error_response(err)
                     response.headers["WWW-Authenticate"] = "Bearer"
                     return response
+                if rate_limiter is not None and request.url.path == "/v1/chat/completions":
+                    try:
+                        rate_limiter.admit(key_id)
+                    except Overloaded as err:
+                        return error_response(err)
             return await call_next(request)
 
     @app.post("/v1/chat/completions")

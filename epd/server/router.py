@@ -15,7 +15,7 @@ import signal
 import grpc
 import uvicorn
 
-from epd.config import RouterConfig
+from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
@@ -114,6 +114,18 @@ async def _start_admin(config: RouterConfig, router):
     return server, task, f"http://{config.admin_host}:{port}"
 
 
+def key_rate_limiter(config: RouterConfig, api_keys):
+    """The per-key rate limit, when set; it needs keys (no key: nothing to count requests by)."""
+    from epd.router.rate_limit import KeyRateLimiter
+
+    if config.api_key_requests_per_s is None:
+        return None
+    if not api_keys.enabled:
+        raise ConfigError("api_key_requests_per_s limits each API key, but no API key is set (--api-key, "
+                          "--api-key-file or EPD_API_KEY)")
+    return KeyRateLimiter(config.api_key_requests_per_s, config.api_key_burst)
+
+
 async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=None, on_server=None) -> None:
     from epd.router.auth import ApiKeys
     from epd.router.body_limits import BodyLimits
@@ -124,8 +136,9 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     api_keys = ApiKeys(config.api_keys, config.api_key_file)
     router = await asyncio.to_thread(build_pipeline, config)
     await router.start()
-    interceptors = [ApiKeyInterceptor(api_keys, protect_health=config.protect_health_and_metrics)] \
-        if api_keys.enabled else []
+    rate_limiter = key_rate_limiter(config, api_keys)
+    interceptors = [ApiKeyInterceptor(api_keys, protect_health=config.protect_health_and_metrics,
+                                      rate_limiter=rate_limiter)] if api_keys.enabled else []
     limits = BodyLimits.from_config(config)
     grpc_server = grpc.aio.server(options=public_server_options(limits), interceptors=interceptors)
     add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits)
@@ -135,7 +148,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
-                    limits=limits)
+                    limits=limits, rate_limiter=rate_limiter)
     admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))
@@ -165,4 +178,6 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     config = run_or_exit("epd router", lambda: router_config_from_args(argv))
+    from epd.router.auth import ApiKeys
+    run_or_exit("epd router", lambda: key_rate_limiter(config, ApiKeys(config.api_keys, config.api_key_file)))
     asyncio.run(serve(config))

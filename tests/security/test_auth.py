@@ -168,3 +168,44 @@ def test_the_public_port_has_no_admin_api(http_url):
     response = httpx.post(f"{http_url}/admin/workers", json={"tier": "encoder", "address": "127.0.0.1:1"},
                           headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
     assert response.status_code == 404
+
+
+def test_a_key_over_its_rate_gets_429_with_retry_after_and_other_keys_do_not_notice():
+    from epd.router.rate_limit import KeyRateLimiter
+
+    now_s = [0.0]
+    limiter = KeyRateLimiter(2.0, 3, clock=lambda: now_s[0])
+    app = build_app(FakeRouterCore(), api_keys=ApiKeys([KEY, OTHER], environ={}), rate_limiter=limiter)
+    with serve_app(app) as url:
+        statuses = [_chat(url, {"Authorization": f"Bearer {KEY}"}).status_code for _ in range(4)]
+        assert statuses == [200, 200, 200, 429]  # the burst, then the bucket is empty
+        refused = _chat(url, {"Authorization": f"Bearer {KEY}"})
+        assert refused.headers["retry-after"] == "1" and refused.json()["error"]["code"] == 429
+        assert "rate limit of 2 requests/s" in refused.json()["error"]["message"] and KEY not in refused.text
+        assert _chat(url, {"Authorization": f"Bearer {OTHER}"}).status_code == 200  # its own bucket
+        assert httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+        now_s[0] += 0.5  # one token back at 2/s
+        assert _chat(url, {"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
+def test_the_grpc_api_rate_limits_generate_per_key():
+    from epd.router.rate_limit import KeyRateLimiter
+
+    limiter = KeyRateLimiter(0.001, 1)
+    interceptor = ApiKeyInterceptor(ApiKeys([KEY], environ={}), rate_limiter=limiter)
+    with RouterServerThread(GrpcCore(), interceptors=[interceptor]) as server:
+        with EPDClient(server.address, api_key=KEY, timeout_s=10) as client:
+            client.chat([{"role": "user", "content": "hi"}])
+            with pytest.raises(Exception) as refused:
+                client.chat([{"role": "user", "content": "again"}])
+            assert "rate limit" in str(refused.value) and KEY not in str(refused.value)
+            assert client.health()  # Health is not rate limited
+
+
+def test_a_rate_limit_without_keys_is_a_one_line_start_error(capsys):
+    from epd.server.router import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--api-key-requests-per-s", "5", "--port", "0", "--grpc-port", "0"])
+    assert exited.value.code == 2
+    assert "api_key_requests_per_s limits each API key, but no API key is set" in capsys.readouterr().err

@@ -292,8 +292,12 @@ class DisaggregatedBackend:
             self.workers.mark_failed(tier, address)
         if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (hint_s := retry_after_s(err)) is not None:
             return Overloaded(f"{tier} {address}: {err.details()}", retry_after_s=hint_s)
-        error_type = _PASSED_THROUGH.get(code_for_grpc(err.code()), UpstreamError)
-        return error_type(f"{tier} {address} failed the request: {err.details() or err.code().name}")
+        details = err.details() or err.code().name
+        error_type = _PASSED_THROUGH.get(code_for_grpc(err.code()))
+        if error_type is not None:  # the client's own doing: its answer names no worker of ours
+            log.info("%s %s refused a request: %s", tier, address, details)
+            return error_type(f"{tier}: {details}")
+        return UpstreamError(f"{tier} {address} failed the request: {details}")
 
 
 class _Encodes:

@@ -48,9 +48,10 @@ def interleaved_medians_s(methods: dict[str, tuple[Callable[[], None], Callable[
     return {name: statistics.median(samples) for name, samples in times.items()}
 
 
-def handoff(store: TensorStore, src: torch.Tensor, transport: str, held: list) -> Callable[[], None]:
+def handoff(store: TensorStore, src: torch.Tensor, transport: str, held: list,
+            channel_factory: Callable | None = None) -> Callable[[], None]:
     def step() -> None:
-        imported = import_tensor(store.export(src, transport=transport, ttl_s=60))
+        imported = import_tensor(store.export(src, transport=transport, ttl_s=60), channel_factory=channel_factory)
         imported.tensor.sum()  # the first full read of what the consumer got
         held.append(imported)
     return step

@@ -8,11 +8,15 @@ from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from epd.config import EngineConfig
+    from epd.config import ConfigError, EngineConfig, load_config
     from epd.llm import LLM
     from epd.types import SamplingParams
 
-    llm = LLM(args.model, engine_config=EngineConfig(num_threads=args.num_threads))
+    try:
+        engine_config = load_config(EngineConfig, args.engine_flags.overrides(args), source="command line")
+    except ConfigError as err:
+        raise ValueError(str(err)) from None
+    llm = LLM(args.model, engine_config=engine_config)
     content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
@@ -45,9 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print prompt_token_ids, token_ids and text as JSON")
-    gen.add_argument("--num-threads", type=int, default=None, metavar="N",
-                     help="intra-op CPU threads (default: the usable cores; env EPD_NUM_THREADS)")
-    gen.set_defaults(func=_generate)
+    from epd.config import EngineConfig
+    from epd.server.flags import Command
+    # the engine's own flags (--device, --dtype, --num-threads, ...), as every other command has them
+    gen.set_defaults(func=_generate, engine_flags=Command(gen).add(EngineConfig))
 
     exp = sub.add_parser("export-preset", help="write a preset model as a HF checkpoint directory")
     exp.add_argument("name")

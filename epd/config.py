@@ -23,13 +23,29 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 MiB = 1024 * 1024
 C = TypeVar("C", bound=BaseModel)
 
-_DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+_DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _check_device(value: str) -> str:
     if not _DEVICE_PATTERN.fullmatch(value):
-        raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {value!r}")
+        raise ValueError(f"expected 'auto', 'cpu', 'cuda' or 'cuda:N', got {value!r}")
     return value
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: this process's CUDA device when it has one, else the CPU. Resolved where the
+    model runs (a launcher without a GPU must not decide for a worker with one)."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """``auto``: bfloat16 on CUDA, float32 on the CPU (where bf16 matmuls are slow)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
 
 
 def _no_bool(value: Any) -> Any:
@@ -38,7 +54,7 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
-Dtype = Literal["float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Annotated[str, AfterValidator(_check_device)]
 PositiveInt = Annotated[int, Field(gt=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -74,15 +90,19 @@ class EngineConfig(_Config):
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     attention_backend: str = Field("sdpa", description="attention backend")
-    dtype: Dtype = Field("float32", description="weights and activations")
-    device: Device = Field("cpu", description="cpu, cuda or cuda:N")
+    dtype: Dtype = Field("auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    device: Device = Field("auto", description="auto (CUDA when this process has it, else CPU), cpu, cuda or cuda:N")
     num_threads: PositiveInt | None = Field(
         None, description="intra-op CPU threads of this engine (default: usable cores minus the process's busy "
                           "threads; env EPD_NUM_THREADS)")
 
     @property
+    def target_device(self) -> str:
+        return resolve_device(self.device)
+
+    @property
     def torch_dtype(self):
-        return _torch_dtype(self.dtype)
+        return _torch_dtype(resolve_dtype(self.dtype, self.device))
 
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:
@@ -104,8 +124,8 @@ class EncoderConfig(_Config):
     output_budget_bytes: PositiveInt | None = Field(None, description="output bytes of one encoder iteration")
     max_output_rows: PositiveInt | None = Field(None, description="output rows of one encoder iteration")
     encoder_cache_max_bytes: PositiveInt | None = Field(None, description="encoder cache size in bytes")
-    dtype: Dtype = Field("float32", description="weights and activations")
-    device: Device = Field("cpu", description="cpu, cuda or cuda:N")
+    dtype: Dtype = Field("auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
+    device: Device = Field("auto", description="auto (CUDA when this process has it, else CPU), cpu, cuda or cuda:N")
     cuda_graph_buckets: tuple[tuple[PositiveInt, PositiveInt], ...] = Field(
         (), description="(total_tokens, num_contexts) per captured CUDA graph; empty: eager")
     num_threads: PositiveInt | None = Field(
@@ -127,13 +147,17 @@ class EncoderConfig(_Config):
                                  f"num_contexts (every context holds at least one token)")
         if len(set(buckets)) != len(buckets):
             raise ValueError(f"cuda_graph_buckets has duplicates: {list(buckets)}")
-        if buckets and not self.device.startswith("cuda"):
+        if buckets and self.device == "cpu":
             raise ValueError(f"cuda_graph_buckets needs a CUDA device, got device={self.device!r}")
         return self
 
     @property
+    def target_device(self) -> str:
+        return resolve_device(self.device)
+
+    @property
     def torch_dtype(self):
-        return _torch_dtype(self.dtype)
+        return _torch_dtype(resolve_dtype(self.dtype, self.device))
 
 
 class TlsConfig(_Config):
@@ -290,6 +314,10 @@ class ServeConfig(_Config):
     encoders: Annotated[int, Field(ge=0)] = Field(1, description="encoder processes")
     prefills: Annotated[int, Field(ge=0)] = Field(1, description="prefill processes")
     decodes: Annotated[int, Field(ge=0)] = Field(1, description="decode processes")
+    encoder_gpus: tuple[str, ...] = Field((), description="CUDA device indices for the encoder workers (e.g. 0 or "
+                                                          "0,1): worker i runs on cuda:<the i-th, round robin>")
+    prefill_gpus: tuple[str, ...] = Field((), description="CUDA device indices for the prefill workers")
+    decode_gpus: tuple[str, ...] = Field((), description="CUDA device indices for the decode workers")
     threads_per_tier: PositiveInt | None = Field(
         None, description="intra-op threads of each tier process (default: the host's cores split between them)")
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
@@ -302,6 +330,19 @@ class ServeConfig(_Config):
     ray_config: str | None = Field(None, description="RayDeployment YAML (deploy/ray/cluster.yaml)")
     router: RouterConfig = RouterConfig()
     worker: WorkerConfig = WorkerConfig()
+
+    @field_validator("encoder_gpus", "prefill_gpus", "decode_gpus", mode="before")
+    @classmethod
+    def _gpu_indices(cls, value: Any) -> Any:
+        indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+        for index in indices or ():
+            if not str(index).isdigit():
+                raise ValueError(f"expected CUDA device indices like 0 or 0,1, got {value!r}")
+        return tuple(str(i) for i in indices or ())
+
+    def devices(self, tier: str) -> list[str]:
+        """The ``--device`` of each of ``tier``'s workers in turn (empty: the worker config's own)."""
+        return [f"cuda:{index}" for index in getattr(self, f"{tier}_gpus")]
 
 
 TIERS = ("encoder", "prefill", "decode")

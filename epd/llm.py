@@ -37,7 +37,7 @@ class LLM:
         self.mm_spec = self.family.mm_spec(self.model_dir)
         self.processor = self.family.input_processor(self.model_dir, self.tokenizer)
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
-                                              device=self.engine_config.device)
+                                              device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         self.engine = LLMEngine(self.family.load_llm(self.model_dir), self.engine_config, eos_token_ids=eos,
                                 mm_token_ids=self.mm_spec.mm_token_ids)

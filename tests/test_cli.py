@@ -46,3 +46,13 @@ def test_generate_refuses_a_non_image_file(tmp_path):
     done = epd("generate", "--prompt", "hi", "--image", str(bad))
     assert done.returncode == 2
     assert "image" in done.stderr.lower()
+
+
+def test_generate_takes_the_engines_device_and_dtype_flags():
+    done = epd("generate", "--prompt", "hi", "--max-tokens", "3", "--device", "cpu", "--dtype", "bfloat16",
+               "--max-model-len", "512", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]) == 3
+    done = epd("generate", "--prompt", "hi", "--dtype", "int8")
+    assert done.returncode == 2 and "\n" not in done.stderr.strip()
+    assert "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'" in done.stderr

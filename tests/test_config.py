@@ -34,7 +34,7 @@ def test_the_encoder_section_is_typed(tmp_path):
     ("engine:\n  block_size: many\n", "engine.block_size: Input should be a valid integer"),
     ("lease_ttl_s: 0\n", "lease_ttl_s: Input should be greater than 0, got 0"),
     ("engine:\n  max_num_seqs: true\n", "engine.max_num_seqs: expected an integer, got True"),
-    ("engine:\n  dtype: float64\n", "engine.dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'float64'"),
+    ("engine:\n  dtype: float64\n", "engine.dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'float64'"),
     ("port: 70000\n", "port: Input should be less than or equal to 65535, got 70000"),
 ])
 def test_a_wrong_key_or_value_is_one_line_naming_it(tmp_path, yaml_text, message):
@@ -109,3 +109,24 @@ def test_ray_takes_what_the_command_line_set_on_top_of_its_yaml(tmp_path):
     assert given.tiers["encoder"].config.encoder.encoder_batch_size == 4
     assert all(spec.config.lease_ttl_s == 30 for spec in given.tiers.values())
     assert deployment_from(serve_config_from_args(["--ray-config", str(path), "--port", "7000"])).http_port == 7000
+
+
+def test_auto_device_and_dtype_resolve_where_the_model_runs(monkeypatch):
+    import torch
+
+    for cls in (EngineConfig, EncoderConfig):
+        assert (cls().device, cls().dtype) == ("auto", "auto")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        assert (cls().target_device, cls().torch_dtype) == ("cpu", torch.float32)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert (cls().target_device, cls().torch_dtype) == ("cuda", torch.bfloat16)
+        assert cls(device="cpu").torch_dtype == torch.float32  # auto dtype follows the device given
+        assert cls(device="auto", dtype="float16").torch_dtype == torch.float16
+
+
+def test_per_tier_gpus_become_each_workers_device():
+    config = serve_config_from_args(["--encoder-gpus", "0", "--prefill-gpus", "1,2", "--decodes", "3"])
+    assert config.devices("encoder") == ["cuda:0"] and config.devices("prefill") == ["cuda:1", "cuda:2"]
+    assert config.devices("decode") == []
+    with pytest.raises(ConfigError, match=r"decode_gpus: expected CUDA device indices like 0 or 0,1, got 'x'"):
+        serve_config_from_args(["--decode-gpus", "x"])

@@ -59,7 +59,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _import(self, request_id: str, handle, timeout_s: float):
         def run():
             with self.metrics.time_import(handle):
-                return import_tensor(handle, device=self.worker.engine.config.device, timeout_s=timeout_s)
+                return import_tensor(handle, device=self.worker.engine.config.target_device, timeout_s=timeout_s)
         try:
             return await self.ctx.blocking(run, undo=lambda imported: imported.release_soon())
         except TransportError as err:

@@ -101,7 +101,7 @@ class EncoderEngine:
                 config, model_id=model_id, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
                 bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
             self.cache = self.scheduler.cache
-            self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.device)
+            self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.target_device)
         except BaseException:
             self.close()
             raise
@@ -117,7 +117,10 @@ class EncoderEngine:
         config = config or EncoderConfig()
 
         def load() -> EncoderModel:  # on the loop thread
-            model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.device)
+            if config.cuda_graph_buckets and not config.target_device.startswith("cuda"):
+                raise ValueError(f"cuda_graph_buckets needs a CUDA device; device={config.device!r} is "
+                                 f"{config.target_device!r} in this process")
+            model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.target_device)
             if not config.cuda_graph_buckets:
                 return model
             if not hasattr(model, "block_loop"):
@@ -125,7 +128,7 @@ class EncoderEngine:
                                type(model).__name__)
                 return model
             from epd.encoder.graphed_model import GraphedVisionEncoder
-            return GraphedVisionEncoder(model, config.cuda_graph_buckets, device=config.device)
+            return GraphedVisionEncoder(model, config.cuda_graph_buckets, device=config.target_device)
 
         geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
         return cls(load, config, model_id=model_id or str(model_dir.resolve()),

@@ -29,8 +29,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len), self.block_manager,
                                    on_finish=on_finish)
-        self.runner = ModelRunner(model.to(device=config.device, dtype=dtype), num_blocks=num_blocks,
-                                  block_size=config.block_size, device=config.device, dtype=dtype,
+        self.runner = ModelRunner(model.to(device=config.target_device, dtype=dtype), num_blocks=num_blocks,
+                                  block_size=config.block_size, device=config.target_device, dtype=dtype,
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
         self.sampler = Sampler()
         self.num_steps = 0

@@ -54,7 +54,10 @@ class Sampler:
         if params.top_p < 1.0:
             scaled = _keep_top_p(scaled, params.top_p)
         probs = torch.softmax(scaled, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq)))
+        generator = self._generator(seq)
+        if generator is not None:  # seeded draws come from a CPU generator: the same token on any device
+            probs = probs.cpu()
+        return int(torch.multinomial(probs, 1, generator=generator))
 
     def _generator(self, seq: Sequence) -> torch.Generator | None:
         """A seeded request draws output token k from seed (seed, k): its draws depend neither on

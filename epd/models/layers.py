@@ -77,6 +77,13 @@ class MRotaryEmbedding(nn.Module):
         """Recompute after materialising a model built on the meta device."""
         self.inv_freq = self._inv_freq().to(self.inv_freq.device)
 
+    def _apply(self, fn, recurse: bool = True):
+        # ``model.to(torch.bfloat16)`` would round the frequencies to 8 bits of mantissa: at position
+        # 3,000 the angle is then off by whole radians. They stay float32 wherever the model goes.
+        super()._apply(fn, recurse)
+        self.reset_buffers()
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [3, T] int64 -> cos, sin: [T, head_dim]."""
         freqs = positions[..., None].float() * self.inv_freq  # [3, T, head_dim/2]
@@ -98,3 +105,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+
+def to_keeping_float32_buffers(module: nn.Module, *, device, dtype: torch.dtype,
+                               suffixes: tuple[str, ...] = ("inv_freq",)) -> nn.Module:
+    """``module.to(device, dtype)`` with its rotary frequency buffers left in float32 (on the new
+    device): transformers' vision towers keep them so when loaded in bf16, and a bf16 rounding of
+    them moves every rotary angle."""
+    saved = {name: buf.detach().clone() for name, buf in module.named_buffers() if name.endswith(suffixes)}
+    module.to(device=device, dtype=dtype)
+    for name, value in saved.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        setattr(owner, attr, value.to(device=getattr(owner, attr).device, dtype=torch.float32))
+    return module

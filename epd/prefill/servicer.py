@@ -37,7 +37,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 continue
             try:
                 with self.metrics.time_import(push.embedding):
-                    imported = import_tensor(push.embedding, device=self.worker.engine.config.device)
+                    imported = import_tensor(push.embedding, device=self.worker.engine.config.target_device)
             except TransportError as err:
                 self.worker.inbox.fail(push.request_id, f"item {push.item_index}: import failed: {err}")
                 continue

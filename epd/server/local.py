@@ -44,6 +44,7 @@ class TierProcess:
     restarts: int = 0  # how often this worker (this address) was restarted
     restart_at_s: float | None = None  # monotonic time a dead worker is due to restart
     given_up: bool = False  # dead, restarted max_restarts times: left down
+    args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -110,12 +111,14 @@ class LocalCluster:
     def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
-                 worker_config: BaseModel | None = None, standby: bool = False) -> None:
+                 worker_config: BaseModel | None = None, standby: bool = False,
+                 devices: Mapping[str, Sequence[str]] | None = None) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
         ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win);
         ``standby``: keep one pre-imported process per tier (``epd.server.standby``) that a restart
-        turns into the new worker."""
+        turns into the new worker; ``devices``: per tier, the ``--device`` of its workers in turn
+        (round robin; a restart keeps its worker's)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -129,6 +132,7 @@ class LocalCluster:
         self._worker_config_path: Path | None = None
         self.standby = standby
         self._standbys: dict[str, TierProcess] = {}
+        self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
 
     def addresses(self, tier: str) -> list[str]:
         return [p.address for p in self.processes if p.tier == tier]
@@ -148,8 +152,10 @@ class LocalCluster:
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
         try:
             for tier, count in self.counts.items():
-                for _ in range(count):
-                    self.processes.append(self._spawn(tier))
+                devices = self.devices.get(tier)
+                for i in range(count):
+                    args = ("--device", devices[i % len(devices)]) if devices else ()
+                    self.processes.append(self._spawn(tier, args))
             deadline = time.monotonic() + timeout_s
             for p in self.processes:
                 p._ready.wait(max(0.0, deadline - time.monotonic()))
@@ -221,11 +227,11 @@ class LocalCluster:
         port = int(p.address.rsplit(":", 1)[1])
         standby = self._standbys.pop(p.tier, None)
         if standby is not None and standby.proc.poll() is None:
-            fresh = self._activate(standby, self._worker_argv(p.tier, port=port))
+            fresh = self._activate(standby, self._worker_argv(p.tier, p.args, port=port))
             self._standbys[p.tier] = self._spawn_standby(p.tier)  # for the next death
         else:  # none kept (or it died): a cold start
-            fresh = self._spawn(p.tier, port=port)
-        fresh.address, fresh.restarts = p.address, p.restarts + 1
+            fresh = self._spawn(p.tier, p.args, port=port)
+        fresh.address, fresh.restarts, fresh.args = p.address, p.restarts + 1, p.args
         return fresh
 
     def _spawn_standby(self, tier: str) -> TierProcess:
@@ -254,7 +260,9 @@ class LocalCluster:
     def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> TierProcess:
         if with_defaults and port == 0:
             port = port_outside_ephemeral_range()
-        return self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, with_defaults, port)])
+        p = self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, with_defaults, port)])
+        p.args = tuple(args)
+        return p
 
     def _worker_argv(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> list[str]:
         """``epd <tier> ...``'s arguments, the tier first."""

@@ -86,7 +86,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
     counts = (0, 0, 0) if router.aggregated else (config.encoders, config.prefills, config.decodes)
     cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
-                           worker_config=config.worker, standby=config.standby and config.max_restarts > 0)
+                           worker_config=config.worker, standby=config.standby and config.max_restarts > 0,
+                           devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")})
     try:
         what = "the aggregated engine (no tiers)" if router.aggregated else \
             f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \

@@ -17,12 +17,12 @@ def test_defaults_and_yaml_style_buckets():
     ({"output_budget_bytes": 10, "max_output_rows": 2}, "output_budget_bytes or max_output_rows, not both"),
     ({"output_budget_bytes": 100, "encoder_cache_max_bytes": 99},
      "encoder_cache_max_bytes=99 must be >= output_budget_bytes=100"),
-    ({"dtype": "int8"}, "dtype: Input should be 'float32', 'bfloat16' or 'float16', got 'int8'"),
-    ({"device": "gpu"}, "device: expected 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+    ({"dtype": "int8"}, "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'"),
+    ({"device": "gpu"}, "device: expected 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
     ({"device": "cuda", "cuda_graph_buckets": [(8,)]}, r"cuda_graph_buckets.0.1: Field required"),
     ({"device": "cuda", "cuda_graph_buckets": [(2, 3)]}, "total_tokens must be >= num_contexts"),
     ({"device": "cuda", "cuda_graph_buckets": [(8, 1), (8, 1)]}, "duplicates"),
-    ({"cuda_graph_buckets": [(8, 1)]}, "needs a CUDA device, got device='cpu'"),
+    ({"device": "cpu", "cuda_graph_buckets": [(8, 1)]}, "needs a CUDA device, got device='cpu'"),
 ])
 def test_invalid_values_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message) as info:

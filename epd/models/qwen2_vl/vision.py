@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig
 
 from epd.models.checkpoint import iter_weights, read_preprocessor_config
+from epd.models.layers import to_keeping_float32_buffers
 from epd.multimodal.media import decode_image
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
@@ -40,7 +41,7 @@ class QwenVisionEncoder:
         self.spatial_merge_size = self.vision_config.spatial_merge_size
         self.tower = _tower_class(self.model_type)._from_config(self.vision_config)
         self._load_weights(model_dir)
-        self.tower.to(device=device, dtype=dtype).eval()
+        to_keeping_float32_buffers(self.tower, device=device, dtype=dtype).eval()
         self.dtype, self.device = dtype, torch.device(device)
         self.image_processor = _image_processor(model_dir)
 

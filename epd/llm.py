@@ -11,7 +11,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.errors import InvalidRequest
-from epd.models.registry import family_for
+from epd.models.registry import family_for, load_llm_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.messages import extract_images
@@ -39,7 +39,7 @@ class LLM:
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        self.engine = LLMEngine(self.family.load_llm(self.model_dir), self.engine_config, eos_token_ids=eos,
+        self.engine = LLMEngine(load_llm_for(self.model_dir, self.engine_config), self.engine_config, eos_token_ids=eos,
                                 mm_token_ids=self.mm_spec.mm_token_ids)
         self.allowed_local_media_path = allowed_local_media_path
 

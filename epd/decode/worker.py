@@ -16,7 +16,7 @@ from epd.engine.engine_loop import EngineLoop
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
-from epd.models.registry import family_for
+from epd.models.registry import load_llm_for
 from epd.protocol import DecodeJob
 from epd.threads import ThreadPolicy
 
@@ -24,11 +24,10 @@ from epd.threads import ThreadPolicy
 class DecodeWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig) -> None:
         model_dir = Path(model_dir)
-        family = family_for(model_dir)
         # prefix caching buys nothing here: the KV arrives computed
         cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(family.load_llm(model_dir), cfg, eos_token_ids=()),
+        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, cfg), cfg, eos_token_ids=()),
                                name="decode-loop", threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine
 

@@ -29,3 +29,9 @@ def family_for(model_dir: str | Path) -> ModelFamily:
     if model_type is None:
         raise ValueError(f"{model_dir}/config.json has no model_type")
     return family_named(model_type)
+
+
+def load_llm_for(model_dir, engine_config):
+    """The LLM of ``model_dir`` on the engine config's device, in its dtype (``auto`` resolved here)."""
+    return family_for(model_dir).load_llm(model_dir, device=engine_config.target_device,
+                                          dtype=engine_config.torch_dtype)

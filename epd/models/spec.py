@@ -65,8 +65,9 @@ class ProcessedPrompt:
 class ModelFamily(Protocol):
     name: str
 
-    def load_llm(self, model_dir: Path) -> torch.nn.Module:
-        """The language model on our engine, weights loaded."""
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+                 ) -> torch.nn.Module:
+        """The language model on our engine, weights loaded straight onto ``device`` in ``dtype``."""
 
     def load_vision(self, model_dir: Path, *, dtype: torch.dtype, device: str):
         """The vision encoder (an ``epd.encoder.runner.EncoderModel``)."""

@@ -21,7 +21,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
-from epd.models.registry import family_for
+from epd.models.registry import family_for, load_llm_for
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
 from epd.threads import ThreadPolicy
@@ -65,7 +65,7 @@ class PrefillWorker:
         self._tickets: dict[str, PrefillTicket] = {}
         self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(self.family.load_llm(model_dir), engine_config, eos_token_ids=(),
+        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, engine_config), engine_config, eos_token_ids=(),
                                                  mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish),
                                name="prefill-loop", threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine

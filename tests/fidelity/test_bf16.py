@@ -70,3 +70,15 @@ def test_bf16_first_token_logits_match_float32_at_three_thousand_tokens(model_di
     print(f"bf16 vs fp32 first-token logits at {num_prompt_tokens} prompt tokens: cosine {cosine:.4f}, "
           f"top token {'same' if a.argmax() == b.argmax() else 'differs'}")
     assert cosine >= MIN_COSINE
+
+
+def test_the_llm_loads_straight_into_the_target_dtype(model_dir):
+    from epd.models.registry import family_for
+    family = family_for(model_dir)
+    exact = family.load_llm(model_dir)
+    direct = family.load_llm(model_dir, dtype=torch.bfloat16)
+    dtypes = {p.dtype for p in direct.parameters()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    assert direct.rotary.inv_freq.dtype == torch.float32
+    for (name, a), (_, b) in zip(exact.named_parameters(), direct.named_parameters()):
+        assert torch.equal(a.to(torch.bfloat16), b), name  # the same weights, each rounded once

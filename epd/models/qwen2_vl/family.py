@@ -88,12 +88,14 @@ class QwenVLFamily:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def load_llm(self, model_dir: Path) -> Qwen2ForCausalLM:
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
+                 ) -> Qwen2ForCausalLM:
+        """Weights go straight to ``device`` in ``dtype``, one checkpoint tensor at a time: no
+        float32 copy of the whole model on the host first (30 GB for a 7B model)."""
         cfg = text_config_from_hf(read_config(model_dir))
         with torch.device("meta"):
-            model = Qwen2ForCausalLM(cfg)
-        model = model.to_empty(device="cpu")
-        model.rotary.reset_buffers()
+            model = Qwen2ForCausalLM(cfg).to(dtype)  # on meta: no memory yet
+        model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         load_llm_weights(model, Path(model_dir))

@@ -112,3 +112,8 @@ class ProducerProcess(ChildProcess):
         self.send("stats")
         num_open_leases, open_bytes = self.expect("STATS").split()
         return int(num_open_leases), int(open_bytes)
+
+    def cuda_memory(self) -> int:
+        """Bytes torch has allocated on the producer's GPU (0 without one)."""
+        self.send("cuda_memory")
+        return int(self.expect("CUDA_MEMORY"))

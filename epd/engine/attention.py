@@ -34,8 +34,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     prefills: list[PrefillSegment]
     decode_q_indices: torch.Tensor | None = None  # [B] rows of the flat batch that are decodes
-    decode_kv_slots: torch.Tensor | None = None  # [B, max_kv_len] int64, padded with slot 0
-    decode_kv_mask: torch.Tensor | None = None  # [B, 1, 1, max_kv_len] bool, True = attend
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded with block 0
+    decode_kv_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    block_size: int = 16  # slots per KV block (the cache's slot s is row s % block_size of block s // block_size)
 
 
 @dataclass
@@ -100,9 +101,24 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [B, H, D] one token per sequence -> [B, H, D]."""
-    k = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[meta.decode_kv_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=meta.decode_kv_mask, scale=scale,
-                                       enable_gqa=True)
-    return o.squeeze(2)
+    """q: [B, H, D] one token per sequence -> [B, H, D].
+
+    KV is read a block at a time (a block's slots are contiguous: one copy of block_size rows, not
+    one indexed copy per token), and the query heads that share a KV head go as that head's query
+    rows (GQA packing): SDPA then takes its fused kernel, with no ``enable_gqa`` and no K/V repeated
+    per query head."""
+    k = _gather_blocks(k_cache, meta.decode_block_tables, meta.block_size)  # [B, KVH, L, D]
+    v = _gather_blocks(v_cache, meta.decode_block_tables, meta.block_size)
+    batch, heads, dim = q.shape
+    packed = q.view(batch, k.shape[1], heads // k.shape[1], dim)  # query head h reads KV head h // (H / KVH)
+    o = F.scaled_dot_product_attention(packed, k, v, attn_mask=meta.decode_kv_mask, scale=scale)
+    return o.reshape(batch, heads, dim)
+
+
+def _gather_blocks(cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[num_slots, KVH, D] cache, [B, nb] block tables -> [B, KVH, nb * block_size, D]."""
+    num_slots, kv_heads, dim = cache.shape
+    batch, num_blocks = tables.shape
+    # index_select of whole rows (one block each) is ~4x faster on CPU than advanced indexing per slot
+    blocks = cache.view(num_slots // block_size, -1).index_select(0, tables.reshape(-1))
+    return blocks.view(batch, num_blocks * block_size, kv_heads, dim).transpose(1, 2)

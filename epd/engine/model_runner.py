@@ -83,12 +83,12 @@ class ModelRunner:
             seq = chunk.seq
             ids.extend(seq.token_ids[chunk.start:chunk.end])
             positions.append(positions_for_range(seq.mm, chunk.start, chunk.end, seq.num_prompt_tokens))
-            slots.append(self._slots(seq.block_table, chunk.start, chunk.end))
-            kv_slots = self._slots(seq.block_table, 0, chunk.end)
-            if chunk.num_tokens == 1 and chunk.start > 0:
-                decodes.append((cursor, kv_slots))
+            if chunk.num_tokens == 1 and chunk.start > 0:  # a decode: its KV is read by block table
+                slots.append(self._slot(seq.block_table, chunk.start))
+                decodes.append((cursor, seq.block_table, chunk.end))
             else:
-                prefills.append(PrefillSegment(cursor, chunk.num_tokens, kv_slots))
+                slots.append(self._slots(seq.block_table, chunk.start, chunk.end))
+                prefills.append(PrefillSegment(cursor, chunk.num_tokens, self._slots(seq.block_table, 0, chunk.end)))
             rows, local_idx = _chunk_mm_rows(seq.mm, chunk, seq.num_prompt_tokens)
             if rows is not None:
                 mm_rows.append(rows)
@@ -110,26 +110,31 @@ class ModelRunner:
             sampling_chunks=sampling,
         )
 
+    def _slot(self, block_table: list[int], pos: int) -> torch.Tensor:
+        return torch.tensor([block_table[pos // self.block_size] * self.block_size + pos % self.block_size])
+
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, dtype=torch.long)
         table = torch.tensor(block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _attention_metadata(self, slot_mapping: torch.Tensor, prefills: list[PrefillSegment],
-                            decodes: list[tuple[int, torch.Tensor]]) -> AttentionMetadata:
+                            decodes: list[tuple[int, list[int], int]]) -> AttentionMetadata:
+        """``decodes``: (row in the flat batch, block table, tokens in KV after this step) each; their
+        block tables are padded into one tensor and their lengths into one mask, with no per-token
+        work on the host."""
         meta = AttentionMetadata(slot_mapping=self._to_device(slot_mapping),
                                  prefills=[PrefillSegment(p.q_start, p.q_len, self._to_device(p.kv_slots))
-                                           for p in prefills])
+                                           for p in prefills], block_size=self.block_size)
         if decodes:
-            max_len = max(s.shape[0] for _, s in decodes)
-            kv_slots = torch.zeros(len(decodes), max_len, dtype=torch.long)
-            mask = torch.zeros(len(decodes), 1, 1, max_len, dtype=torch.bool)
-            for i, (_, s) in enumerate(decodes):
-                kv_slots[i, :s.shape[0]] = s
-                mask[i, ..., :s.shape[0]] = True
-            meta.decode_q_indices = self._to_device(torch.tensor([q for q, _ in decodes], dtype=torch.long))
-            meta.decode_kv_slots = self._to_device(kv_slots)
-            meta.decode_kv_mask = self._to_device(mask)
+            num_blocks = max(-(-kv_len // self.block_size) for _, _, kv_len in decodes)
+            tables = torch.tensor([table[:num_blocks] + [0] * (num_blocks - min(num_blocks, len(table)))
+                                   for _, table, _ in decodes], dtype=torch.long)
+            lengths = torch.tensor([kv_len for _, _, kv_len in decodes], dtype=torch.long)
+            mask = torch.arange(num_blocks * self.block_size)[None, :] < lengths[:, None]
+            meta.decode_q_indices = self._to_device(torch.tensor([q for q, _, _ in decodes], dtype=torch.long))
+            meta.decode_block_tables = self._to_device(tables)
+            meta.decode_kv_mask = self._to_device(mask[:, None, None, :])
         return meta
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -34,13 +34,13 @@ class Sampler:
         model's decode step itself. Seeded rows stay per row (their draws are fixed per token)."""
         greedy = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
         if greedy:
-            for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist()):
+            for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
                 tokens[i] = token
         plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
         if plain:
             temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
                                         device=logits.device).unsqueeze(1)
-            cdf = torch.softmax(logits[plain] / temperatures, dim=-1).cumsum_(dim=-1)
+            cdf = torch.softmax(_rows(logits, plain) / temperatures, dim=-1).cumsum_(dim=-1)
             for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
                 tokens[i] = token
 
@@ -79,6 +79,15 @@ class Sampler:
             values, ids = logp.topk(k)
             top = {int(i): float(v) for i, v in zip(ids, values)}
         return TokenLogprobs(token_id=token, logprob=float(logp[token]), top=top)
+
+
+def _rows(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """``logits[indices]`` without copying the batch's [B, vocab] logits when it is all of them
+    (a whole-batch copy by advanced indexing cost more than the argmax at batch 32), and with the
+    faster ``index_select`` when it is not."""
+    if len(indices) == logits.shape[0]:
+        return logits
+    return logits.index_select(0, torch.tensor(indices, device=logits.device))
 
 
 def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:

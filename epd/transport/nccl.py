@@ -6,7 +6,7 @@ The unique id that both ranks need is created by the producer when the consumer 
 communicator per transfer keeps the protocol stateless; a communicator cached per peer pair would
 save the init cost (tens of ms) and is the next step when cross-host GPU traffic matters.
 
-``cupy`` (the ``cuda`` extra) provides the NCCL bindings; it is imported only when this transport
+``cupy`` (the ``cuda12`` / ``cuda13`` extra, after torch's CUDA) provides the NCCL bindings; it is imported only when this transport
 is used.
 """
 from __future__ import annotations
@@ -28,15 +28,22 @@ _PRODUCER_RANK, _CONSUMER_RANK = 0, 1
 log = logging.getLogger(__name__)
 
 
+def cuda_extra_hint() -> str:
+    """The pip command for the cupy + NCCL that match this torch's CUDA major version."""
+    major = (torch.version.cuda or "").split(".")[0]
+    extra = f"cuda{major}" if major in ("12", "13") else "cuda12 or cuda13, after your torch's CUDA"
+    return f"pip install 'epd[{extra}]'"
+
+
 def _nccl():
     try:
         import cupy
         from cupy.cuda import nccl
     except ImportError as err:
         raise TransportError(
-            f"the nccl transport needs cupy with NCCL ({err}); install the cuda extra: pip install 'epd[cuda]'") from None
+            f"the nccl transport needs cupy with NCCL ({err}); install {cuda_extra_hint()}") from None
     if not getattr(nccl, "available", True):
-        raise TransportError("cupy was built without NCCL; install the cuda extra: pip install 'epd[cuda]'")
+        raise TransportError(f"cupy was built without NCCL; install {cuda_extra_hint()}")
     return cupy, nccl
 
 

@@ -158,8 +158,12 @@ def test_bases_and_torch_builds():
     (cpu_from,) = [rest for op, rest in cpu_steps if op == "FROM"]
     assert re.fullmatch(r"nvidia/cuda:[\d.]+-(cudnn-)?runtime-ubuntu[\d.]+", gpu_from)
     assert any("python3.11 -m venv" in r for r in gpu_runs)
-    assert any('pip install ".[cuda]"' in r for r in gpu_runs)  # cupy + NCCL for the GPU transports
-    assert "cuda" in PYPROJECT["project"]["optional-dependencies"]
+    # cupy + NCCL for the GPU transports, the extra of the CUDA major the installed torch was built for
+    assert any('pip install ".[cuda$(python -c "import torch; print(torch.version.cuda.split(\'.\')[0])")]"' in r
+               for r in gpu_runs), gpu_runs
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert any(d.startswith("cupy-cuda12x") for d in extras["cuda12"])
+    assert any(d.startswith("cupy-cuda13x") for d in extras["cuda13"])
     assert cpu_from == "python:3.11-slim"
     assert any("pip install -c constraints/cpu.txt ." in r for r in cpu_runs)
     pins = [line for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines() if line.startswith("torch==")]

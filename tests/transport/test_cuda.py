@@ -1,6 +1,6 @@
 """GPU transports, producer and consumer in two real processes. Skipped without CUDA; they run as
 they are on any CUDA machine (nccl needs two GPUs, since NCCL refuses two ranks on one device,
-and cupy from the `cuda` extra)."""
+and cupy from the `cuda12`/`cuda13` extra)."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,7 +17,7 @@ pytestmark = [
 ]
 needs_nccl = pytest.mark.skipif(
     importlib.util.find_spec("cupy") is None or torch.cuda.device_count() < 2,
-    reason="nccl needs cupy (pip install 'epd[cuda]') and two GPUs")
+    reason="nccl needs cupy (scripts/setup.sh cuda, or pip install 'epd[cuda12]' / 'epd[cuda13]') and two GPUs")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,22 @@ def _require_cuda(what: str) -> None:
         raise TransportError(f"{what} needs CUDA, but torch.cuda.is_available() is False in this process")
 
 
+def device_uuid(ordinal: int) -> str:
+    return str(torch.cuda.get_device_properties(ordinal).uuid)
+
+
+def local_ordinal(producer_ordinal: int, uuid: str) -> int:
+    """This process's ordinal of the producer's GPU: found by UUID (each process numbers the GPUs
+    it sees from 0); a handle without one (an older producer) keeps the producer's ordinal."""
+    if not uuid:
+        return producer_ordinal
+    for ordinal in range(torch.cuda.device_count()):
+        if device_uuid(ordinal) == uuid:
+            return ordinal
+    raise TransportError(f"cuda_ipc: the producer's GPU {uuid} is not visible in this process "
+                         f"(CUDA_VISIBLE_DEVICES); use shm or inline between these workers")
+
+
 class CudaIpcTransport:
     name = "cuda_ipc"
 
@@ -51,6 +67,7 @@ class CudaIpcTransport:
         device, mem_handle, _storage_bytes, storage_offset_bytes, ref_handle, ref_offset, event, sync = shared
         body = handle.cuda_ipc
         body.device = device
+        body.device_uuid = device_uuid(device)
         body.mem_handle = mem_handle or b""
         body.storage_bytes = handle.nbytes
         body.storage_offset_bytes = storage_offset_bytes + tensor.storage_offset() * tensor.element_size()
@@ -67,7 +84,7 @@ class CudaIpcTransport:
                 ctx: ImportContext) -> torch.Tensor:
         _require_cuda("importing a cuda_ipc handle")
         body = handle.cuda_ipc
-        device = torch.device("cuda", body.device)
+        device = torch.device("cuda", local_ordinal(body.device, body.device_uuid))
         if body.storage_bytes != handle.nbytes:
             raise TransportError(f"lease {handle.lease_id}: cuda_ipc storage_bytes={body.storage_bytes}, "
                                  f"{handle.dtype}{list(shape)} needs {handle.nbytes}")
@@ -84,7 +101,7 @@ class CudaIpcTransport:
         else:
             with torch.cuda.device(device):
                 storage = torch.UntypedStorage._new_shared_cuda(
-                    body.device, body.mem_handle, body.storage_bytes, body.storage_offset_bytes,
+                    device.index, body.mem_handle, body.storage_bytes, body.storage_offset_bytes,
                     body.ref_counter_handle, body.ref_counter_offset, body.event_handle, body.event_sync_required)
                 tensor = torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape)
                 stream = torch.cuda.current_stream(device)

@@ -23,15 +23,16 @@ class Sampler:
         tokens: list[int | None] = [None] * len(seqs)
         self._sample_batched(logits, seqs, tokens)
         for i, (row, seq) in enumerate(zip(logits, seqs)):
-            if tokens[i] is None:  # seeded, top-k or top-p: row by row
+            if tokens[i] is None:  # seeded: row by row, each from its own generator
                 tokens[i] = self._sample_one(row, seq)
         return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
 
     @staticmethod
     def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
-        """Greedy rows in one argmax, and unseeded plain-temperature rows in one softmax and one
-        draw: row by row, sampling a large batch over a large vocabulary costs more than the
-        model's decode step itself. Seeded rows stay per row (their draws are fixed per token)."""
+        """Greedy rows in one argmax, unseeded plain-temperature rows in one softmax and one draw,
+        unseeded top-k / top-p rows in one top-k (or sort) and one draw: row by row, sampling a large
+        batch over a large vocabulary costs more than the model's decode step itself, and on a GPU
+        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token)."""
         greedy = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
         if greedy:
             for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
@@ -43,8 +44,15 @@ class Sampler:
             cdf = torch.softmax(_rows(logits, plain) / temperatures, dim=-1).cumsum_(dim=-1)
             for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
                 tokens[i] = token
+        filtered = [i for i, seq in enumerate(seqs) if _is_filtered(seq)]
+        if filtered:  # unseeded top-k / top-p rows: one sort (or top-k) and one draw for all of them
+            probs, candidates = filtered_probs([seqs[i].sampling_params for i in filtered], _rows(logits, filtered))
+            picked = _draw_from_cdf(probs.cumsum(dim=-1))
+            for i, token in zip(filtered, candidates.gather(1, picked[:, None]).squeeze(1).tolist()):
+                tokens[i] = token
 
     def _sample_one(self, row: torch.Tensor, seq: Sequence) -> int:
+        """A seeded row: its draw comes from its own (seed, token index) generator."""
         params = seq.sampling_params
         if params.is_greedy:
             return int(row.argmax())
@@ -97,6 +105,33 @@ def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:
     cumulative sum's rounding cannot push it past the last token."""
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+
+
+def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows' temperature-scaled distributions restricted by their top-k, then renormalised and
+    restricted by their top-p, computed for the whole batch at once: -> (probs, token ids), both
+    [R, C] over each row's C best candidates, best first (0 where a row's filters drop one).
+    The same distribution ``_keep_top_k`` then ``_keep_top_p`` give one row at a time."""
+    vocab = logits.shape[1]
+    device = logits.device
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], device=device, dtype=logits.dtype)
+    temperatures = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    width = int(top_k.max())  # every row's candidates are among the widest top-k (all: a full sort)
+    scaled = logits / temperatures[:, None]
+    values, candidates = scaled.topk(width, dim=-1) if width < vocab else scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(width, device=device)[None, :]
+    values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    # drop a candidate when the mass before it already reaches p; the best one always stays
+    before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), candidates
+
+
+def _is_filtered(seq: Sequence) -> bool:
+    params = seq.sampling_params
+    return not params.is_greedy and params.seed is None and (params.top_k > 0 or params.top_p < 1.0)
 
 
 def _is_plain(seq: Sequence) -> bool:

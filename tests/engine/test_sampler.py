@@ -79,3 +79,32 @@ def test_logprobs_are_of_the_raw_distribution_with_top_k():
 def test_invalid_sampling_params_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_batched_top_k_top_p_is_the_row_by_row_distribution(vocab):
+    from epd.engine.sampler import filtered_probs
+    torch.manual_seed(1)
+    logits = torch.randn(5, vocab) * 3
+    params = [SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0, top_p=0.6),
+              SamplingParams(temperature=1.3, top_k=20, top_p=0.8), SamplingParams(temperature=1.0, top_k=1),
+              SamplingParams(temperature=0.9, top_p=0.01)]
+    probs, candidates = filtered_probs(params, logits)
+    for row, p in enumerate(params):
+        scaled = logits[row] / p.temperature
+        if p.top_k > 0:
+            scaled = _keep_top_k(scaled, p.top_k)
+        if p.top_p < 1.0:
+            scaled = _keep_top_p(scaled, p.top_p)
+        expected = torch.softmax(scaled, dim=-1)
+        got = torch.zeros(vocab).index_add_(0, candidates[row], probs[row])
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_top_k_rows_sampled_in_a_batch_follow_their_distribution():
+    torch.manual_seed(2)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    seqs = [seq(temperature=1.0, top_k=2) for _ in range(4000)]
+    draws = [token for token, _ in Sampler()(logits, seqs)]
+    assert set(draws) <= {0, 1}
+    assert draws.count(0) / len(draws) == pytest.approx(0.5 / 0.8, abs=0.03)

@@ -85,6 +85,10 @@ class EngineConfig(_Config):
     block_size: PositiveInt = Field(16, description="tokens per KV block")
     kv_cache_bytes: PositiveInt = Field(256 * MiB, description="KV cache size in bytes")
     num_kv_blocks: PositiveInt | None = Field(None, description="KV blocks (overrides kv_cache_bytes)")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="on CUDA: size the KV cache to this fraction of the GPU's memory minus the "
+                                      "weights and a profiled worst-case step (vLLM's meaning; overrides "
+                                      "kv_cache_bytes and num_kv_blocks)")
     max_num_seqs: PositiveInt = Field(64, description="sequences running at once")
     max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")

@@ -7,6 +7,7 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
+from epd.engine.memory_profile import kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.model_runner import ModelRunner
 from epd.engine.sampler import Sampler
@@ -21,7 +22,11 @@ class LLMEngine:
         cfg = model.config
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-        num_blocks = config.resolve_num_blocks(bytes_per_token)
+        model = model.to(device=config.target_device, dtype=dtype)
+        if config.gpu_memory_utilization is not None and config.target_device.startswith("cuda"):
+            num_blocks = kv_blocks_for_device_memory(model, config, bytes_per_token, mm_token_ids)
+        else:
+            num_blocks = config.resolve_num_blocks(bytes_per_token)
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -29,7 +34,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len), self.block_manager,
                                    on_finish=on_finish)
-        self.runner = ModelRunner(model.to(device=config.target_device, dtype=dtype), num_blocks=num_blocks,
+        self.runner = ModelRunner(model, num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.target_device, dtype=dtype,
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
         self.sampler = Sampler()

@@ -49,3 +49,14 @@ def test_auto_is_cuda_and_bf16_and_weights_land_there(model_dir, chat):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rotary.inv_freq.dtype == torch.float32
     assert len(llm.chat(chat, SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids) == 4
+
+
+def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(model_dir):
+    small = LLM(str(model_dir), engine_config=EngineConfig(device="cuda"))
+    default_blocks = len(small.engine.block_manager.blocks)
+    del small
+    torch.cuda.empty_cache()
+    llm = LLM(str(model_dir), engine_config=EngineConfig(device="cuda", gpu_memory_utilization=0.3))
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert len(llm.engine.block_manager.blocks) > default_blocks
+    assert torch.cuda.memory_allocated() <= 0.3 * total + 256 * 1024**2  # the vision tower is not counted

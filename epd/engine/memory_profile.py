@@ -1,0 +1,65 @@
+"""Sizing the KV cache from the device's memory (``gpu_memory_utilization``, vLLM's meaning): the
+cache gets what is left of that fraction of the GPU's memory after this process's peak over
+loading the weights and one profiled worst-case step (``max_num_batched_tokens`` prompt tokens
+spread over ``max_num_seqs`` sequences, each producing logits, plus the sampler's copies of them).
+Sized this way a 7B model on an H200 gets tens of GB of KV instead of the CPU default's 256 MiB."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from epd.engine.model_runner import ModelRunner
+from epd.engine.scheduler import ScheduledChunk, SchedulerOutput
+from epd.engine.sequence import Sequence
+from epd.types import SamplingParams
+
+GiB = 1024**3
+
+
+def kv_budget_bytes(total_bytes: int, utilization: float, peak_bytes: int) -> int:
+    """What the KV cache may take: ``utilization`` of the device minus the profiled peak."""
+    budget = int(total_bytes * utilization) - peak_bytes
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_utilization={utilization} of {total_bytes / GiB:.1f} GiB leaves nothing for "
+                         f"the KV cache: weights and one step's activations peak at {peak_bytes / GiB:.1f} GiB; "
+                         f"raise gpu_memory_utilization or lower max_num_batched_tokens")
+    return budget
+
+
+def profile_step(model: torch.nn.Module, config, mm_token_ids: tuple[int, ...] = ()) -> None:
+    """Run the worst-case step once on a KV cache just big enough for it (then dropped)."""
+    num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
+    tokens_each = max(1, config.max_num_batched_tokens // num_seqs)
+    blocks_each = math.ceil(tokens_each / config.block_size)
+    runner = ModelRunner(model, num_blocks=num_seqs * blocks_each, block_size=config.block_size,
+                         device=config.target_device, dtype=config.torch_dtype,
+                         attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
+    chunks = []
+    for i in range(num_seqs):
+        seq = Sequence([0] * tokens_each, SamplingParams(max_tokens=1))
+        seq.block_table = list(range(i * blocks_each, (i + 1) * blocks_each))
+        chunks.append(ScheduledChunk(seq, 0, tokens_each))
+    logits, _ = runner.execute(SchedulerOutput(chunks=chunks))
+    torch.softmax(logits.float(), dim=-1).cumsum_(dim=-1)  # the sampler's [seqs, vocab] float32 copies
+    del runner, logits
+
+
+def kv_blocks_for_device_memory(model: torch.nn.Module, config, bytes_per_token: int,
+                                mm_token_ids: tuple[int, ...] = ()) -> int:
+    """KV blocks that fit ``config.gpu_memory_utilization`` of the (CUDA) device."""
+    device = torch.device(config.target_device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    profile_step(model, config, mm_token_ids)
+    torch.cuda.synchronize(device)
+    peak_bytes = torch.cuda.max_memory_allocated(device)
+    torch.cuda.empty_cache()
+    total_bytes = torch.cuda.get_device_properties(device).total_memory
+    budget = kv_budget_bytes(total_bytes, config.gpu_memory_utilization, peak_bytes)
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    if budget > free_bytes:  # another process holds part of the fraction asked for
+        raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} asks {budget / GiB:.1f} GiB for the "
+                         f"KV cache but only {free_bytes / GiB:.1f} GiB of the GPU are free (other processes use "
+                         f"it); lower gpu_memory_utilization")
+    return max(1, budget // (bytes_per_token * config.block_size))

@@ -31,8 +31,10 @@ log = logging.getLogger(__name__)
 def cuda_extra_hint() -> str:
     """The pip command for the cupy + NCCL that match this torch's CUDA major version."""
     major = (torch.version.cuda or "").split(".")[0]
-    extra = f"cuda{major}" if major in ("12", "13") else "cuda12 or cuda13, after your torch's CUDA"
-    return f"pip install 'epd[{extra}]'"
+    if major in ("12", "13"):
+        return f"pip install 'epd[cuda{major}]'"
+    # A CPU torch (or an unknown CUDA): name both, since the right one depends on the torch to come.
+    return "pip install 'epd[cuda12]' or 'epd[cuda13]', the one matching torch's CUDA"
 
 
 def _nccl():
@@ -41,9 +43,9 @@ def _nccl():
         from cupy.cuda import nccl
     except ImportError as err:
         raise TransportError(
-            f"the nccl transport needs cupy with NCCL ({err}); install {cuda_extra_hint()}") from None
+            f"the nccl transport needs cupy with NCCL ({err}); run {cuda_extra_hint()}") from None
     if not getattr(nccl, "available", True):
-        raise TransportError(f"cupy was built without NCCL; install {cuda_extra_hint()}")
+        raise TransportError(f"cupy was built without NCCL; run {cuda_extra_hint()}")
     return cupy, nccl
 
 

@@ -9,11 +9,12 @@ import torch
 from epd.transport.nccl import cuda_extra_hint
 
 
-@pytest.mark.parametrize("cuda, expected", [("12.8", "epd[cuda12]"), ("13.0", "epd[cuda13]"),
-                                            (None, "epd[cuda12 or cuda13, after your torch's CUDA]")])
+@pytest.mark.parametrize("cuda, expected", [
+    ("12.8", "pip install 'epd[cuda12]'"), ("13.0", "pip install 'epd[cuda13]'"),
+    (None, "pip install 'epd[cuda12]' or 'epd[cuda13]', the one matching torch's CUDA")])
 def test_the_hint_follows_torchs_cuda(monkeypatch, cuda, expected):
     monkeypatch.setattr(torch.version, "cuda", cuda)
-    assert cuda_extra_hint() == f"pip install '{expected}'"
+    assert cuda_extra_hint() == expected
 
 
 def test_a_cuda_ipc_handle_finds_its_gpu_by_uuid_whatever_the_ordinals(monkeypatch):

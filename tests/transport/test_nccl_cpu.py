@@ -18,7 +18,7 @@ def test_unique_id_survives_the_wire():
 
 @pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
 def test_missing_cupy_names_the_extra():
-    with pytest.raises(TransportError, match=r"pip install 'epd\[cuda\]'"):
+    with pytest.raises(TransportError, match=r"needs cupy with NCCL .*; run pip install 'epd\[cuda1[23]\]'"):
         _nccl()
 
 

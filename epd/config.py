@@ -344,6 +344,21 @@ class ServeConfig(_Config):
                 raise ValueError(f"expected CUDA device indices like 0 or 0,1, got {value!r}")
         return tuple(str(i) for i in indices or ())
 
+    @model_validator(mode="after")
+    def _one_tls_block(self) -> "ServeConfig":
+        """Mutual TLS is the whole cluster's: given once (flags, or the router's or the workers'
+        YAML), it is every process's; given twice, the two must agree (two identities in one
+        cluster would refuse each other)."""
+        router, worker = self.router.tls, self.worker.tls
+        if router.enabled and worker.enabled and router != worker:
+            raise ValueError("router.tls differs from worker.tls; give mutual TLS once (the --tls-* flags, or one of "
+                             "the two YAML files)")
+        tls = router if router.enabled else worker
+        if tls.enabled:
+            object.__setattr__(self, "router", self.router.model_copy(update={"tls": tls}))
+            object.__setattr__(self, "worker", self.worker.model_copy(update={"tls": tls}))
+        return self
+
     def devices(self, tier: str) -> list[str]:
         """The ``--device`` of each of ``tier``'s workers in turn (empty: the worker config's own)."""
         return [f"cuda:{index}" for index in getattr(self, f"{tier}_gpus")]

@@ -7,12 +7,12 @@
             print(delta.text, end="")
 """
 from epd.client.aio import AsyncChatStream, AsyncEPDClient
-from epd.client.errors import DeadlineExceeded, EPDError, InvalidRequest, Overloaded, Unavailable
+from epd.client.errors import DeadlineExceeded, EPDError, InvalidRequest, Overloaded, Unauthenticated, Unavailable
 from epd.client.sync import ChatStream, EPDClient
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, TokenLogprob, Usage, WorkerHealth
 
 __all__ = [
     "AsyncChatStream", "AsyncEPDClient", "ChatDelta", "ChatResult", "ChatStream", "DeadlineExceeded", "EPDClient",
-    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "Unavailable", "Usage",
+    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "Unauthenticated", "Unavailable", "Usage",
     "WorkerHealth",
 ]

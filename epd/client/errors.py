@@ -11,6 +11,7 @@ from epd.errors import (
     InternalError,
     InvalidRequest,
     Overloaded,
+    Unauthenticated,
     Unavailable,
     UpstreamError,
     from_grpc,
@@ -18,7 +19,7 @@ from epd.errors import (
 from epd.rpc import retry_after_s
 
 __all__ = ["DeadlineExceeded", "EPDError", "InternalError", "InvalidRequest", "Overloaded", "RETRY_AFTER_KEY",
-           "Unavailable", "UpstreamError", "error_from_rpc"]
+           "Unauthenticated", "Unavailable", "UpstreamError", "error_from_rpc"]
 
 
 def error_from_rpc(err: grpc.RpcError, address: str) -> EPDError:

@@ -280,7 +280,8 @@ class EncoderEngine:
             with self._lock:
                 pending = self._pending.pop(request_id, None)
             if pending is not None:
-                pending.future.set_exception(error)
+                for_request = getattr(error, "for_request", None)
+                pending.future.set_exception(for_request(request_id) if for_request else error)
 
 
 def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_id: str,

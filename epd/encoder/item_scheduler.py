@@ -38,10 +38,15 @@ class EncoderItem:
     """One image to encode: encoded bytes plus the metadata the router computed from its header."""
 
     data: bytes = field(repr=False)
-    content_hash: str
+    content_hash: str  # the cache key's content part: computed from ``data`` by whoever trusts it
     processor_kwargs_hash: str
     expected_rows: int  # output embedding rows (= placeholder span)
     encoder_tokens: int  # encoder attention tokens (pre-merge patches)
+    label: str = ""  # how the caller names the item in errors (its own content hash); default content_hash
+
+    @property
+    def name(self) -> str:
+        return self.label or self.content_hash
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, (bytes, bytearray, memoryview)) or not len(self.data):

@@ -44,6 +44,7 @@ class _OutputTarget:
     item_index: int
     cache_key: EncoderCacheKey
     expected_rows: int
+    name: str  # the item as its caller names it (errors)
 
 
 class MultimodalEncoderRunner:
@@ -69,7 +70,7 @@ class MultimodalEncoderRunner:
         """
         if batch.is_empty:
             return []
-        targets = [_OutputTarget(s.request_id, s.item_index, s.cache_key, s.item.expected_rows)
+        targets = [_OutputTarget(s.request_id, s.item_index, s.cache_key, s.item.expected_rows, s.item.name)
                    for s in batch.items]
         try:
             outputs = self._encode([s.item.data for s in batch.items])
@@ -109,7 +110,7 @@ class MultimodalEncoderRunner:
         actual = (f"shape {tuple(output.shape)} dtype {output.dtype}" if isinstance(output, torch.Tensor)
                   else f"a {type(output).__name__}")
         return (f"MM item {target.item_index} of request {target.request_id!r} (content hash "
-                f"{target.cache_key.content_hash[:16]}) must produce a {self.expected_dtype} tensor "
+                f"{target.name[:16]}) must produce a {self.expected_dtype} tensor "
                 f"with shape {expected_shape}, got {actual}")
 
     def _fail_producers(self, batch: ScheduledBatch, error: Exception) -> MultimodalEncoderRequestError:
@@ -131,25 +132,25 @@ class MultimodalEncoderRunner:
             try:
                 self.model.preprocess([s.item.data])
             except InvalidRequest as err:
-                found[s.cache_key] = f"{UNDECODABLE_MARKER} {s.item.content_hash}): {err.message}"
+                found[s.cache_key] = f"{UNDECODABLE_MARKER} {s.item.name}): {err.message}"
             except Exception:  # noqa: BLE001 - not a bad input: the batch-level failure stands
                 continue
         return found
 
     def _fail_users(self, batch: ScheduledBatch, problems: dict[EncoderCacheKey, str],
                     error_type=MultimodalEncoderRequestError):
-        # A wrong output (or input) is traced to its key: every request using that key fails. The
+        # A wrong output (or input) is traced to its key: every request using that key fails, told
+        # of its own items only (two users' bad images in one batch must not see each other's). The
         # rest of the batch is published by nobody and goes back to waiting under the same producers.
-        message = "; ".join(problems.values())
-        error = error_type(message, request_ids=())
-        failed = set()
-        for key in problems:
-            failed |= self.cache.fail(key, error, producer_only=False)
+        by_request: dict[str, list[str]] = {}
+        for key, problem in problems.items():
+            for request_id in self.cache.fail(key, error_type(problem, request_ids=()), producer_only=False):
+                by_request.setdefault(request_id, []).append(problem)
         for key in batch.cache_keys:
             if key not in problems:
                 self.cache.requeue(key)
-        error.request_ids = frozenset(failed)
-        return error
+        return error_type("; ".join(problems.values()), request_ids=by_request,
+                          messages={rid: "; ".join(found) for rid, found in by_request.items()})
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ import grpc
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
-from epd.multimodal.hashing import hash_processor_kwargs
+from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
 from epd.tls import process_tls
 from epd.transport import choose_transport
@@ -48,8 +48,13 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # encoder's group retried here after that encoder was lost): the engine keys each call
         key = f"{request_id}@{min((m.item_index for m in request.items), default=0)}"
         timeout_s = remaining_s(context, self.config.request_timeout_s)
+        # a stranger's call must cost nothing: the destination is checked before any encoding, and
+        # the cache key is hashed here from the bytes (a caller's content_hash is only a label, so
+        # nobody can store one image's embeddings under another image's key)
+        await self.pusher.check_destination(request.prefill_address, timeout_s)
         try:
-            future = self.engine.submit(key, [_item(msg) for msg in request.items])
+            items = await self.ctx.blocking(lambda: [_item(msg, self.engine.model_id) for msg in request.items])
+            future = self.engine.submit(key, items)
         except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
             raise InvalidRequest(f"request {request_id}: {err}") from None
         try:  # a router cancelling the call frees the request's place in the queue and its pins
@@ -142,7 +147,7 @@ class PushBatcher:
     async def push(self, address: str, pushes: list, timeout_s: float) -> None:
         """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError,
         or ``InvalidRequest`` when ``address`` is not a prefill worker of this model."""
-        await self._check_destination(address, timeout_s)
+        await self.check_destination(address, timeout_s)
         loop = asyncio.get_running_loop()
         delivered = loop.create_future()
         delivered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when nobody waits
@@ -153,7 +158,8 @@ class PushBatcher:
             loop.create_task(self._send(address))
         await asyncio.shield(delivered)
 
-    async def _check_destination(self, address: str, timeout_s: float) -> None:
+    async def check_destination(self, address: str, timeout_s: float) -> None:
+        """Raise ``InvalidRequest`` unless ``address`` answers as a prefill worker of this model."""
         check = self._checked.get(address)
         if check is None:  # one check per address, shared by the pushes that wait for it
             check = self._checked[address] = asyncio.ensure_future(self._ask_health(address, timeout_s))
@@ -212,11 +218,16 @@ class PushBatcher:
         return self._channels[address]
 
 
-def _item(msg: common_pb2.MultimodalItem) -> EncoderItem:
-    kwargs = json.loads(msg.processor_kwargs_json) if msg.processor_kwargs_json else None
-    return EncoderItem(data=msg.data, content_hash=msg.content_hash,
-                       processor_kwargs_hash=hash_processor_kwargs(kwargs),
-                       expected_rows=msg.expected_rows, encoder_tokens=msg.encoder_tokens)
+def _item(msg: common_pb2.MultimodalItem, model_id: str) -> EncoderItem:
+    """On an io thread (hashing reads every byte)."""
+    try:
+        kwargs = json.loads(msg.processor_kwargs_json) if msg.processor_kwargs_json else None
+        return EncoderItem(data=msg.data, content_hash=hash_encoded_media(
+                               msg.data, modality=msg.modality or "image", processor_kwargs=kwargs, model_id=model_id),
+                           processor_kwargs_hash=hash_processor_kwargs(kwargs), expected_rows=msg.expected_rows,
+                           encoder_tokens=msg.encoder_tokens, label=msg.content_hash)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"item {msg.item_index}: {err}") from None
 
 
 def build(ctx):

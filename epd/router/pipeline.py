@@ -171,11 +171,18 @@ def count_media_parts(messages: list[dict]) -> int:
 
 
 def name_the_part(err: InvalidRequest, prompt: ProcessedPrompt, messages: list[dict]) -> InvalidRequest:
-    """An encoder's bad-input error names the image by its content hash (it knows no request's
-    messages): say which of this request's parts it was, ``messages[i].content[j]``."""
+    """An encoder's bad-input error names each image by its content hash (it knows no request's
+    messages): say which of this request's parts they were, ``messages[i].content[j]``, each with
+    its cause (an image sent twice names both its parts)."""
+    parts_by_hash: dict[str, list[str]] = {}
     for item, (i, j, _) in zip(prompt.items, media_parts(messages)):
-        marker = f"{UNDECODABLE_MARKER} {item.mm_hash}): "
-        if marker in err.message:
-            where = part_location(i, j)
-            return InvalidRequest(f"{where}: {err.message.split(marker, 1)[1]}", param=where)
-    return err
+        parts_by_hash.setdefault(item.mm_hash, []).append(part_location(i, j))
+    found = sorted((err.message.find(marker), marker, where) for mm_hash, where in parts_by_hash.items()
+                   if (marker := f"{UNDECODABLE_MARKER} {mm_hash}): ") in err.message)
+    if not found:
+        return err
+    named = []
+    for n, (at, marker, where) in enumerate(found):
+        end = found[n + 1][0] if n + 1 < len(found) else len(err.message)
+        named.append(f"{', '.join(where)}: {err.message[at + len(marker):end].rstrip('; ')}")
+    return InvalidRequest("; ".join(named), param=found[0][2][0])

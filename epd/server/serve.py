@@ -97,12 +97,14 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         process = cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
                                        timeout_s=config.timeout_s, config=router)
         url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
+        admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
+                        for field in process.ready_fields[2:] if field.startswith("admin="))
         wait_healthy(url, config.timeout_s)
         workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid})\n" for p in cluster.processes
                           if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
-              f"  metrics     {url}/metrics\n  health      {url}/health\n  router      {url} (pid {process.proc.pid})\n"
-              f"{workers}(Ctrl-C stops everything)", flush=True)
+              f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
+              f"  router      {url} (pid {process.proc.pid})\n{workers}(Ctrl-C stops everything)", flush=True)
         return 0 if supervise(cluster, process, config.max_restarts, stop) else 1
     finally:
         print("epd serve: stopping ...", flush=True)

@@ -11,10 +11,10 @@ import time
 
 
 class ServeProcess:
-    def __init__(self, *args: str, timeout_s: float = 240.0) -> None:
+    def __init__(self, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--port", "0", "--grpc-port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, start_new_session=True, env={**os.environ})
+                                     text=True, start_new_session=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.base_url = self.grpc_address = None
         ready = threading.Event()

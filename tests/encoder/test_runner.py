@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -88,6 +90,31 @@ def test_an_undecodable_item_fails_only_its_users_as_a_bad_request_and_the_rest_
     batch = s.schedule()  # the innocent item is batched again and encodes
     assert [(x.request_id, x.item.content_hash) for x in batch.items] == [("r0", "good")]
     assert [st.request_id for st in runner.forward_items(batch)] == ["r0"]
+
+
+def test_two_users_bad_images_in_one_batch_are_each_told_only_of_their_own(setup):
+    s, model, runner = setup
+    s.add_request("alice", [make_item("alice-img")])
+    s.add_request("bob", [make_item("bob-img")])
+    s.add_request("both", [make_item("alice-img"), make_item("bob-img")])
+    model.undecodable |= {"alice-img", "bob-img"}
+    with pytest.raises(MultimodalEncoderInputError) as info:
+        runner.forward_items(s.schedule())
+    assert info.value.request_ids == {"alice", "bob", "both"}
+    told = {rid: str(info.value.for_request(rid)) for rid in info.value.request_ids}
+    assert told["alice"] == "image (content hash alice-img): PNG data is truncated or corrupt (alice-img)"
+    assert told["bob"] == "image (content hash bob-img): PNG data is truncated or corrupt (bob-img)"
+    assert "alice-img" in told["both"] and "bob-img" in told["both"]  # both its own parts are named
+    assert isinstance(info.value.for_request("alice"), InvalidRequest)
+
+
+def test_a_callers_label_names_the_item_but_the_content_hash_keys_it(setup):
+    s, model, runner = setup
+    labelled = dataclasses.replace(make_item("x"), label="what-the-router-called-it")
+    s.add_request("r0", [labelled])
+    model.undecodable.add("x")
+    with pytest.raises(MultimodalEncoderInputError, match=r"^image \(content hash what-the-router-called-it\): "):
+        runner.forward_items(s.schedule())
 
 
 def test_wrong_dtype_is_a_validation_failure(setup):

@@ -190,3 +190,24 @@ def run(pipeline: RequestPipeline, messages: list[dict], params: SamplingParams 
     async def collect():
         return [e async for e in pipeline.generate(ChatRequest(messages, params, "r-1", timeout_s=timeout_s))]
     return asyncio.run(collect())
+
+
+def test_an_encoders_bad_image_error_names_every_part_it_concerns_each_with_its_cause():
+    """The encoder names images by content hash; the router turns that into parts: two bad images
+    each with its own cause, one image sent twice as both its parts."""
+    from types import SimpleNamespace
+
+    from epd.errors import UNDECODABLE_MARKER
+    from epd.router.pipeline import name_the_part
+    part = {"type": "image_url", "image_url": {"url": "data:"}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "and"}, part]},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": [part]}]
+    prompt = SimpleNamespace(items=[SimpleNamespace(mm_hash=h) for h in ("aaa", "bbb", "aaa")])
+    err = InvalidRequest(f"request r: {UNDECODABLE_MARKER} bbb): PNG data is truncated; "
+                         f"{UNDECODABLE_MARKER} aaa): not an image (JPEG header, sent as image/png)")
+    named = name_the_part(err, prompt, messages)
+    assert named.message == ("messages[0].content[2]: PNG data is truncated; messages[0].content[0], "
+                             "messages[2].content[0]: not an image (JPEG header, sent as image/png)")
+    assert named.param == "messages[0].content[2]"
+    other = InvalidRequest("request r: max_tokens must be >= 1")
+    assert name_the_part(other, prompt, messages) is other

@@ -118,6 +118,30 @@ def test_grpc_needs_the_key_in_metadata_and_the_sdk_sends_it():
             assert client.health().status  # open unless protect_health_and_metrics
 
 
+def test_grpc_health_needs_the_key_when_protected():
+    interceptor = ApiKeyInterceptor(ApiKeys([KEY], environ={}), protect_health=True)
+    with RouterServerThread(GrpcCore(), interceptors=[interceptor]) as server:
+        with EPDClient(server.address, timeout_s=10) as client, pytest.raises(Unauthenticated):
+            client.health()
+        with EPDClient(server.address, timeout_s=10, api_key=KEY) as client:
+            assert client.health().status
+
+
+def test_the_admin_listener_is_off_unless_asked_and_needs_a_token_to_start(monkeypatch):
+    from types import SimpleNamespace
+
+    from epd.config import RouterConfig
+    from epd.server.router import _start_admin
+    router = SimpleNamespace(backend=SimpleNamespace(workers=WorkerRegistry({"encoder": []})))
+    monkeypatch.delenv("EPD_ADMIN_TOKEN", raising=False)
+    off = RouterConfig(model="m", encoders=["127.0.0.1:1"], prefills=["127.0.0.1:2"], decodes=["127.0.0.1:3"])
+    assert off.admin_port is None and off.admin_host == "127.0.0.1"
+    assert asyncio.run(_start_admin(off, router)) is None
+    asked = off.model_copy(update={"admin_port": 0})
+    with pytest.raises(RuntimeError, match="admin_port is set but no admin token is"):
+        asyncio.run(_start_admin(asked, router))
+
+
 # ---- the admin API ------------------------------------------------------------------------------------
 class _EncoderHealth(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, tier: str, model: str) -> None:

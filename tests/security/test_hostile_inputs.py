@@ -79,17 +79,43 @@ def _worker_addresses(server) -> dict[str, str]:
 
 
 def test_a_stranger_cannot_make_an_encoder_push_to_an_address_of_its_choice(server, corpus):
-    """The destination answers EPD's health RPC, but as a decode worker: nothing is pushed to it."""
+    """The destination answers EPD's health RPC, but as a decode worker: nothing is pushed to it,
+    and nothing is encoded either (the check comes first, so a stranger's call costs no forward)."""
     addresses = _worker_addresses(server)
     request = encoder_pb2.EncodeRequest(request_id="stranger-1", prefill_address=addresses["decode"],
                                         items=[common_pb2.MultimodalItem(
                                             data=make_image_bytes(32, 32, seed=8), content_hash="c" * 64,
                                             item_index=0, expected_rows=4, encoder_tokens=16)])
-    with grpc.insecure_channel(addresses["encoder"]) as channel, pytest.raises(grpc.RpcError) as refused:
-        encoder_pb2_grpc.EncoderStub(channel).Encode(request, timeout=30)
+    with grpc.insecure_channel(addresses["encoder"]) as channel:
+        stub = encoder_pb2_grpc.EncoderStub(channel)
+        encoded_before = stub.Health(common_pb2.HealthRequest(), timeout=10).num_encoded_items
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Encode(request, timeout=30)
+        assert stub.Health(common_pb2.HealthRequest(), timeout=10).num_encoded_items == encoded_before
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
     assert re.search(r"prefill_address .* is not a prefill worker of model .*\(it answered without EPD's prefill "
                      r"service\): nothing pushed", refused.value.details())
+
+
+def _encode_as_a_stranger(server, request_id: str, data: bytes, claimed_hash: str) -> list[bool]:
+    """An Encode call naming the real prefill worker (which holds no such request, so it refuses
+    the pushes and hands their leases back) -> the call's cache hits."""
+    addresses = _worker_addresses(server)
+    request = encoder_pb2.EncodeRequest(request_id=request_id, prefill_address=addresses["prefill"],
+                                        items=[common_pb2.MultimodalItem(
+                                            data=data, content_hash=claimed_hash, modality="image",
+                                            item_index=0, expected_rows=4, encoder_tokens=16)])
+    with grpc.insecure_channel(addresses["encoder"]) as channel:
+        return list(encoder_pb2_grpc.EncoderStub(channel).Encode(request, timeout=60).cache_hits)
+
+
+def test_a_stranger_cannot_store_one_images_embeddings_under_anothers_hash(server, corpus):
+    """The encoder keys its cache by a hash of the bytes it was sent: image X sent under image Y's
+    content hash is cached as X, so Y's next user gets Y's embeddings (a miss, not X's rows)."""
+    x, y, claimed = make_image_bytes(32, 32, seed=21), make_image_bytes(32, 32, seed=22), "d" * 64
+    assert _encode_as_a_stranger(server, "poison-1", x, claimed) == [False]
+    assert _encode_as_a_stranger(server, "poison-2", y, claimed) == [False]  # was a hit on X's rows
+    assert _encode_as_a_stranger(server, "poison-3", y, "e" * 64) == [True]  # the label is not the key
 
 
 def test_pushes_for_a_request_prefill_does_not_hold_are_refused_unread(server, corpus):

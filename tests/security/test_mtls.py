@@ -5,12 +5,16 @@ whose certificate signs itself and one from another CA; a client with the cluste
 (the control that shows the refusals are about the certificate)."""
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import grpc
+import httpx
 import openai
 import pytest
 
+from epd.client import EPDClient, Unauthenticated
 from epd.config import ConfigError, TlsConfig, WorkerConfig, load_config
 from epd.models.presets import write_preset_checkpoint
 from epd.rpc import open_channel
@@ -18,7 +22,7 @@ from epd.tls import MutualTls
 from epd.transport import TensorStore, serve_tensor_store
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc, tensor_pb2, tensor_pb2_grpc
 from tests.conftest import make_image_bytes
-from tests.e2e.serve_process import ServeProcess
+from tests.e2e.serve_process import ServeProcess, wait_until
 from tests.e2e.test_openai_serve import chat, data_url
 from tests.security.certs import SERVER_NAME, issue, make_pki, self_signed
 
@@ -62,29 +66,123 @@ def model_dir(tmp_path_factory):
     return write_preset_checkpoint("tiny-qwen2-vl", tmp_path_factory.mktemp("mtls") / "ckpt", seed=1357)
 
 
-@pytest.mark.slow
-def test_serve_with_mutual_tls_serves_and_every_tier_refuses_strangers(model_dir, pki):
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", *pki["cluster"].flags())
+FILE_KEY, ENV_KEY, ROTATED_KEY = "sk-file-0123456789abcdef", "sk-env-0123456789abcdef", "sk-rotated-0123456789"
+ADMIN_TOKEN = "admin-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def secured(model_dir, pki, tmp_path_factory):
+    """One ``epd serve`` as a careful operator runs it: mutual TLS inside, API keys from a file and
+    from the environment (never argv), the admin API on its own loopback listener with a token file."""
+    secrets_dir = tmp_path_factory.mktemp("secrets")
+    (secrets_dir / "keys").write_text(f"# rotated by writing this file\n{FILE_KEY}\n")
+    (secrets_dir / "admin").write_text(ADMIN_TOKEN + "\n")
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", *pki["cluster"].flags(),
+                         "--api-key-file", str(secrets_dir / "keys"), "--admin-port", "0",
+                         "--admin-token-file", str(secrets_dir / "admin"), env={"EPD_API_KEY": ENV_KEY})
     try:
-        client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-        image = make_image_bytes(96, 64, seed=4)
-        out = client.chat.completions.create(model="m", max_tokens=3,
-                                             messages=chat("What is it?", [data_url(image), data_url(image)]))
-        assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
-        workers = {m.group(1): m.group(2) for line in serve.lines
-                   if (m := re.match(r"\s+(encoder|prefill|decode)\s+(\S+) \(pid", line))}
-        assert sorted(workers) == ["decode", "encoder", "prefill"], serve.lines
-        for tier, address in workers.items():
-            for what, channel in _refusals(address, pki).items():
-                with pytest.raises(grpc.RpcError) as refused:
-                    _health(address, tier, channel)
-                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, what)
-            assert _health(address, tier, open_channel(address, _tls(pki["client"]))).tier == tier
-        # the refused handshakes cost nothing: the cluster still serves
-        again = client.chat.completions.create(model="m", max_tokens=2, messages=chat("Again?", [data_url(image)]))
-        assert again.choices[0].finish_reason == "length"
+        yield serve, secrets_dir
     finally:
         serve.stop_and_check_clean(model_dir)
+
+
+def _client(serve, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@pytest.mark.slow
+def test_serve_with_mutual_tls_serves_and_every_tier_refuses_strangers(secured, pki):
+    serve, _ = secured
+    client = _client(serve, FILE_KEY)
+    image = make_image_bytes(96, 64, seed=4)
+    out = client.chat.completions.create(model="m", max_tokens=3,
+                                         messages=chat("What is it?", [data_url(image), data_url(image)]))
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    workers = {m.group(1): m.group(2) for line in serve.lines
+               if (m := re.match(r"\s+(encoder|prefill|decode)\s+(\S+) \(pid", line))}
+    assert sorted(workers) == ["decode", "encoder", "prefill"], serve.lines
+    for tier, address in workers.items():
+        for what, channel in _refusals(address, pki).items():
+            with pytest.raises(grpc.RpcError) as refused:
+                _health(address, tier, channel)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, what)
+        assert _health(address, tier, open_channel(address, _tls(pki["client"]))).tier == tier
+    # the refused handshakes cost nothing: the cluster still serves
+    again = client.chat.completions.create(model="m", max_tokens=2, messages=chat("Again?", [data_url(image)]))
+    assert again.choices[0].finish_reason == "length"
+
+
+@pytest.mark.slow
+def test_serve_takes_keys_from_a_file_and_the_environment_on_both_apis_and_rotates_them(secured):
+    serve, secrets_dir = secured
+    for key in ("unused", ROTATED_KEY):
+        with pytest.raises(openai.AuthenticationError):
+            _client(serve, key).chat.completions.create(model="m", max_tokens=1, messages=chat("Hi", []))
+        with EPDClient(serve.grpc_address, timeout_s=60, api_key=key) as sdk, pytest.raises(Unauthenticated):
+            sdk.chat("Hi", max_tokens=1)
+    for key in (FILE_KEY, ENV_KEY):
+        assert _client(serve, key).chat.completions.create(model="m", max_tokens=1, messages=chat("Hi", [])).choices
+        with EPDClient(serve.grpc_address, timeout_s=60, api_key=key) as sdk:
+            assert sdk.chat("Hi", max_tokens=1).finish_reason == "length"
+    assert httpx.get(f"{serve.base_url}/health", timeout=10).status_code == 200  # open by default
+    (secrets_dir / "keys").write_text(ROTATED_KEY + "\n")  # rotation: no restart
+    assert wait_until(lambda: _status(serve, ROTATED_KEY) == 200 and _status(serve, FILE_KEY) == 401, 10)
+    assert _status(serve, ENV_KEY) == 200
+
+
+def _status(serve, key: str) -> int:
+    return httpx.get(f"{serve.base_url}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).status_code
+
+
+@pytest.mark.slow
+def test_serve_puts_the_admin_api_on_its_own_loopback_listener_behind_its_token(secured):
+    serve, _ = secured
+    (admin_url,) = [m.group(1) for line in serve.lines if (m := re.match(r"\s+admin API\s+(\S+)/admin/workers", line))]
+    assert admin_url.startswith("http://127.0.0.1:") and admin_url != serve.base_url
+    body = {"tier": "encoder", "address": "127.0.0.1:1"}
+    public = httpx.post(f"{serve.base_url}/admin/workers", json=body, timeout=10,
+                        headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert public.status_code == 404
+    for headers in ({}, {"Authorization": f"Bearer {FILE_KEY}"}):  # an API key is no admin token
+        assert httpx.post(f"{admin_url}/admin/workers", json=body, headers=headers, timeout=10).status_code == 401
+    refused = httpx.post(f"{admin_url}/admin/workers", json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    assert refused.status_code == 400, refused.text  # nothing answers EPD's health there
+
+
+@pytest.mark.slow
+def test_no_secret_reaches_argv_or_the_output(secured):
+    serve, _ = secured
+    secrets = (FILE_KEY, ENV_KEY, ROTATED_KEY, ADMIN_TOKEN)
+    pids = _tree(serve.proc.pid)
+    assert len(pids) >= 5, pids  # epd serve, router, three workers (and standbys)
+    for pid in pids:
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        assert not any(secret in argv for secret in secrets), argv
+    output = "\n".join(serve.lines)
+    assert not any(secret in output for secret in secrets)
+    metrics = httpx.get(f"{serve.base_url}/metrics", timeout=10).text
+    assert not any(secret in metrics for secret in secrets)
+
+
+def _tree(root: int) -> list[int]:
+    """``root`` and every process below it, from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:  # gone meanwhile
+            continue
+        if stat:
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        found.append(pid := todo.pop())
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def test_a_certificate_for_a_name_is_checked_against_tls_server_name(pki):
@@ -122,3 +220,15 @@ def test_a_file_that_is_not_pem_is_refused_at_start(tmp_path, pki):
     config = TlsConfig(tls_cert=str(not_pem), tls_key=str(pki["cluster"].key), tls_ca=str(pki["cluster"].ca))
     with pytest.raises(ValueError, match=r"tls_cert: expected a PEM file, .*cert.der has no '-----BEGIN' line"):
         MutualTls.from_config(config)
+
+
+def test_serve_takes_one_tls_block_from_either_yaml_and_refuses_two_that_differ(pki):
+    from epd.config import ServeConfig
+    block = {"tls_cert": str(pki["cluster"].cert), "tls_key": str(pki["cluster"].key), "tls_ca": str(pki["cluster"].ca)}
+    for where in ("router", "worker"):
+        config = load_config(ServeConfig, {where: {"tls": block}})
+        assert config.router.tls == config.worker.tls == TlsConfig(**block)
+    other = {**block, "tls_cert": str(pki["client"].cert), "tls_key": str(pki["client"].key)}
+    with pytest.raises(ConfigError, match="router.tls differs from worker.tls; give mutual TLS once"):
+        load_config(ServeConfig, {"router": {"tls": block}, "worker": {"tls": other}})
+    assert not load_config(ServeConfig, {}).router.tls.enabled

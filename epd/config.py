@@ -93,7 +93,9 @@ class EngineConfig(_Config):
     max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
-    attention_backend: str = Field("sdpa", description="attention backend")
+    attention_backend: Literal["auto", "sdpa", "flex", "flashinfer"] = Field(
+        "auto", description="attention backend: auto (flashinfer on CUDA where installed, else sdpa), sdpa (the "
+                            "reference), flex (flex_attention over the paged cache in place) or flashinfer (CUDA)")
     dtype: Dtype = Field("auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     device: Device = Field("auto", description="auto (CUDA when this process has it, else CPU), cpu, cuda or cuda:N")
     num_threads: PositiveInt | None = Field(

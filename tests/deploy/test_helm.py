@@ -458,7 +458,7 @@ def test_schema_knows_every_config_field():
 
 
 def test_schema_enums_follow_the_registries():
-    from epd.engine.attention import ATTENTION_BACKENDS
+    from epd.engine.attention import ATTENTION_BACKENDS, AUTO
     from epd.models.presets import PRESETS
     from epd.router.routing import ROUTING_POLICIES
     from epd.transport import TRANSPORTS
@@ -468,7 +468,8 @@ def test_schema_enums_follow_the_registries():
     assert sorted(props["transport"]["enum"]) == sorted(TRANSPORTS.names())
     assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted(PRESETS)
     assert sorted(defs["routerConfig"]["properties"]["encoder_policy"]["enum"]) == sorted(ROUTING_POLICIES.names())
-    assert sorted(defs["engineConfig"]["properties"]["attention_backend"]["enum"]) == sorted(ATTENTION_BACKENDS.names())
+    assert sorted(defs["engineConfig"]["properties"]["attention_backend"]["enum"]) == sorted(
+        [AUTO, *ATTENTION_BACKENDS.names()])
 
 
 def test_values_files_are_complete_and_valid():

@@ -1,48 +1,109 @@
-"""The SDPA backend's decode path (KV read by block table, GQA-packed queries) against attention
-written out by hand per sequence: blocks scattered over the cache, sequences of different lengths
-(padded blocks masked), several query heads per KV head."""
+"""Every attention backend against attention written out by hand per sequence, over one mixed step:
+decodes of different lengths (pages scattered over the cache, last pages partly full), a first
+prefill chunk, a later chunk of a prompt (its context already in KV) and a chunk after a prefix hit
+(its first pages shared with another sequence); GQA with several query heads per KV head."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
+import pytest
 import torch
 
-from epd.engine.attention import AttentionMetadata, KVCache, SdpaAttentionBackend
+from epd.engine.attention import ATTENTION_BACKENDS, KVCache, build_page_metadata, metadata_on
 
-BLOCK, HEADS, KV_HEADS, DIM = 4, 8, 2, 16
+BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 4, 8, 2, 16, 64
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q: [H, D]; k, v: [L, KVH, D] -> [H, D], query head h reading KV head h // (H / KVH)."""
-    group = HEADS // KV_HEADS
-    out = []
-    for h in range(HEADS):
-        kh, vh = k[:, h // group].double(), v[:, h // group].double()
-        weights = torch.softmax(kh @ q[h].double() / math.sqrt(DIM), dim=0)
-        out.append(weights @ vh)
-    return torch.stack(out).float()
+    """q: [n, H, D], the last n of L positions; k, v: [L, KVH, D] -> [n, H, D], causal, query
+    head h reading KV head h // (H / KVH), in float64."""
+    group, n, length = HEADS // KV_HEADS, q.shape[0], k.shape[0]
+    out = torch.empty(n, HEADS, DIM, dtype=torch.float64)
+    for i in range(n):
+        visible = length - n + i + 1
+        for h in range(HEADS):
+            kh, vh = k[:visible, h // group].double(), v[:visible, h // group].double()
+            out[i, h] = torch.softmax(kh @ q[i, h].double() / math.sqrt(DIM), dim=0) @ vh
+    return out.float()
 
 
-def test_decode_by_block_table_equals_attention_by_hand():
+def _step(seed: int = 0):
+    """(starts, query lengths, block tables) of one step, decodes first."""
+    rng = np.random.default_rng(seed)
+    order = [int(b) for b in rng.permutation(NUM_BLOCKS)]
+    shared = [order.pop() for _ in range(2)]  # a cached prefix of 2 full pages
+    plan = [(0, 1), (6, 1), (12, 1), (3, 1),  # decodes: KV lengths 1, 7, 13, 4
+            (0, 9),  # a first prefill chunk
+            (10, 7),  # a later chunk: 10 tokens of context, 7 new
+            (2 * BLOCK, 5)]  # after a prefix hit on the shared pages
+    tables = []
+    for n, (start, num) in enumerate(plan):
+        pages = -(-(start + num) // BLOCK)
+        head = list(shared) if n == len(plan) - 1 else []
+        tables.append(head + [order.pop() for _ in range(pages - len(head))])
+    width = max(len(t) for t in tables)
+    array = np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
+    return np.array([p[0] for p in plan]), np.array([p[1] for p in plan]), array, tables
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_a_mixed_step_equals_attention_by_hand(backend):
     torch.manual_seed(0)
-    cache = KVCache.allocate(1, 64 * BLOCK, KV_HEADS, DIM, torch.float32, "cpu")
+    starts, query_lens, array, tables = _step()
+    cache = KVCache.allocate(1, NUM_BLOCKS * BLOCK, KV_HEADS, DIM, torch.float32, "cpu")
     cache.k[0].normal_()
     cache.v[0].normal_()
-    lengths = [1, 7, 13, 4]  # tokens in KV after this step, the new one included
-    order = torch.randperm(64).tolist()
-    tables = [[order.pop() for _ in range(-(-n // BLOCK))] for n in lengths]
-    q = torch.randn(len(lengths), HEADS, DIM)
-    k_new, v_new = torch.randn(len(lengths), KV_HEADS, DIM), torch.randn(len(lengths), KV_HEADS, DIM)
-    slots = torch.tensor([t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lengths)])
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        slot_mapping=slots, prefills=[], decode_q_indices=torch.arange(len(lengths)),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_kv_mask=(torch.arange(width * BLOCK)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :],
-        block_size=BLOCK)
-    out = SdpaAttentionBackend().forward(0, q, k_new, v_new, cache, meta, 1 / math.sqrt(DIM))
-    for i, (table, n) in enumerate(zip(tables, lengths)):
-        seq_slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
-        expected = _reference(q[i], cache.k[0][seq_slots], cache.v[0][seq_slots])
-        torch.testing.assert_close(out[i], expected, atol=1e-5, rtol=1e-5)
-    assert torch.equal(cache.k[0][slots], k_new)  # the new token's K/V landed in its slot
+    before = (cache.k[0].clone(), cache.v[0].clone())
+    host, slots = build_page_metadata(array, starts, query_lens, BLOCK)
+    meta = metadata_on(host, slots, 4, BLOCK, NUM_BLOCKS, lambda t: t)
+    total = int(query_lens.sum())
+    q = torch.randn(total, HEADS, DIM)
+    k_new, v_new = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
+    attention = ATTENTION_BACKENDS.get(backend)()
+    attention.plan(meta)
+    out = attention.forward(0, q, k_new, v_new, cache, meta, 1 / math.sqrt(DIM))
+    assert torch.equal(cache.k[0][torch.from_numpy(slots)], k_new)  # the new K/V landed in their slots
+    untouched = torch.ones(NUM_BLOCKS * BLOCK, dtype=torch.bool)
+    untouched[torch.from_numpy(slots)] = False
+    assert torch.equal(cache.v[0][untouched], before[1][untouched])  # and nowhere else
+    for s, (table, start, num) in enumerate(zip(tables, starts, query_lens)):
+        length = int(start + num)
+        seq_slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+        first = int(host.query_start_loc[s])
+        expected = _reference(q[first:first + num], cache.k[0][seq_slots], cache.v[0][seq_slots])
+        torch.testing.assert_close(out[first:first + num], expected, atol=2e-5, rtol=2e-5, msg=f"sequence {s}")
+
+
+def test_page_metadata_is_the_csr_of_the_block_tables():
+    starts, query_lens, array, tables = _step(seed=3)
+    host, slots = build_page_metadata(array, starts, query_lens, BLOCK)
+    seq_lens = starts + query_lens
+    assert host.query_start_loc.tolist() == [0, *np.cumsum(query_lens).tolist()]
+    assert host.seq_lens.tolist() == seq_lens.tolist() and host.seq_lens.dtype == np.int32
+    for s, table in enumerate(tables):
+        pages = host.kv_indices[host.kv_indptr[s]:host.kv_indptr[s + 1]].tolist()
+        assert pages == table[:-(-int(seq_lens[s]) // BLOCK)]
+        assert host.kv_last_page_len[s] == int(seq_lens[s]) - (len(pages) - 1) * BLOCK
+    expected = [table[p // BLOCK] * BLOCK + p % BLOCK for table, start, num in zip(tables, starts, query_lens)
+                for p in range(int(start), int(start + num))]
+    assert slots.tolist() == expected and slots.dtype == np.int64
+    for name in ("query_start_loc", "block_tables", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        assert getattr(host, name).dtype == np.int32, name
+
+
+def test_the_config_offers_exactly_the_registered_backends_and_auto_picks_by_device():
+    import typing
+
+    from epd.config import EngineConfig
+    from epd.engine.attention import AUTO, resolve_backend
+    offered = typing.get_args(EngineConfig.model_fields["attention_backend"].annotation)
+    assert sorted(offered) == sorted([AUTO, *ATTENTION_BACKENDS.names()])
+    assert resolve_backend("auto", "cpu") == "sdpa" and resolve_backend("flex", "cpu") == "flex"
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("flashinfer") is not None, reason="FlashInfer is here")
+def test_flashinfer_without_flashinfer_says_how_to_get_it():
+    from epd.engine.attention import AttentionSpec
+    with pytest.raises(RuntimeError, match=r"needs FlashInfer .*pip install 'epd\[gpu\]', or use attention_backend"):
+        ATTENTION_BACKENDS.get("flashinfer")(AttentionSpec(HEADS, KV_HEADS, DIM, torch.float32, BLOCK))

@@ -138,3 +138,18 @@ def test_prompts_are_stripped_once_done_and_a_preempted_one_re_encodes(model_dir
     assert len(encodes) > len(seqs), "no request was preempted after its prompt: the KV budget is too large"
     for (text, imgs), conv, seq in zip(cases, conversations, seqs):
         check_same(reference.generate(conv, imgs), llm._output(seq))
+
+
+def test_the_flex_backend_reads_the_paged_cache_to_the_same_tokens(model_dir, reference):
+    """flex_attention over the paged cache in place: chunked prefill cutting through images, steps
+    that mix decodes with prefill chunks, and a prefix hit, all token-identical to transformers."""
+    llm = make_llm(model_dir, attention_backend="flex", max_num_batched_tokens=13)
+    assert llm.engine.runner.attention_backend == "flex"
+    cases = [("Compare the two pictures.", [IMG_B, IMG_A]), ("Describe.", [IMG_A]), ("Hi.", [])]
+    conversations = [user_message(text, imgs) for text, imgs in cases]
+    for (text, imgs), conv, out in zip(cases, conversations, llm.chat(conversations, GREEDY)):
+        check_same(reference.generate(conv, imgs), out)
+    again = llm.add_conversation(conversations[1], GREEDY)
+    llm.engine.run_until_done([again])
+    assert again.num_cached_tokens > 0
+    check_same(reference.generate(conversations[1], [IMG_A]), llm._output(again))

@@ -1,0 +1,79 @@
+"""FlashInfer's paged kernels on CUDA (the ``gpu`` extra: ``pip install 'epd[gpu]'``).
+
+The cache layers are FlashInfer's NHD pages as they are (``[num_slots, KVH, D]`` viewed as
+``[num_blocks, block_size, KVH, D]``: no copy). Each step is planned once: the decodes at the front
+of the batch with the decode wrapper (tensor cores, any GQA group), the prefill chunks with the
+prefill wrapper, causal and aligned to the end of each sequence's KV (a chunk's query i sees
+positions up to ``kv_len - q_len + i``, the same rule as the SDPA reference). Page counts and
+query offsets go to ``plan`` from the host (FlashInfer schedules on the CPU from them; a device
+copy would be read back); the page indices stay on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from epd.engine.attention.base import ATTENTION_BACKENDS, AttentionSpec
+from epd.engine.attention.metadata import AttentionMetadata, KVCache
+
+WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's split-KV scratch; what vLLM gives it
+
+
+def import_flashinfer():
+    try:
+        import flashinfer
+    except ImportError as err:
+        raise RuntimeError(f"attention_backend flashinfer needs FlashInfer ({err}); pip install 'epd[gpu]', or use "
+                           f"attention_backend sdpa or flex") from None
+    return flashinfer
+
+
+@ATTENTION_BACKENDS.register("flashinfer")
+class FlashInferAttentionBackend:
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self._flashinfer = import_flashinfer()
+        self._decode = self._prefill = None
+        self._has_decodes = self._has_prefills = False
+
+    def _wrappers(self, device: torch.device):
+        if self._decode is None:
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        return self._decode, self._prefill
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        device = meta.block_tables.device
+        if device.type != "cuda":
+            raise RuntimeError(f"attention_backend flashinfer runs on CUDA; this engine runs on {device} (use sdpa or "
+                               f"flex)")
+        decode, prefill = self._wrappers(device)
+        host, nd, spec = meta.host, meta.num_decodes, self.spec
+        shapes = dict(num_qo_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, page_size=spec.block_size)
+        dtypes = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        split = int(host.kv_indptr[nd])  # the decodes' pages come first
+        self._has_decodes, self._has_prefills = nd > 0, nd < meta.num_seqs
+        if self._has_decodes:
+            decode.plan(torch.from_numpy(host.kv_indptr[:nd + 1]), meta.kv_indices[:split],
+                        torch.from_numpy(host.kv_last_page_len[:nd]), head_dim=spec.head_dim,
+                        pos_encoding_mode="NONE", **shapes, **dtypes)
+        if self._has_prefills:
+            prefill.plan(torch.from_numpy(host.query_start_loc[nd:] - host.query_start_loc[nd]),
+                         torch.from_numpy(host.kv_indptr[nd:] - split), meta.kv_indices[split:],
+                         torch.from_numpy(host.kv_last_page_len[nd:]), head_dim_qk=spec.head_dim, causal=True,
+                         **shapes, **dtypes)
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if abs(scale - self.spec.scale) > 1e-12:
+            raise ValueError(f"flashinfer was planned for scale {self.spec.scale}, the layer asks {scale}")
+        kv_cache.write(layer_idx, meta.slot_mapping, k, v)
+        pages = (kv_cache.k[layer_idx].view(meta.num_blocks, meta.block_size, *k.shape[1:]),
+                 kv_cache.v[layer_idx].view(meta.num_blocks, meta.block_size, *k.shape[1:]))
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if self._has_decodes:
+            out[:nd] = self._decode.run(q[:nd], pages)
+        if self._has_prefills:
+            out[nd:] = self._prefill.run(q[nd:], pages)
+        return out

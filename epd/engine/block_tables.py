@@ -1,0 +1,71 @@
+"""The block tables of recently scheduled sequences, mirrored as rows of one int32 array.
+
+A step's page metadata is then one fancy index of this array (``build_page_metadata``), and what a
+step changes is written incrementally: a running sequence gains a page every ``block_size``
+tokens, so a decode step usually writes nothing at all. A sequence's table is rewritten whole when
+the block manager replaced its list (admission, preemption) or when the sequence is new here.
+
+Rows are a cache: a sequence not seen for a while may lose its row to another and simply gets it
+written again when it returns; correctness never depends on what stays.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class _Row:
+    index: int
+    table: list[int]  # the block manager's list object as last written (identity tells a replacement)
+    written: int  # entries of it already in the array
+
+
+class BlockTableMirror:
+    def __init__(self, rows: int = 64, width: int = 64) -> None:
+        self.array = np.zeros((rows, width), dtype=np.int32)
+        self._rows: OrderedDict[int, _Row] = OrderedDict()  # seq id -> its row, least recently used first
+        self._free = list(range(rows - 1, -1, -1))
+
+    def rows_for(self, seqs) -> np.ndarray:
+        """Each sequence's row, its table brought up to date -> int64 [len(seqs)]."""
+        self._make_room(seqs)
+        out = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            row = self._rows.get(seq.seq_id)
+            if row is None:
+                row = self._rows[seq.seq_id] = _Row(self._free.pop(), seq.block_table, 0)
+            table = seq.block_table
+            if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
+                row.table, row.written = table, 0
+            if row.written < len(table):
+                self._write(row, table)
+            self._rows.move_to_end(seq.seq_id)
+            out[i] = row.index
+        return out
+
+    def _write(self, row: _Row, table: list[int]) -> None:
+        if len(table) > self.array.shape[1]:
+            grown = np.zeros((self.array.shape[0], max(len(table), 2 * self.array.shape[1])), dtype=np.int32)
+            grown[:, :self.array.shape[1]] = self.array
+            self.array = grown
+        self.array[row.index, row.written:len(table)] = table[row.written:]
+        row.written = len(table)
+
+    def _make_room(self, seqs) -> None:
+        """Free rows for the sequences not mirrored yet: evict the least recently used rows of
+        sequences outside this step, and grow the array when this step alone needs more."""
+        wanted = {seq.seq_id for seq in seqs}
+        missing = sum(1 for seq_id in wanted if seq_id not in self._rows)
+        for seq_id in list(self._rows):
+            if missing <= len(self._free):
+                break
+            if seq_id not in wanted:
+                self._free.append(self._rows.pop(seq_id).index)
+        if missing > len(self._free):
+            old = self.array.shape[0]
+            new = max(old * 2, old + missing - len(self._free))
+            self.array = np.concatenate([self.array, np.zeros((new - old, self.array.shape[1]), dtype=np.int32)])
+            self._free.extend(range(new - 1, old - 1, -1))

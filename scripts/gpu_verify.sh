@@ -51,7 +51,8 @@ for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "
 PY
 
 status=0
-CUDA_TESTS="tests/transport/test_cuda.py tests/encoder/test_graph_runner_cuda.py tests/encoder/test_graphed_model_cuda.py tests/engine/test_cuda_engine.py tests/engine/test_attention_cuda.py"
+# every test marked cuda in these folders (the engine, its attention backends, the encoder, the transports)
+CUDA_TESTS="-m cuda tests/transport tests/encoder tests/engine"
 if [ -z "$ONLY" ]; then
   # a 150 s cap on the whole pytest, 90 s on each test: the bench still gets its time
   timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --timeout=90 \

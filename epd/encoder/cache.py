@@ -46,6 +46,7 @@ class CacheEntry:
         self.nbytes = nbytes
         self.state = CacheEntryState.PENDING
         self.tensor: Any = None
+        self.ready_event: Any = None  # CUDA: recorded after the batch that wrote ``tensor``
         self.error: BaseException | None = None
         self.producer_request_id: str | None = producer_request_id
         self.produced_by: str | None = None  # the producer whose output was committed
@@ -156,8 +157,9 @@ class TensorLRUCache:
                 self._uncharge(entry)
                 self._drop_if_unwanted(entry)
 
-    def commit(self, key: EncoderCacheKey, tensor: Any) -> CacheEntry:
-        """Publish ``tensor``: the entry becomes READY and every waiter wakes."""
+    def commit(self, key: EncoderCacheKey, tensor: Any, ready_event: Any = None) -> CacheEntry:
+        """Publish ``tensor`` (and the CUDA event after which it is written): the entry becomes
+        READY and every waiter wakes."""
         nbytes = int(tensor.nbytes)
         with self._lock:
             entry = self._pending_entry(key)
@@ -169,7 +171,7 @@ class TensorLRUCache:
                         f"no room for {nbytes} bytes: {self._bytes} of {self.capacity_bytes} used, all pinned")
                 self._bytes += nbytes
             entry.is_in_flight = False
-            entry.state, entry.tensor = CacheEntryState.READY, tensor
+            entry.state, entry.tensor, entry.ready_event = CacheEntryState.READY, tensor, ready_event
             entry.produced_by = entry.producer_request_id
             self._entries.move_to_end(key)
             entry._done.set()

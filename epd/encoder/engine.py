@@ -10,7 +10,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,11 +36,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EncoderResult:
-    """Per item, in the request's order: ``[rows, hidden]`` CPU embeddings (shared with the
-    cache: read-only) and whether the item came from the cache rather than this request's encode."""
+    """Per item, in the request's order: ``[rows, hidden]`` embeddings on the encoder's device
+    (shared with the cache: read-only; on a GPU they stay there and travel over CUDA IPC), whether
+    the item came from the cache rather than this request's encode, and (CUDA) the event recorded
+    after the batch that wrote it, for the consumer to wait on."""
 
     embeddings: list[torch.Tensor]
     cache_hits: list[bool]
+    ready_events: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,14 @@ class EncoderEngine:
         bytes_per_embedding: int | None = None,
         geometry: VisionGeometryConfig | None = None,
         threads: ThreadPolicy | None = None,
+        allocate_output: Callable | None = None,
     ) -> None:
         """``model``: the encoder, or a zero-argument factory run on the loop thread, so that one
         thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why);
         ``threads``: the intra-op thread policy that thread applies first (default: the
-        ``num_threads`` of ``config``, else the process's usable cores, see ``epd.threads``)."""
+        ``num_threads`` of ``config``, else the process's usable cores, see ``epd.threads``);
+        ``allocate_output``: where CPU outputs are kept (``TensorStore.shared_empty``: zero-copy
+        export over shm; default: ordinary memory)."""
         self.config = config
         self.model_id = model_id
         self.geometry = geometry
@@ -101,14 +107,15 @@ class EncoderEngine:
                 config, model_id=model_id, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
                 bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
             self.cache = self.scheduler.cache
-            self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.target_device)
+            self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.target_device,
+                                                  allocate=allocate_output)
         except BaseException:
             self.close()
             raise
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EncoderConfig | None = None, *,
-                       model_id: str | None = None) -> EncoderEngine:
+                       model_id: str | None = None, allocate_output: Callable | None = None) -> EncoderEngine:
         """An engine over the checkpoint's own vision tower (``family_for(model_dir).load_vision``)."""
         from epd.models.checkpoint import read_preprocessor_config
         from epd.models.registry import family_for
@@ -133,7 +140,7 @@ class EncoderEngine:
         geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
         return cls(load, config, model_id=model_id or str(model_dir.resolve()),
                    model_max_atomic_item_tokens=max_tokens_per_item(geometry),
-                   encoder_tokens_per_row=geometry.merge_size ** 2, geometry=geometry)
+                   encoder_tokens_per_row=geometry.merge_size ** 2, geometry=geometry, allocate_output=allocate_output)
 
     def make_item(self, data: bytes, processor_kwargs: dict | None = None) -> EncoderItem:
         """An item from encoded image bytes, as the router would describe it (needs ``geometry``)."""
@@ -266,8 +273,9 @@ class EncoderEngine:
                 if pending is None:  # completed by the other path, released, or closed
                     continue
                 result = EncoderResult(
-                    embeddings=[entry.tensor.cpu() for entry in state.entries],
-                    cache_hits=[entry.produced_by != state.request_id for entry in state.entries])
+                    embeddings=[entry.tensor for entry in state.entries],
+                    cache_hits=[entry.produced_by != state.request_id for entry in state.entries],
+                    ready_events=[entry.ready_event for entry in state.entries])
                 if pending.hold_until_release:
                     self._held[state.request_id] = list(state.cache_keys)
             if not pending.hold_until_release:

@@ -7,6 +7,7 @@ whose items are all encoded drops its raw media at once.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,6 +17,7 @@ from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
 from epd.errors import UNDECODABLE_MARKER, InvalidRequest
+from epd.transport import ready_event_after_writes
 
 # Used when the model declares nothing: the grid stays on CPU, where the vision tower reads it
 # with Python loops; on the device every such read would be a device-to-host sync.
@@ -48,8 +50,12 @@ class _OutputTarget:
 
 
 class MultimodalEncoderRunner:
-    def __init__(self, model: EncoderModel, scheduler: MultimodalItemScheduler, *, device: str = "cpu") -> None:
+    def __init__(self, model: EncoderModel, scheduler: MultimodalItemScheduler, *, device: str = "cpu",
+                 allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> None:
+        """``allocate``: where a CPU output is kept (the tier passes its TensorStore's shared memory,
+        so the handle that carries the rows to prefill is this very memory: no copy at export)."""
         self.model = model
+        self.allocate = allocate
         self.scheduler = scheduler
         self.cache = scheduler.cache
         self.device = torch.device(device)
@@ -88,8 +94,10 @@ class MultimodalEncoderRunner:
         problems = {t.cache_key: msg for t, out in zip(targets, outputs) if (msg := self._check(t, out))}
         if problems:
             raise self._fail_users(batch, problems)
-        for target, output in zip(targets, outputs):
-            self.cache.commit(target.cache_key, _owned(output))
+        owned = [_owned(output, self.allocate) for output in outputs]
+        ready = ready_event_after_writes(owned[0] if owned else None)  # after the batch's writes, on this stream
+        for target, output in zip(targets, owned):
+            self.cache.commit(target.cache_key, output, ready)
         ready = self.scheduler.mark_cache_keys_ready(batch.cache_keys)
         for state in ready:
             state.strip_encoder_inputs()
@@ -161,9 +169,13 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _owned(output: torch.Tensor) -> torch.Tensor:
+def _owned(output: torch.Tensor, allocate=None) -> torch.Tensor:
     # Per-item outputs are usually views of one merged tensor; caching a view would keep the
     # whole batch's storage alive after its siblings are evicted, breaking the byte budget.
+    if allocate is not None and output.device.type == "cpu":  # rows written once, into their handle's memory
+        owned = allocate(tuple(output.shape), output.dtype)
+        owned.copy_(output)
+        return owned
     if not output.is_contiguous() or output.untyped_storage().nbytes() != output.nbytes:
         return output.clone(memory_format=torch.contiguous_format)
     return output

@@ -30,7 +30,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, engine: EncoderEngine, ctx) -> None:
         self.engine, self.ctx = engine, ctx
         self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
-        self.pusher = PushBatcher(self.config.model, release=self.store.release)
+        self.pusher = PushBatcher(self.config.model, release=lambda ids: self.store.release(ids, unused=True))
 
     async def Encode(self, request, context):
         try:
@@ -60,9 +60,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         try:  # a router cancelling the call frees the request's place in the queue and its pins
             result = await self._result(request_id, future, timeout_s)
             pushes = await self.ctx.blocking(lambda: self._export_all(request, result),
-                                             undo=lambda made: self.store.release([p.embedding.lease_id for p in made]))
+                                             undo=lambda made: self.store.release([p.embedding.lease_id for p in made], unused=True))
         finally:
-            self.engine.release(key)  # rows are copied into the handles' storage
+            self.engine.release(key)  # the handles hold the rows' memory (a lease, or a copy) from here
         try:
             await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
         except Exception as err:  # noqa: BLE001 - the push failed: the rows will never be used
@@ -89,21 +89,24 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return future.result()
 
     def _export_all(self, request, result) -> list[common_pb2.EmbeddingPush]:
-        """On an io thread: shm copies each item's rows into a segment."""
+        """On an io thread: a lease per item (rows made in shared memory, or on the GPU for CUDA IPC);
+        a copy only when the transport needs one (inline, or rows outside the store's memory)."""
         made = []
         try:
-            for msg, rows in zip(request.items, result.embeddings):
-                made.append(self._export(request, msg.item_index, rows))
+            events = result.ready_events or [None] * len(result.embeddings)
+            for msg, rows, ready in zip(request.items, result.embeddings, events):
+                made.append(self._export(request, msg.item_index, rows, ready))
         except BaseException:
-            self.store.release([p.embedding.lease_id for p in made])
+            self.store.release([p.embedding.lease_id for p in made], unused=True)
             raise
         return made
 
-    def _export(self, request, item_index: int, rows) -> common_pb2.EmbeddingPush:
+    def _export(self, request, item_index: int, rows, ready_event=None) -> common_pb2.EmbeddingPush:
         transport = choose_transport(rows.device.type, same_host=True,
                                      override=request.transport or self.config.transport or None)
         with self.metrics.time_transfer(transport, "export", rows.nbytes):
-            handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s)
+            handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s,
+                                       ready_event=ready_event)
         return common_pb2.EmbeddingPush(request_id=request.request_id, item_index=item_index, embedding=handle)
 
     async def Health(self, request, context):
@@ -234,7 +237,9 @@ def build(ctx):
     """The encoder tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
     from epd.models.presets import resolve_model
 
-    engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder)
+    # CPU rows are made in the store's shared memory: a push over shm is then a lease, not a copy
+    engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder,
+                                          allocate_output=ctx.store.shared_empty)
     ctx.metrics.watch_encoder(engine)
     servicer = EncoderServicer(engine, ctx)
     return lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server), engine.close

@@ -67,11 +67,20 @@ class ModelRunner:
         return logits, step.sampling_chunks
 
     # ---- KV hand-off between workers ---------------------------------------------------------
-    def read_kv(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """-> [num_layers, 2, num_tokens, num_kv_heads, head_dim], a contiguous copy."""
+    def read_kv(self, block_table: list[int], num_tokens: int, allocate=None) -> torch.Tensor:
+        """-> [num_layers, 2, num_tokens, num_kv_heads, head_dim], a contiguous copy, written once:
+        each layer's K and V straight into their place in it. ``allocate(shape, dtype)``: where the
+        copy lives (prefill passes its TensorStore's shared memory: the CPU hand-off to decode is
+        then a lease on this very memory, not a second copy)."""
         slots = self._to_device(self._slots(block_table, 0, num_tokens))
-        return torch.stack([torch.stack([k[slots], v[slots]])
-                            for k, v in zip(self.kv_cache.k, self.kv_cache.v)])
+        k0 = self.kv_cache.k[0]
+        shape = (len(self.kv_cache.k), 2, num_tokens, *k0.shape[1:])
+        out = allocate(shape, k0.dtype) if allocate is not None and k0.device.type == "cpu" else \
+            torch.empty(shape, dtype=k0.dtype, device=k0.device)
+        for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
+            torch.index_select(k, 0, slots, out=out[layer, 0])
+            torch.index_select(v, 0, slots, out=out[layer, 1])
+        return out
 
     def check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
         """Refuse a KV this cache cannot take: another model, dtype or prompt length."""

@@ -79,11 +79,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.metrics.requests.labels("ok").inc()
 
     def _export_kv(self, result: PrefillResult, request):
-        """On an io thread: shm copies the KV into a segment."""
+        """On an io thread: a lease on the KV's memory (copied out of the cache into the store's
+        shared memory, or on the GPU for CUDA IPC); a copy only for inline."""
         transport = choose_transport(result.kv.device.type, same_host=True,
                                      override=request.kv_transport or self.config.transport or None)
         with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
-            return self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s)
+            return self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s,
+                                     ready_event=result.kv_ready)
 
     async def Health(self, request, context):
         engine = self.worker.engine
@@ -100,7 +102,7 @@ def build(ctx):
 
     config = ctx.config
     worker = PrefillWorker(resolve_model(config.model), config.engine,
-                           overlap_with_encode=config.overlap_prefill_with_encode)
+                           overlap_with_encode=config.overlap_prefill_with_encode, allocate_kv=ctx.store.shared_empty)
     ctx.metrics.watch_engine(worker.engine)
     servicer = PrefillServicer(worker, ctx)
     return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), worker.close

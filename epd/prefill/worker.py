@@ -25,6 +25,7 @@ from epd.models.registry import family_for, load_llm_for
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
 from epd.threads import ThreadPolicy
+from epd.transport import ready_event_after_writes
 from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class PrefillResult:
     mrope_delta: int
     num_cached_tokens: int
     finish_reason: str | None  # the request already ends with the first token
+    kv_ready: object = None  # CUDA: the event after which ``kv`` is written (consumers wait on it)
 
 
 @dataclass
@@ -50,13 +52,18 @@ class PrefillTicket:
     updates: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # or an AsyncUpdates
     seq: Sequence | None = None  # set on the loop thread
     kv: torch.Tensor | None = None  # set on the loop thread when the prompt is done
+    kv_ready: object = None  # CUDA: the event recorded on the loop's stream after writing ``kv``
     finish_reason: str | None = None  # the request's own, after its first token
     refusal: EPDError | None = None  # why the engine would not take it (then ``updates`` gets an error)
 
 
 class PrefillWorker:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, *, overlap_with_encode: bool = True) -> None:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, *, overlap_with_encode: bool = True,
+                 allocate_kv=None) -> None:
+        """``allocate_kv(shape, dtype)``: where a finished prompt's KV is copied out to (the tier
+        passes its TensorStore's shared memory, so the hand-off to decode copies nothing more)."""
         model_dir = Path(model_dir)
+        self.allocate_kv = allocate_kv
         # True: text before the first image is prefilled while encoders still work (EPD's
         # overlap); False: a request waits for all its rows first
         self.overlap_with_encode = overlap_with_encode
@@ -146,7 +153,8 @@ class PrefillWorker:
             raise Cancelled(f"request {request_id}: {update.finish_reason or 'aborted'} before its first token")
         seq = ticket.seq
         return PrefillResult(update.token_ids[0], update.logprobs[0] if update.logprobs else None, ticket.kv,
-                             seq.mm.mrope_delta if seq.mm else 0, seq.num_cached_tokens, ticket.finish_reason)
+                             seq.mm.mrope_delta if seq.mm else 0, seq.num_cached_tokens, ticket.finish_reason,
+                             ticket.kv_ready)
 
     def _forget_on_loop(self, ticket: PrefillTicket) -> None:
         # on the loop thread, after any abort queued before: a step that still reads this
@@ -216,7 +224,8 @@ class PrefillWorker:
         job = ticket.job
         ticket.finish_reason = stop_reason(job.sampling, job.eos_token_ids, seq.num_output_tokens, seq.token_ids[-1])
         if ticket.finish_reason is None:  # decode goes on from every token but the one just sampled
-            ticket.kv = self.engine.runner.read_kv(seq.block_table, len(seq) - 1)
+            ticket.kv = self.engine.runner.read_kv(seq.block_table, len(seq) - 1, self.allocate_kv)
+            ticket.kv_ready = ready_event_after_writes(ticket.kv)
 
     def _fail(self, request_id: str, error: str) -> None:
         """A push could not be used: fail the request (its caller gets ``error``)."""

@@ -7,7 +7,7 @@ from epd.shm_owners import cleanup_stale_segments
 
 # importing the transport modules registers them
 from epd.transport import cuda_ipc, inline, nccl, shm  # noqa: F401
-from epd.transport.base import TRANSPORTS, Transport
+from epd.transport.base import TRANSPORTS, Transport, ready_event_after_writes
 from epd.transport.channels import close_all, get_channel
 from epd.transport.choose import choose_transport
 from epd.transport.consumer import ImportedTensor, LeaseRenewer, import_tensor, lease_renewer, release_leases
@@ -20,5 +20,5 @@ __all__ = [
     "LeaseRenewer", "lease_renewer",
     "TensorStoreServicer", "add_tensor_store", "serve_tensor_store", "choose_transport",
     "cleanup_stale_segments", "get_channel", "close_all", "TransportError", "LeaseExpiredError",
-    "dtype_to_str", "dtype_from_str",
+    "dtype_to_str", "dtype_from_str", "ready_event_after_writes",
 ]

@@ -25,7 +25,8 @@ class Reclaimable(Protocol):
     """Something a lease holds besides the tensor (a shm segment, a pending NCCL send)."""
 
     def reclaim(self, reason: str) -> None:
-        """``reason`` is "released", "expired" or "closed"; only "released" proves the consumer is done."""
+        """``reason`` is "released", "unused" (released, and nobody imported it), "expired" or
+        "closed"; only "released" and "unused" prove no consumer still reads it."""
 
 
 @dataclass
@@ -44,11 +45,30 @@ class ImportContext:
     timeout_s: float  # bounds every network wait of the import: no hang when the producer is gone
 
 
+def ready_event_after_writes(tensor: torch.Tensor | None):
+    """CUDA: an interprocess event recorded now on this thread's stream, after the kernels that
+    wrote ``tensor``: what its consumers (other processes, over CUDA IPC) wait on. CPU: None."""
+    if tensor is None or not tensor.is_cuda:
+        return None
+    event = torch.cuda.Event(interprocess=True)
+    event.record(torch.cuda.current_stream(tensor.device))
+    return event
+
+
+def wait_for_producer(tensor: torch.Tensor, ready_event) -> None:
+    """Before this thread's stream reads a CUDA ``tensor`` written on another stream."""
+    if ready_event is not None and tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).wait_event(ready_event)
+
+
 class Transport(Protocol):
     name: str
 
-    def export(self, store: TensorStore, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
-        """Fill ``handle``'s body (and ready event); return what the lease must keep alive."""
+    def export(self, store: TensorStore, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle,
+               ready_event: torch.cuda.Event | None = None) -> Exported:
+        """Fill ``handle``'s body (and ready event); return what the lease must keep alive.
+        ``ready_event``: recorded by the producer on the stream that wrote ``tensor`` (CUDA), so
+        readers wait for exactly those writes; without it, the exporting thread's current stream."""
 
     def import_(self, handle: tensor_pb2.TensorHandle, dtype: torch.dtype, shape: tuple[int, ...],
                 ctx: ImportContext) -> torch.Tensor:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import torch
 
-from epd.transport.base import TRANSPORTS, Exported, ImportContext
+from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_producer
 from epd.transport.handles import LeaseExpiredError, TransportError
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -40,8 +40,9 @@ def iter_chunks(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tensor_pb2.
 class InlineTransport:
     name = "inline"
 
-    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
+    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         # a CPU contiguous tensor is kept as is (no copy): don't modify an exported tensor in place
+        wait_for_producer(tensor, ready_event)
         tensor = tensor.to("cpu").contiguous()
         if handle.nbytes <= store.inline_max_bytes:
             handle.inline.data = bytes(tensor_bytes_view(tensor))

@@ -74,12 +74,15 @@ class TensorStore:
 
     # -- export / release ---------------------------------------------------------------------
     def export(self, tensor: torch.Tensor, *, transport: str, ttl_s: float,
-               consumer_hint: str | None = None) -> tensor_pb2.TensorHandle:
+               consumer_hint: str | None = None, ready_event: torch.cuda.Event | None = None) -> tensor_pb2.TensorHandle:
         """Describe ``tensor`` in a handle and keep it alive for ``ttl_s`` seconds or until released.
 
-        shm copies the tensor into a segment now; the other transports keep a reference, so don't
-        modify an exported tensor in place. ``consumer_hint`` names the consumer (for
-        ``release_consumer``). Small inline tensors carry their bytes and get no lease (empty lease_id).
+        shm copies the tensor into a segment now, unless it lives in one already
+        (``shared_empty``); the other transports keep a reference, so don't modify an exported
+        tensor in place. ``consumer_hint`` names the consumer (for
+        ``release_consumer``). ``ready_event``: a CUDA event the producer recorded where it wrote
+        ``tensor`` (readers wait for it). Small inline tensors carry their bytes and get no lease
+        (empty lease_id).
         """
         if transport not in TRANSPORTS:
             raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS.names()}")
@@ -93,7 +96,7 @@ class TensorStore:
         handle = tensor_pb2.TensorHandle(
             dtype=dtype_to_str(tensor.dtype), shape=list(tensor.shape), nbytes=tensor.numel() * tensor.element_size(),
             lease_id=lease_id, producer_address=self.address, expires_unix_ms=int(expires_s * 1000))
-        exported = TRANSPORTS.get(transport).export(self, tensor, handle)
+        exported = TRANSPORTS.get(transport).export(self, tensor, handle, ready_event)
         if exported.payload is None and exported.resource is None:
             # the bytes travel inside the handle: nothing to keep, release or expire
             handle.lease_id, handle.expires_unix_ms = "", 0
@@ -109,12 +112,21 @@ class TensorStore:
             raise TransportError("TensorStore closed during export")
         return handle
 
-    def release(self, lease_ids: Iterable[str]) -> int:
-        """Release leases the consumer is done with; unknown or already-ended ids are ignored."""
+    def shared_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor in this store's shared memory: a producer that writes its
+        output here (the encoder's rows) exports it over shm later with no copy at all."""
+        from epd.transport.shm import ShmArena
+
+        return self.transport_state("shm", ShmArena).allocate(tuple(shape), dtype)
+
+    def release(self, lease_ids: Iterable[str], *, unused: bool = False) -> int:
+        """Release leases the consumer is done with; unknown or already-ended ids are ignored.
+        ``unused``: nobody imported them (a refused push): a transport that counts its consumers
+        (cuda_ipc) counts down for the one that never came."""
         with self._lock:
             leases = [self._pop(lease_id, "released") for lease_id in lease_ids]
         leases = [lease for lease in leases if lease is not None]
-        self._reclaim(leases, "released")
+        self._reclaim(leases, "unused" if unused else "released")
         return len(leases)
 
     def renew(self, lease_ids: Iterable[str], ttl_s: float) -> list[float | None]:

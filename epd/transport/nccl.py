@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from epd.transport.base import TRANSPORTS, Exported, ImportContext
+from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_producer
 from epd.transport.handles import TransportError
 from epd.transport.inline import rpc_error
 from epd.transport.leases import find_local_export
@@ -122,13 +122,14 @@ class _NcclSend:
 class NcclTransport:
     name = "nccl"
 
-    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
+    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         if not tensor.is_cuda:
             raise TransportError(f"nccl exports CUDA tensors; got one on {tensor.device} (use inline)")
         if not store.address:
             raise TransportError("nccl needs the TensorStore's gRPC address for the unique-id rendezvous; "
                                  "set TensorStore.address")
         _nccl()  # fail at export, not at the consumer, when the extra is missing
+        wait_for_producer(tensor, ready_event)
         tensor = tensor.contiguous()
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))

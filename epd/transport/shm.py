@@ -1,8 +1,12 @@
-"""``shm`` transport: same host, CPU. The producer copies the tensor once into a POSIX shared-memory
-segment it owns; the consumer maps the segment and gets a zero-copy view.
+"""``shm`` transport: same host, CPU. The consumer maps a POSIX shared-memory segment the producer
+owns and gets a zero-copy view. The producer either copies a tensor into a segment at export, or,
+zero-copy, made the tensor in a segment to begin with (``TensorStore.shared_empty``: the encoder
+writes its output rows there), and then an export is only a lease on the memory it already holds:
+no copy, however many requests export the same cached rows.
 
-Segment layout: a 64-byte header (magic + the lease id it currently serves), then the tensor bytes.
-64 keeps the data aligned for every dtype.
+Segment layout: a 64-byte header (magic + the generation it currently holds), then the tensor bytes.
+64 keeps the data aligned for every dtype. A generation is a random token per use of the segment;
+handles carry it (``ShmBody.generation``).
 
 Why a pool: creating a segment means the kernel allocates and zeroes every page on first touch,
 which costs several times the copy itself. Released segments are therefore kept (up to
@@ -10,16 +14,22 @@ which costs several times the copy itself. Released segments are therefore kept 
 explicit release returns a segment (the consumer said it is done) and the header names the lease,
 so a stale handle to a reused segment fails with LeaseExpiredError instead of reading new data. An
 *expired* segment is unlinked, never reused: its consumer may still be reading it.
+
+A segment made for a tensor (``allocate``) has holders: the tensor itself (until it and its views
+are garbage) and each open lease on it. It returns to the pool when the last holder lets go, or is
+unlinked if one of its leases expired.
 """
 from __future__ import annotations
 
 import math
+import secrets
 import threading
+import weakref
 
 import torch
 
 from epd.shm_owners import OwnerLock, is_segment_name, owner_alive
-from epd.transport.base import TRANSPORTS, Exported, ImportContext
+from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_producer
 from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message
 from epd.transport.inline import tensor_bytes_view
 from epd.transport.shm_segments import MappingCache, Segment
@@ -39,8 +49,8 @@ def segment_capacity_bytes(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
-def _header(lease_id: str) -> bytes:
-    return (_MAGIC + lease_id.encode("ascii")).ljust(HEADER_BYTES, b"\0")
+def _header(generation: str) -> bytes:
+    return (_MAGIC + generation.encode("ascii")).ljust(HEADER_BYTES, b"\0")
 
 
 class ShmArena:
@@ -53,6 +63,9 @@ class ShmArena:
         self._free: dict[int, list[Segment]] = {}  # capacity_bytes -> free segments
         self._free_bytes = 0
         self._segments: dict[str, Segment] = {}  # every live segment, free or leased
+        self._by_storage: dict[int, Segment] = {}  # storage address -> segment holding a made tensor
+        self._holders: dict[str, int] = {}  # made segments: the tensor (until collected) + open leases
+        self._tainted: set[str] = set()  # made segments one of whose leases expired: never reused
         self._closed = False
 
     def acquire(self, nbytes: int) -> Segment:
@@ -69,9 +82,53 @@ class ShmArena:
             self._segments[segment.name] = segment
         return segment
 
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor whose memory is a segment of this arena: exporting it (or a contiguous view of
+        it) later copies nothing. The tensor holds the segment through a memoryview its storage
+        keeps, so the segment is let go only when the last view of the memory is gone."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        segment = self.acquire(nbytes)
+        segment.generation = secrets.token_hex(16)
+        segment.mm[:HEADER_BYTES] = _header(segment.generation)
+        memory = memoryview(segment.mm)[HEADER_BYTES:HEADER_BYTES + nbytes]
+        tensor = torch.frombuffer(memory, dtype=dtype).view(shape)
+        segment.storage_ptr = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            self._by_storage[segment.storage_ptr] = segment
+            self._holders[segment.name] = 1
+        weakref.finalize(memory, self._let_go, segment, False)
+        return tensor
+
+    def segment_of(self, tensor: torch.Tensor) -> Segment | None:
+        """The made segment holding ``tensor``, if any, with one more holder (its lease)."""
+        if tensor.device.type != "cpu":
+            return None
+        with self._lock:
+            segment = self._by_storage.get(tensor.untyped_storage().data_ptr())
+            if segment is not None:
+                self._holders[segment.name] += 1
+            return segment
+
+    def _let_go(self, segment: Segment, expired: bool) -> None:
+        with self._lock:
+            if segment.name not in self._holders:
+                return  # the arena closed meanwhile
+            if expired:
+                self._tainted.add(segment.name)
+            self._holders[segment.name] -= 1
+            if self._holders[segment.name]:
+                return
+            del self._holders[segment.name]
+            self._by_storage.pop(segment.storage_ptr, None)
+            reason = "expired" if segment.name in self._tainted else "released"
+            self._tainted.discard(segment.name)
+        self.give_back(segment, reason)
+
     def give_back(self, segment: Segment, reason: str) -> None:
         with self._lock:
-            keep = (reason == "released" and not self._closed
+            keep = (reason in ("released", "unused") and not self._closed
                     and self._free_bytes + segment.capacity_bytes <= self.pool_bytes)
             if keep:
                 segment.mm[:HEADER_BYTES] = bytes(HEADER_BYTES)  # stale handles now fail the header check
@@ -89,6 +146,7 @@ class ShmArena:
         with self._lock:
             self._closed = True
             segments, self._segments, self._free, self._free_bytes = list(self._segments.values()), {}, {}, 0
+            self._by_storage, self._holders, self._tainted = {}, {}, set()
         for segment in segments:
             segment.unlink()
         self._owner.close()
@@ -100,6 +158,16 @@ class _SegmentLease:
 
     def reclaim(self, reason: str) -> None:
         self.arena.give_back(self.segment, reason)
+
+
+class _HolderLease:
+    """A lease on a made segment: one holder among others (the tensor, other leases)."""
+
+    def __init__(self, arena: ShmArena, segment: Segment) -> None:
+        self.arena, self.segment = arena, segment
+
+    def reclaim(self, reason: str) -> None:
+        self.arena._let_go(self.segment, reason == "expired")
 
 
 def _copy_into(segment: Segment, tensor: torch.Tensor, nbytes: int) -> None:
@@ -116,8 +184,13 @@ def _copy_into(segment: Segment, tensor: torch.Tensor, nbytes: int) -> None:
 class ShmTransport:
     name = "shm"
 
-    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle) -> Exported:
+    def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         arena: ShmArena = store.transport_state(self.name, ShmArena)
+        wait_for_producer(tensor, ready_event)
+        if tensor.is_contiguous() and (made := arena.segment_of(tensor)) is not None:
+            offset = HEADER_BYTES + tensor.data_ptr() - made.storage_ptr  # already in shared memory: no copy
+            _describe(handle, made, offset, made.generation)
+            return Exported(payload=None, resource=_HolderLease(arena, made))
         segment = arena.acquire(handle.nbytes)
         try:
             if handle.nbytes:
@@ -126,9 +199,7 @@ class ShmTransport:
         except BaseException:
             arena.give_back(segment, "failed")
             raise
-        handle.shm.segment_name = segment.name
-        handle.shm.offset_bytes = HEADER_BYTES
-        handle.shm.segment_bytes = segment.capacity_bytes
+        _describe(handle, segment, HEADER_BYTES, handle.lease_id)
         return Exported(payload=None, resource=_SegmentLease(arena, segment))
 
     def import_(self, handle: tensor_pb2.TensorHandle, dtype: torch.dtype, shape: tuple[int, ...],
@@ -160,7 +231,7 @@ class ShmTransport:
             raise TransportError(
                 f"lease {handle.lease_id}: the producer of shm segment {name} is gone (its owner lock is free); "
                 "the segment is stale and epd.transport.cleanup_stale_segments() will remove it")
-        if mm[:HEADER_BYTES] != _header(handle.lease_id):
+        if mm[:HEADER_BYTES] != _header(body.generation or handle.lease_id):
             raise LeaseExpiredError(f"{lease_gone_message(handle.lease_id, 'released', None)} "
                                     f"(shm segment {name} no longer serves it)")
         numel = math.prod(shape)
@@ -170,6 +241,13 @@ class ShmTransport:
             # zero-copy: the tensor holds the mapping, which outlives a later unlink by the producer
             tensor = torch.frombuffer(mm, dtype=dtype, count=numel, offset=body.offset_bytes).view(shape)
         return tensor if ctx.device.type == "cpu" else tensor.to(ctx.device)
+
+
+def _describe(handle: tensor_pb2.TensorHandle, segment: Segment, offset_bytes: int, generation: str) -> None:
+    handle.shm.segment_name = segment.name
+    handle.shm.offset_bytes = offset_bytes
+    handle.shm.segment_bytes = segment.capacity_bytes
+    handle.shm.generation = generation
 
 
 TRANSPORTS.register("shm")(ShmTransport())

@@ -25,6 +25,8 @@ class Segment:
     def __init__(self, name: str, capacity_bytes: int) -> None:
         self.name = name
         self.capacity_bytes = capacity_bytes
+        self.generation = ""  # what the header names while the segment holds a made tensor
+        self.storage_ptr = 0  # that tensor's storage address
         fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, SEGMENT_MODE)
         try:
             os.fchmod(fd, SEGMENT_MODE)  # shm_open's mode passes through the umask; say it exactly

@@ -228,3 +228,53 @@ def test_model_factory_error_reaches_the_constructor_and_stops_the_loop():
         EncoderEngine(broken, EncoderConfig(), model_id="m", model_max_atomic_item_tokens=8,
                       bytes_per_embedding=BYTES_PER_ROW)
     assert not [t for t in threading.enumerate() if t not in before and t.is_alive()]
+
+
+@pytest.mark.slow
+def test_rows_are_made_in_the_stores_shared_memory_and_exported_without_a_copy():
+    """The tier's wiring (``allocate_output=store.shared_empty``): every encoded item's rows live in
+    a shm segment of the store, so its export is a lease on that memory, for the first request and
+    for a cache hit alike."""
+    from epd.models.presets import resolve_model
+    from epd.transport import TensorStore, import_tensor
+
+    with TensorStore() as store:
+        engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig(),
+                                              allocate_output=store.shared_empty)
+        try:
+            images = [make_image_bytes(56, 84, seed=40), make_image_bytes(84, 56, seed=41)]
+            first = engine.submit("a", [engine.make_item(i) for i in images], hold_until_release=False).result(60)
+            again = engine.submit("b", [engine.make_item(images[1])], hold_until_release=False).result(60)
+            arena = store.transport_state("shm", None)
+            for rows in [*first.embeddings, *again.embeddings]:
+                segment = arena.segment_of(rows)
+                assert segment is not None, "rows outside the store's shared memory: the export would copy"
+                arena._let_go(segment, False)  # segment_of counted a holder: give it back
+            handle = store.export(again.embeddings[0], transport="shm", ttl_s=10)
+            assert handle.shm.generation and handle.shm.generation != handle.lease_id  # a lease, not a copy
+            assert torch.equal(import_tensor(handle).tensor, first.embeddings[1])
+            store.release([handle.lease_id])
+        finally:
+            engine.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_rows_stay_on_the_gpu_with_the_event_after_their_batch():
+    """No trip through the host: the rows a request gets are the cache's GPU tensors, exported over
+    CUDA IPC, with the event the engine thread recorded after writing them."""
+    from epd.models.presets import resolve_model
+    from epd.transport import TensorStore
+
+    engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig(device="cuda"))
+    try:
+        result = engine.submit("r", [engine.make_item(make_image_bytes(56, 84, seed=50))],
+                               hold_until_release=False).result(120)
+        assert result.embeddings[0].is_cuda and result.ready_events[0] is not None
+        with TensorStore() as store:
+            handle = store.export(result.embeddings[0], transport="cuda_ipc", ttl_s=10,
+                                  ready_event=result.ready_events[0])
+            assert handle.WhichOneof("body") == "cuda_ipc"
+            store.release([handle.lease_id], unused=True)
+    finally:
+        engine.close()

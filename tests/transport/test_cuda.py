@@ -69,3 +69,42 @@ def test_nccl_across_processes(producer):
         assert imported.tensor.device == torch.device("cuda", 1)
         assert torch.equal(imported.tensor.cpu(), make_tensor("float32", (1024, 64), seed=11))
     assert producer.stats() == (0, 0)
+
+
+def test_cuda_ipc_exports_nobody_imports_are_freed_when_their_leases_end(clock):
+    """torch keeps a shared block until its one expected consumer drops it; a consumer that never
+    came (a refused push, an expired lease) never does, so the lease counts down for it."""
+    import gc
+
+    with TensorStore(clock=clock) as store:
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        refused, expired = [], []
+        for n in range(8):
+            tensor = torch.full((16 * 1024 * 1024,), float(n), device="cuda")  # 64 MiB each
+            handle = store.export(tensor, transport="cuda_ipc", ttl_s=1 if n % 2 else 60)
+            (expired if n % 2 else refused).append(handle.lease_id)
+            del tensor
+        assert torch.cuda.memory_allocated() >= baseline + 8 * 64 * 1024 * 1024
+        store.release(refused, unused=True)
+        clock.advance(2)
+        store.sweep()
+        gc.collect()
+        torch.cuda.ipc_collect()
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= baseline + 1024 * 1024, "never-imported exports stayed allocated"
+
+
+def test_a_producers_event_orders_the_consumer_after_its_stream(clock):
+    """Rows written on a side stream (as an engine thread might): the export carries the event the
+    producer recorded there, and the consumer, waiting on it, reads the finished rows."""
+    from epd.transport import ready_event_after_writes
+    side = torch.cuda.Stream()
+    with TensorStore(clock=clock) as store, torch.cuda.stream(side):
+        rows = torch.empty(4096, 1024, device="cuda")
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy so the write lands late
+        rows.fill_(7.0)
+        ready = ready_event_after_writes(rows)
+        handle = store.export(rows, transport="cuda_ipc", ttl_s=10, ready_event=ready)
+    with import_tensor(handle, device="cuda") as imported:  # on the default stream
+        assert torch.all(imported.tensor == 7.0).item()

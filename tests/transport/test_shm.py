@@ -178,3 +178,66 @@ def test_a_live_owner_is_alive_by_its_segments_name_and_by_its_locks_own(clock):
     assert owner_alive(segment) and owner_alive(lock)
     store.close()
     assert not owner_alive(segment) and not owner_alive(lock)
+
+
+# ---- zero-copy: tensors made in shared memory ------------------------------------------------------
+def test_a_tensor_made_in_shared_memory_exports_without_a_copy(store):
+    rows = store.shared_empty((64, 8), torch.float32)
+    rows.copy_(torch.arange(512, dtype=torch.float32).view(64, 8))  # the producer writes its output once
+    whole = store.export(rows, transport="shm", ttl_s=10)
+    part = store.export(rows[16:32], transport="shm", ttl_s=10)  # a contiguous slice: the same segment
+    assert whole.shm.segment_name == part.shm.segment_name and whole.shm.generation
+    assert part.shm.offset_bytes == whole.shm.offset_bytes + 16 * 8 * 4
+    with import_tensor(whole) as a, import_tensor(part) as b:
+        assert torch.equal(a.tensor, rows) and torch.equal(b.tensor, rows[16:32])
+        rows[20, 0] = -1.0  # one memory: a write by the producer is what the consumer sees (no copy made)
+        assert a.tensor[20, 0].item() == -1.0 and b.tensor[4, 0].item() == -1.0
+
+
+def test_a_made_segment_is_pooled_only_once_the_tensor_and_every_lease_let_go(store):
+    import gc
+
+    rows = store.shared_empty((256,), torch.float32)
+    rows.fill_(3.0)
+    first = store.export(rows, transport="shm", ttl_s=10)
+    second = store.export(rows, transport="shm", ttl_s=10)
+    view = rows[10:20]
+    del rows
+    gc.collect()
+    arena = store.transport_state("shm", None)
+    assert arena.pooled_bytes == 0  # a view of it lives on
+    del view
+    gc.collect()
+    store.release([first.lease_id])
+    assert arena.pooled_bytes == 0  # one lease still open: the consumer may read it
+    imported = import_tensor(second)
+    assert torch.equal(imported.tensor, torch.full((256,), 3.0))
+    store.release([second.lease_id])  # what the consumer's release does over gRPC
+    del imported
+    gc.collect()
+    assert arena.pooled_bytes == segment_capacity_bytes(HEADER_BYTES + 1024)  # back in the pool
+    reused = store.export(torch.zeros(200), transport="shm", ttl_s=10)
+    assert reused.shm.segment_name == second.shm.segment_name
+    with pytest.raises(LeaseExpiredError, match="no longer serves it"):
+        import_tensor(second)  # a stale handle to the reused segment fails, it reads nothing
+
+
+def test_a_made_segment_whose_lease_expired_is_unlinked_not_reused(store, clock):
+    import gc
+
+    rows = store.shared_empty((16,), torch.float32)
+    handle = store.export(rows, transport="shm", ttl_s=1)
+    clock.advance(2)
+    assert store.sweep() == 1
+    assert os.path.exists(_segment_path(handle))  # the tensor still holds it
+    del rows
+    gc.collect()
+    assert not os.path.exists(_segment_path(handle))
+    assert store.transport_state("shm", None).pooled_bytes == 0
+
+
+def test_a_lease_released_unused_returns_its_segment_to_the_pool(store):
+    handle = store.export(torch.zeros(1000), transport="shm", ttl_s=10)
+    store.release([handle.lease_id], unused=True)  # a refused push: nobody imported it
+    assert os.path.exists(_segment_path(handle))
+    assert store.transport_state("shm", None).pooled_bytes == handle.shm.segment_bytes

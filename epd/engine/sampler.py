@@ -35,7 +35,7 @@ class Sampler:
         each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token)."""
         greedy = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
         if greedy:
-            for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist()):
+            for i, token in zip(greedy, greedy_tokens(_rows(logits, greedy)).tolist()):
                 tokens[i] = token
         plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
         if plain:
@@ -87,6 +87,15 @@ class Sampler:
             values, ids = logp.topk(k)
             top = {int(i): float(v) for i, v in zip(ids, values)}
         return TokenLogprobs(token_id=token, logprob=float(logp[token]), top=top)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The first maximum of each row (``argmax``'s rule, and transformers'). On the CPU torch's
+    ``argmax`` over a 152k vocabulary is the slow reduction (3.2 ms at batch 32 here, against 1.2 ms
+    for ``max`` and 0.7 ms for numpy's ``argmax``, each returning the first maximum too)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.max(dim=-1).indices
 
 
 def _rows(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:

@@ -107,3 +107,32 @@ def test_flashinfer_without_flashinfer_says_how_to_get_it():
     from epd.engine.attention import AttentionSpec
     with pytest.raises(RuntimeError, match=r"needs FlashInfer .*pip install 'epd\[gpu\]', or use attention_backend"):
         ATTENTION_BACKENDS.get("flashinfer")(AttentionSpec(HEADS, KV_HEADS, DIM, torch.float32, BLOCK))
+
+
+def test_flex_compiles_long_prefills_and_then_any_shape_without_failing():
+    """Regression: a first compile of a long prefill (more queries than the CPU kernel's split) once
+    failed to build in torch's C++ flex template; then shapes change every step (prefills of other
+    lengths, decodes of other batch sizes), each equal to the SDPA reference."""
+    torch.manual_seed(1)
+    for qlens, starts, num_decodes in [([290], [0], 0), ([600, 17], [0, 0], 0), ([1] * 9 + [40], [300] * 9 + [5], 9),
+                                       ([1] * 3, [16, 31, 64], 3)]:
+        block, dim, num_blocks = 16, 32, 200
+        pages = [-(-(q + s) // block) for q, s in zip(qlens, starts)]
+        firsts = np.cumsum([0, *pages[:-1]])
+        array = np.zeros((len(qlens), max(pages)), dtype=np.int32)
+        for row, (first, n) in enumerate(zip(firsts, pages)):
+            array[row, :n] = np.arange(first, first + n)
+        host, slots = build_page_metadata(array, np.array(starts), np.array(qlens), block)
+        outs = []
+        for backend in ("flex", "sdpa"):
+            torch.manual_seed(2)
+            cache = KVCache.allocate(1, num_blocks * block, KV_HEADS, dim, torch.float32, "cpu")
+            cache.k[0].normal_()
+            cache.v[0].normal_()
+            total = sum(qlens)
+            q, k, v = torch.randn(total, HEADS, dim), torch.randn(total, KV_HEADS, dim), torch.randn(total, KV_HEADS, dim)
+            meta = metadata_on(host, slots, num_decodes, block, num_blocks, lambda t: t)
+            attention = ATTENTION_BACKENDS.get(backend)(None)
+            attention.plan(meta)
+            outs.append(attention.forward(0, q, k, v, cache, meta, dim ** -0.5))
+        torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5, msg=str(qlens[:3]))

@@ -108,3 +108,14 @@ def test_top_k_rows_sampled_in_a_batch_follow_their_distribution():
     draws = [token for token, _ in Sampler()(logits, seqs)]
     assert set(draws) <= {0, 1}
     assert draws.count(0) / len(draws) == pytest.approx(0.5 / 0.8, abs=0.03)
+
+
+def test_greedy_tokens_take_the_first_maximum_like_argmax():
+    from epd.engine.sampler import greedy_tokens
+    logits = torch.randn(8, 1000)
+    logits[3, 10] = logits[3, 500] = 99.0  # a tie: the first wins, as in transformers' greedy search
+    logits[5] = 0.0  # all equal
+    logits[6, 7] = float("nan")  # NaN counts as the maximum, as argmax has it
+    for x in (logits, logits.bfloat16(), logits.t().contiguous().t()):  # the numpy path and the torch one
+        assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits)[3].item() == 10 and greedy_tokens(logits)[5].item() == 0

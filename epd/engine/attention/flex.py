@@ -7,9 +7,9 @@ pages of each sequence straight from the block tables. Decodes go as a batch of 
 flat row of queries, each chunk padded to whole query blocks so a query block belongs to one
 sequence; the mask inside a partial page is causal by position, read from the page's logical index.
 
-Costs to know: flex needs ``torch.compile`` (a few seconds the first time a process meets each
-shape class: dynamic shapes, so not per batch size), and its block mask indexes pages by their
-physical number, so each query row carries a ``num_blocks``-wide index row (persistent buffers,
+Costs to know: flex needs ``torch.compile`` (a few seconds for the first shape a process meets and
+once more for the second, after which sizes are dynamic: not a compile per batch size), and its
+block mask indexes pages by their physical number, so each query row carries a ``num_blocks``-wide index row (persistent buffers,
 ``rows x num_blocks`` int32: fine on a CPU-sized cache, large on a 100k-page GPU cache, which is
 one reason FlashInfer, not flex, is the CUDA default). GQA runs in the kernel (``enable_gqa``):
 no K/V is repeated.
@@ -30,7 +30,11 @@ from epd.engine.attention.metadata import AttentionMetadata, KVCache
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True)
+    # dynamic=None (torch's automatic dynamic: the first call compiles static, a second shape
+    # recompiles once with dynamic sizes) rather than dynamic=True: on the CPU, torch 2.13's C++
+    # flex template fails to compile when the *first* compile is dynamic and a query row is longer
+    # than its split size (an undeclared cur_qSplitSize in the generated code, at 290 tokens)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 @dataclass

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator,
+                      model_validator)
 
 MiB = 1024 * 1024
 C = TypeVar("C", bound=BaseModel)
@@ -89,6 +90,9 @@ class EngineConfig(_Config):
         None, gt=0, le=1, description="on CUDA: size the KV cache to this fraction of the GPU's memory minus the "
                                       "weights and a profiled worst-case step (vLLM's meaning; overrides "
                                       "kv_cache_bytes and num_kv_blocks)")
+    reserved_device_bytes: NonNegativeInt = Field(
+        0, description="with gpu_memory_utilization: bytes of the GPU the KV cache leaves to others on it (an "
+                       "encoder's output and cache budget; epd serve and epd.LLM fill it in)")
     max_num_seqs: PositiveInt = Field(64, description="sequences running at once")
     max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")

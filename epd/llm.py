@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from epd.config import EngineConfig
+from epd.config import EncoderConfig, EngineConfig
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
@@ -39,9 +39,21 @@ class LLM:
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        self.engine = LLMEngine(load_llm_for(self.model_dir, self.engine_config), self.engine_config, eos_token_ids=eos,
-                                mm_token_ids=self.mm_spec.mm_token_ids)
+        self.engine = LLMEngine(load_llm_for(self.model_dir, self.engine_config), self._sized_beside_the_vision_tower(),
+                                eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids)
         self.allowed_local_media_path = allowed_local_media_path
+
+    def _sized_beside_the_vision_tower(self) -> EngineConfig:
+        """The vision tower shares this process's device: a KV cache sized from the GPU's memory
+        leaves the encoder's output budget free (one encoder iteration's rows, as an encoder tier
+        would hold them), planned with the KV pool instead of found missing under load."""
+        config = self.engine_config
+        if config.gpu_memory_utilization is None or not config.target_device.startswith("cuda"):
+            return config
+        from epd.encoder.engine import output_budgets_for
+
+        output_bytes, _ = output_budgets_for(self.model_dir, EncoderConfig(device=config.device, dtype=config.dtype))
+        return config.model_copy(update={"reserved_device_bytes": config.reserved_device_bytes + output_bytes})
 
     # ---- public API ----------------------------------------------------------------------------
     def chat(self, conversations: list[dict] | list[list[dict]],

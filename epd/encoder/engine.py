@@ -24,6 +24,7 @@ from epd.encoder.item_scheduler import (
     MultimodalItemScheduler,
     ScheduledBatch,
     release_pins,
+    resolve_output_budgets,
 )
 from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
@@ -290,6 +291,24 @@ class EncoderEngine:
             if pending is not None:
                 for_request = getattr(error, "for_request", None)
                 pending.future.set_exception(for_request(request_id) if for_request else error)
+
+
+def output_budgets_for(model_dir: str | Path, config: EncoderConfig) -> tuple[int, int]:
+    """(C) output and (D) cache bytes an encoder of this checkpoint will hold with ``config``,
+    from the checkpoint's files alone (no weights loaded): what an engine sharing its device
+    leaves free when it sizes its KV cache (``EngineConfig.reserved_device_bytes``)."""
+    from types import SimpleNamespace
+
+    from epd.models.checkpoint import read_config, read_preprocessor_config
+
+    model_dir = Path(model_dir)
+    geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
+    raw = read_config(model_dir)
+    text = raw.get("text_config") or {}
+    pretrained = SimpleNamespace(hidden_size=raw.get("hidden_size") or text.get("hidden_size"), text_config=None)
+    row_bytes = resolve_bytes_per_mm_encoder_embedding(None, pretrained, config.torch_dtype)
+    return resolve_output_budgets(config, model_max_atomic_item_tokens=max_tokens_per_item(geometry),
+                                  bytes_per_embedding=row_bytes, encoder_tokens_per_row=geometry.merge_size ** 2)
 
 
 def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_id: str,

@@ -140,6 +140,33 @@ class ScheduledBatch:
         return len(self.items)
 
 
+def resolve_output_budgets(config: EncoderConfig, *, model_max_atomic_item_tokens: int, bytes_per_embedding: int,
+                           encoder_tokens_per_row: int = 1) -> tuple[int, int]:
+    """-> (C) ``output_budget_bytes`` and (D) ``encoder_cache_max_bytes`` as the encoder will use
+    them: what the KV sizing of an engine sharing the encoder's GPU must leave free."""
+    from epd.multimodal.budget import resolve_mm_encoder_token_budget
+
+    if bytes_per_embedding <= 0 or encoder_tokens_per_row <= 0:
+        raise ValueError(f"bytes_per_embedding={bytes_per_embedding} and encoder_tokens_per_row="
+                         f"{encoder_tokens_per_row} must be positive")
+    effective = resolve_mm_encoder_token_budget(config.encoder_max_num_tokens, model_max_atomic_item_tokens)
+    if config.output_budget_bytes is not None:
+        output_budget_bytes = config.output_budget_bytes
+    else:
+        max_rows = config.max_output_rows or effective // encoder_tokens_per_row
+        output_budget_bytes = max_rows * bytes_per_embedding
+    cache_bytes = config.encoder_cache_max_bytes or output_budget_bytes
+    if cache_bytes < output_budget_bytes:
+        raise ValueError(
+            f"encoder_cache_max_bytes (D)={cache_bytes} must be >= output_budget_bytes (C)="
+            f"{output_budget_bytes}: the cache holds one iteration's outputs; it is the same pool")
+    largest_item_bytes = model_max_atomic_item_tokens // encoder_tokens_per_row * bytes_per_embedding
+    if largest_item_bytes > output_budget_bytes:
+        logger.warning("output_budget_bytes=%d is below the largest legal item's %d output bytes; "
+                       "such items will be rejected", output_budget_bytes, largest_item_bytes)
+    return output_budget_bytes, cache_bytes
+
+
 class MultimodalItemScheduler:
     def __init__(self, budgets: EncoderBudgets, cache: TensorLRUCache, *, model_id: str) -> None:
         if cache.capacity_bytes < budgets.output_budget_bytes:
@@ -170,26 +197,12 @@ class MultimodalItemScheduler:
         # budget.py imports torch at module level; this module stays torch-free on import
         from epd.multimodal.budget import log_encoder_token_budget, resolve_mm_encoder_token_budget
 
-        if bytes_per_embedding <= 0 or encoder_tokens_per_row <= 0:
-            raise ValueError(f"bytes_per_embedding={bytes_per_embedding} and encoder_tokens_per_row="
-                             f"{encoder_tokens_per_row} must be positive")
         configured = config.encoder_max_num_tokens
         effective = resolve_mm_encoder_token_budget(configured, model_max_atomic_item_tokens)
         log_encoder_token_budget(configured, effective, model_max_atomic_item_tokens, logger)
-        if config.output_budget_bytes is not None:
-            output_budget_bytes = config.output_budget_bytes
-        else:
-            max_rows = config.max_output_rows or effective // encoder_tokens_per_row
-            output_budget_bytes = max_rows * bytes_per_embedding
-        cache_bytes = config.encoder_cache_max_bytes or output_budget_bytes
-        if cache_bytes < output_budget_bytes:
-            raise ValueError(
-                f"encoder_cache_max_bytes (D)={cache_bytes} must be >= output_budget_bytes (C)="
-                f"{output_budget_bytes}: the cache holds one iteration's outputs; it is the same pool")
-        largest_item_bytes = model_max_atomic_item_tokens // encoder_tokens_per_row * bytes_per_embedding
-        if largest_item_bytes > output_budget_bytes:
-            logger.warning("output_budget_bytes=%d is below the largest legal item's %d output bytes; "
-                           "such items will be rejected", output_budget_bytes, largest_item_bytes)
+        output_budget_bytes, cache_bytes = resolve_output_budgets(
+            config, model_max_atomic_item_tokens=model_max_atomic_item_tokens,
+            bytes_per_embedding=bytes_per_embedding, encoder_tokens_per_row=encoder_tokens_per_row)
         budgets = EncoderBudgets(
             encoder_batch_size=config.encoder_batch_size,
             configured_encoder_max_num_tokens=configured,

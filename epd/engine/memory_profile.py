@@ -17,13 +17,16 @@ from epd.types import SamplingParams
 GiB = 1024**3
 
 
-def kv_budget_bytes(total_bytes: int, utilization: float, peak_bytes: int) -> int:
-    """What the KV cache may take: ``utilization`` of the device minus the profiled peak."""
-    budget = int(total_bytes * utilization) - peak_bytes
+def kv_budget_bytes(total_bytes: int, utilization: float, peak_bytes: int, reserved_bytes: int = 0) -> int:
+    """What the KV cache may take: ``utilization`` of the device minus the profiled peak and what
+    is reserved for others on the device (an encoder's output and cache budget: the same memory
+    the encoder's rows will take, so the two budgets are planned together)."""
+    budget = int(total_bytes * utilization) - peak_bytes - reserved_bytes
     if budget <= 0:
+        reserved = f" and {reserved_bytes / GiB:.1f} GiB reserved for the encoder" if reserved_bytes else ""
         raise ValueError(f"gpu_memory_utilization={utilization} of {total_bytes / GiB:.1f} GiB leaves nothing for "
-                         f"the KV cache: weights and one step's activations peak at {peak_bytes / GiB:.1f} GiB; "
-                         f"raise gpu_memory_utilization or lower max_num_batched_tokens")
+                         f"the KV cache: weights and one step's activations peak at {peak_bytes / GiB:.1f} GiB"
+                         f"{reserved}; raise gpu_memory_utilization or lower max_num_batched_tokens")
     return budget
 
 
@@ -56,7 +59,7 @@ def kv_blocks_for_device_memory(model: torch.nn.Module, config, bytes_per_token:
     peak_bytes = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
     total_bytes = torch.cuda.get_device_properties(device).total_memory
-    budget = kv_budget_bytes(total_bytes, config.gpu_memory_utilization, peak_bytes)
+    budget = kv_budget_bytes(total_bytes, config.gpu_memory_utilization, peak_bytes, config.reserved_device_bytes)
     free_bytes, _ = torch.cuda.mem_get_info(device)
     if budget > free_bytes:  # another process holds part of the fraction asked for
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} asks {budget / GiB:.1f} GiB for the "

@@ -134,6 +134,17 @@ class LocalCluster:
         self._standbys: dict[str, TierProcess] = {}
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
 
+    def _shared_gpu_args(self) -> dict[tuple[str, int], tuple[str, ...]]:
+        """Engines that share a GPU with other workers split it (``epd.server.gpu_sharing``)."""
+        if self._worker_config is None:
+            return {}
+        from epd.models.presets import resolve_model
+        from epd.server.gpu_sharing import shared_gpu_args
+
+        if self._worker_config.engine.gpu_memory_utilization is None:
+            return {}
+        return shared_gpu_args(self.counts, self.devices, self._worker_config, resolve_model(self.model))
+
     def addresses(self, tier: str) -> list[str]:
         return [p.address for p in self.processes if p.tier == tier]
 
@@ -151,11 +162,12 @@ class LocalCluster:
 
     def start(self, timeout_s: float = 180.0) -> "LocalCluster":
         try:
+            sharing = self._shared_gpu_args()
             for tier, count in self.counts.items():
                 devices = self.devices.get(tier)
                 for i in range(count):
                     args = ("--device", devices[i % len(devices)]) if devices else ()
-                    self.processes.append(self._spawn(tier, args))
+                    self.processes.append(self._spawn(tier, (*args, *sharing.get((tier, i), ()))))
             deadline = time.monotonic() + timeout_s
             for p in self.processes:
                 p._ready.wait(max(0.0, deadline - time.monotonic()))

@@ -17,6 +17,29 @@ def test_the_budget_is_the_fraction_minus_the_peak():
         kv_budget_bytes(80 * GiB, 0.2, 20 * GiB)
 
 
+def test_what_is_reserved_for_the_encoder_comes_off_the_kv_budget():
+    assert kv_budget_bytes(80 * GiB, 0.9, 20 * GiB, 2 * GiB) == int(72 * GiB) - 22 * GiB
+    with pytest.raises(ValueError, match=r"peak at 20.0 GiB and 60.0 GiB reserved for the encoder"):
+        kv_budget_bytes(80 * GiB, 0.9, 20 * GiB, 60 * GiB)
+
+
+def test_epd_llm_on_a_gpu_reserves_its_vision_towers_output_budget(monkeypatch):
+    """In one process the vision tower's rows and the KV cache share the device: the engine is
+    sized with the encoder's output budget (C) reserved, as an encoder tier would resolve it."""
+    from epd.config import EncoderConfig
+    from epd.encoder.engine import output_budgets_for
+    from epd.llm import LLM
+    model_dir = resolve_model("tiny-qwen2-vl")
+    llm = LLM.__new__(LLM)  # only the sizing rule: no model load
+    llm.model_dir = model_dir
+    llm.engine_config = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.9,
+                                     reserved_device_bytes=5)
+    expected = output_budgets_for(model_dir, EncoderConfig(device="cuda", dtype="bfloat16"))[0]
+    assert llm._sized_beside_the_vision_tower().reserved_device_bytes == 5 + expected > 5
+    llm.engine_config = EngineConfig(device="cpu")
+    assert llm._sized_beside_the_vision_tower() is llm.engine_config  # no device memory to plan on a CPU
+
+
 def test_the_profiled_step_runs_the_worst_case_batch():
     config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
     model = load_llm_for(resolve_model("tiny-qwen2-vl"), config)

@@ -1,0 +1,59 @@
+"""``epd serve`` on one host with GPUs shared between workers: the LLM engines on a device split its
+gpu_memory_utilization and leave the encoders' cache budget on it free (the encoder's own figure,
+computed from the checkpoint's files); workers alone on a device, CPU workers and a serve without
+gpu_memory_utilization get nothing."""
+from __future__ import annotations
+
+import pytest
+
+from epd.config import EncoderConfig, EngineConfig, WorkerConfig
+from epd.encoder.engine import EncoderEngine, output_budgets_for
+from epd.models.presets import resolve_model
+from epd.server.gpu_sharing import shared_gpu_args
+
+COUNTS = {"encoder": 1, "prefill": 1, "decode": 1}
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("tiny-qwen2-vl")
+
+
+def _worker(**engine) -> WorkerConfig:
+    return WorkerConfig(engine=EngineConfig(**engine), encoder=EncoderConfig(dtype="bfloat16"))
+
+
+def test_the_encoders_budget_from_files_is_what_the_encoder_itself_resolves(model_dir):
+    config = EncoderConfig(encoder_cache_max_bytes=3 * 1024 * 1024)
+    engine = EncoderEngine.from_model_dir(model_dir, config)
+    try:
+        budgets = engine.scheduler.budgets
+        assert output_budgets_for(model_dir, config) == (budgets.output_budget_bytes, budgets.encoder_cache_max_bytes)
+    finally:
+        engine.close()
+
+
+def test_engines_on_one_gpu_split_it_and_leave_the_encoders_cache_free(model_dir):
+    worker = _worker(gpu_memory_utilization=0.9)
+    cache_bytes = output_budgets_for(model_dir, worker.encoder)[1]
+    args = shared_gpu_args(COUNTS, {}, worker, model_dir)  # every tier on the default device
+    assert set(args) == {("prefill", 0), ("decode", 0)}
+    for flags in args.values():
+        assert flags == ("--gpu-memory-utilization", "0.45", "--reserved-device-bytes", str(-(-cache_bytes // 2)))
+
+
+def test_an_engine_alone_on_its_gpu_is_left_as_it_is(model_dir):
+    worker = _worker(gpu_memory_utilization=0.8)
+    cache_bytes = output_budgets_for(model_dir, worker.encoder)[1]
+    args = shared_gpu_args({"encoder": 2, "prefill": 1, "decode": 1},
+                           {"encoder": ["cuda:0"], "prefill": ["cuda:0"], "decode": ["cuda:1"]}, worker, model_dir)
+    assert args == {("prefill", 0): ("--gpu-memory-utilization", "0.8", "--reserved-device-bytes",
+                                     str(2 * cache_bytes))}
+
+
+@pytest.mark.parametrize("worker, devices", [
+    (_worker(), {}),  # no gpu_memory_utilization: fixed KV sizes, nothing to split
+    (_worker(gpu_memory_utilization=0.9), {"encoder": ["cpu"], "prefill": ["cpu"], "decode": ["cpu"]}),
+])
+def test_nothing_to_plan(model_dir, worker, devices):
+    assert shared_gpu_args(COUNTS, devices, worker, model_dir) == {}

@@ -74,7 +74,8 @@ class TensorStore:
 
     # -- export / release ---------------------------------------------------------------------
     def export(self, tensor: torch.Tensor, *, transport: str, ttl_s: float,
-               consumer_hint: str | None = None, ready_event: torch.cuda.Event | None = None) -> tensor_pb2.TensorHandle:
+               consumer_hint: str | None = None,
+               ready_event: torch.cuda.Event | None = None) -> tensor_pb2.TensorHandle:
         """Describe ``tensor`` in a handle and keep it alive for ``ttl_s`` seconds or until released.
 
         shm copies the tensor into a segment now, unless it lives in one already

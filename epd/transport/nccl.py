@@ -1,19 +1,16 @@
-"""``nccl`` transport: cross host, GPU. NCCL point-to-point between the producer (rank 0) and the
-consumer (rank 1) of a 2-rank communicator made for the transfer.
+"""``nccl`` transport: cross host, GPU. NCCL point-to-point from the producer (rank 0) to the
+consumer (rank 1) over a 2-rank communicator kept per peer pair (``epd.transport.nccl_pairs``): the
+consumer asks ``TensorStore.NcclUniqueId(transfer_id, its id, the communicator it holds)``; that
+call queues the producer's send on the pair's communicator, and makes a new one (answering its
+unique id) only at the pair's first transfer or after either end failed.
 
-The unique id that both ranks need is created by the producer when the consumer asks for it with
-``TensorStore.NcclUniqueId(transfer_id)``; that same call starts the producer's send. One
-communicator per transfer keeps the protocol stateless; a communicator cached per peer pair would
-save the init cost (tens of ms) and is the next step when cross-host GPU traffic matters.
-
-``cupy`` (the ``cuda12`` / ``cuda13`` extra, after torch's CUDA) provides the NCCL bindings; it is imported only when this transport
-is used.
+``cupy`` (the ``cuda12`` / ``cuda13`` extra, after torch's CUDA) provides the NCCL bindings; it is
+imported only when this transport is used.
 """
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
+from functools import cache
 
 import grpc
 import torch
@@ -22,9 +19,9 @@ from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_pro
 from epd.transport.handles import TransportError
 from epd.transport.inline import rpc_error
 from epd.transport.leases import find_local_export
+from epd.transport.nccl_pairs import PRODUCER_RANK, PendingSend, RecvPairs, SendPairs
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
-_PRODUCER_RANK, _CONSUMER_RANK = 0, 1
 log = logging.getLogger(__name__)
 
 
@@ -57,66 +54,67 @@ def unique_id_from_bytes(data: bytes) -> tuple[int, ...]:
     return tuple(b - 256 if b >= 128 else b for b in data)
 
 
-def _run_with_timeout(fn: Callable[[], None], timeout_s: float, what: str) -> None:
-    """NCCL init blocks until both ranks join; a dead peer must become an error, not a hang.
-    (The stuck daemon thread can't be cancelled; it dies with the process.)"""
-    failure: list[BaseException] = []
+class CupyNccl:
+    """The NCCL calls the pairs make, through cupy (each on the thread that makes it: the current
+    device is per thread, for cupy and torch alike)."""
 
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as err:  # noqa: BLE001 - re-raised in the caller's thread
-            failure.append(err)
+    def __init__(self) -> None:
+        self.cupy, self.nccl = _nccl()
 
-    thread = threading.Thread(target=run, name=f"epd-{what}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise TransportError(f"{what} did not finish within {timeout_s} s; the peer may have died")
-    if failure:
-        raise TransportError(f"{what} failed: {failure[0]}") from failure[0]
+    def new_unique_id(self):
+        return self.nccl.get_unique_id()
+
+    def join(self, unique_id, rank: int, device: torch.device):
+        self._use(device)
+        return self.nccl.NcclCommunicator(2, unique_id, rank)
+
+    def send(self, comm, tensor: torch.Tensor, ready, peer: int) -> None:
+        self._use(tensor.device)
+        stream = torch.cuda.Stream(tensor.device)
+        if ready is not None:
+            stream.wait_event(ready)  # the kernels that wrote the tensor may still be running
+        comm.send(tensor.data_ptr(), tensor.numel() * tensor.element_size(), self.nccl.NCCL_UINT8, peer,
+                  stream.cuda_stream)
+        stream.synchronize()
+
+    def recv(self, comm, out: torch.Tensor, peer: int, after) -> None:
+        self._use(out.device)
+        stream = torch.cuda.Stream(out.device)
+        if after is not None:
+            stream.wait_event(after)  # ``out`` is stream-ordered on the caller's stream
+        comm.recv(out.data_ptr(), out.numel() * out.element_size(), self.nccl.NCCL_UINT8, peer, stream.cuda_stream)
+        stream.synchronize()
+
+    def destroy(self, comm) -> None:
+        comm.destroy()
+
+    def abort(self, comm) -> None:
+        comm.abort()
+
+    def _use(self, device: torch.device) -> None:
+        self.cupy.cuda.Device(device.index).use()
+        torch.cuda.set_device(device)
+
+
+@cache
+def _ops() -> CupyNccl:
+    return CupyNccl()
+
+
+@cache
+def _receivers() -> RecvPairs:
+    return RecvPairs(_ops())
 
 
 class _NcclSend:
-    """Producer side of one transfer; started by the consumer's NcclUniqueId call."""
+    """Producer side of one transfer: queued on its pair's communicator when the consumer asks."""
 
-    def __init__(self, tensor: torch.Tensor, ready: torch.cuda.Event) -> None:
-        self.tensor, self.ready = tensor, ready
-        self._lock = threading.Lock()
-        self._started = False
-
-    def start(self) -> bytes:
-        with self._lock:
-            if self._started:
-                raise TransportError("this NCCL transfer was already started; a transfer is received once")
-            self._started = True
-        cupy, nccl = _nccl()
-        unique_id = nccl.get_unique_id()
-        threading.Thread(target=self._send, args=(cupy, nccl, unique_id), name="epd-nccl-send", daemon=True).start()
-        return unique_id_to_bytes(unique_id)
-
-    def _send(self, cupy, nccl, unique_id) -> None:
-        try:
-            self._send_or_raise(cupy, nccl, unique_id)
-        except Exception:  # a background thread: log it, the consumer sees its own timeout/error
-            log.exception("NCCL send of %d bytes failed", self.tensor.numel() * self.tensor.element_size())
-
-    def _send_or_raise(self, cupy, nccl, unique_id) -> None:
-        device = self.tensor.device
-        cupy.cuda.Device(device.index).use()  # the current device is per thread, for cupy and torch alike
-        torch.cuda.set_device(device)
-        stream = torch.cuda.Stream(device)
-        stream.wait_event(self.ready)  # the kernels that wrote the tensor may still be running
-        comm = nccl.NcclCommunicator(2, unique_id, _PRODUCER_RANK)
-        try:
-            comm.send(self.tensor.data_ptr(), self.tensor.numel() * self.tensor.element_size(), nccl.NCCL_UINT8,
-                      _CONSUMER_RANK, stream.cuda_stream)
-            stream.synchronize()
-        finally:
-            comm.destroy()
+    def __init__(self, tensor: torch.Tensor, ready) -> None:
+        self.pending = PendingSend(tensor, ready, tensor.numel() * tensor.element_size())
+        self.started = False
 
     def reclaim(self, reason: str) -> None:
-        pass  # the lease drops the tensor; a send in flight holds its own reference until done
+        pass  # the lease drops the tensor; a queued send holds its own reference until done
 
 
 class NcclTransport:
@@ -134,7 +132,7 @@ class NcclTransport:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(tensor.device))
         handle.nccl.transfer_id = handle.lease_id  # unguessable, and one lookup serves both
-        handle.nccl.peer_rank = _PRODUCER_RANK
+        handle.nccl.peer_rank = PRODUCER_RANK
         handle.nccl.rendezvous_address = store.address
         return Exported(payload=tensor, resource=_NcclSend(tensor, ready), keepalive=(ready,))
 
@@ -154,54 +152,47 @@ class NcclTransport:
             return _to_requested(local.payload.view(shape), ctx)
         out = torch.empty(shape, dtype=dtype, device=device)
         if handle.nbytes:
-            unique_id = _request_unique_id(handle, ctx)
-            _receive(out, unique_id, handle.nccl.peer_rank, ctx.timeout_s)
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(device))
+            address = handle.nccl.rendezvous_address or handle.producer_address
+            _receivers().receive(out, address, lambda consumer_id, communicator_id: _ask(
+                handle, ctx, address, consumer_id, communicator_id), ctx.timeout_s, after=allocated)
         return _to_requested(out, ctx)
 
 
-def _request_unique_id(handle: tensor_pb2.TensorHandle, ctx: ImportContext) -> tuple[int, ...]:
-    address = handle.nccl.rendezvous_address or handle.producer_address
+def _ask(handle: tensor_pb2.TensorHandle, ctx: ImportContext, address: str, consumer_id: str,
+         communicator_id: str) -> tuple[str, bytes | None]:
     stub = tensor_pb2_grpc.TensorStoreStub(ctx.channel_factory(address))
     try:
-        reply = stub.NcclUniqueId(tensor_pb2.NcclUniqueIdRequest(transfer_id=handle.nccl.transfer_id),
-                                  timeout=ctx.timeout_s)
+        reply = stub.NcclUniqueId(tensor_pb2.NcclUniqueIdRequest(
+            transfer_id=handle.nccl.transfer_id, consumer_id=consumer_id, communicator_id=communicator_id),
+            timeout=ctx.timeout_s)
     except grpc.RpcError as err:
         raise rpc_error(err, handle.lease_id, address, "NcclUniqueId") from None
-    return unique_id_from_bytes(reply.unique_id)
-
-
-def _receive(out: torch.Tensor, unique_id: tuple[int, ...], peer_rank: int, timeout_s: float) -> None:
-    cupy, nccl = _nccl()
-    allocated = torch.cuda.Event()
-    # `out` is stream-ordered on this thread's stream; the receiving stream must start after it
-    allocated.record(torch.cuda.current_stream(out.device))
-
-    def receive() -> None:
-        cupy.cuda.Device(out.device.index).use()
-        torch.cuda.set_device(out.device)
-        stream = torch.cuda.Stream(out.device)
-        stream.wait_event(allocated)
-        comm = nccl.NcclCommunicator(2, unique_id, _CONSUMER_RANK)
-        try:
-            comm.recv(out.data_ptr(), out.numel() * out.element_size(), nccl.NCCL_UINT8, peer_rank,
-                      stream.cuda_stream)
-            stream.synchronize()
-        finally:
-            comm.destroy()
-
-    _run_with_timeout(receive, timeout_s, "NCCL receive")
+    return reply.communicator_id, (unique_id_from_bytes(reply.unique_id) if reply.unique_id else None)
 
 
 def _to_requested(tensor: torch.Tensor, ctx: ImportContext) -> torch.Tensor:
     return tensor if ctx.device.type == "cuda" else tensor.to(ctx.device)
 
 
-def nccl_unique_id(store, transfer_id: str) -> bytes:
-    """Serve TensorStore.NcclUniqueId: hand out the id and start the producer's send."""
+def nccl_unique_id(store, transfer_id: str, consumer_id: str, communicator_id: str
+                   ) -> tensor_pb2.NcclUniqueIdResponse:
+    """Serve TensorStore.NcclUniqueId: queue the transfer's send on the consumer's pair
+    communicator (a new one, with its unique id in the answer, when the consumer holds none)."""
+    if not consumer_id:
+        raise TransportError("NcclUniqueId needs the consumer_id of the consumer's end of the pair")
     exported = store.exported(transfer_id)  # LeaseExpiredError when it ended
-    if not isinstance(exported.resource, _NcclSend):
+    send = exported.resource
+    if not isinstance(send, _NcclSend):
         raise TransportError(f"lease {transfer_id} is not an nccl transfer")
-    return exported.resource.start()
+    if send.started:
+        raise TransportError("this NCCL transfer was already started; a transfer is received once")
+    send.started = True
+    pairs = store.transport_state("nccl", lambda _store: SendPairs(_ops()))
+    used, unique_id = pairs.submit(consumer_id, communicator_id, send.pending)
+    return tensor_pb2.NcclUniqueIdResponse(communicator_id=used,
+                                           unique_id=unique_id_to_bytes(unique_id) if unique_id is not None else b"")
 
 
 TRANSPORTS.register("nccl")(NcclTransport())

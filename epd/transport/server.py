@@ -37,7 +37,7 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
 
     def NcclUniqueId(self, request, context):
         try:
-            return tensor_pb2.NcclUniqueIdResponse(unique_id=nccl_unique_id(self.store, request.transfer_id))
+            return nccl_unique_id(self.store, request.transfer_id, request.consumer_id, request.communicator_id)
         except TransportError as err:
             _abort(context, err)
 

@@ -97,6 +97,10 @@ class EngineConfig(_Config):
     max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
+    enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
+    cuda_graph_batch_sizes: tuple[PositiveInt, ...] = Field(
+        (), description="decode batch sizes captured as CUDA graphs, on CUDA with attention_backend flashinfer "
+                        "(empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs, at most 256)")
     attention_backend: Literal["auto", "sdpa", "flex", "flashinfer"] = Field(
         "auto", description="attention backend: auto (flashinfer on CUDA where installed, else sdpa), sdpa (the "
                             "reference), flex (flex_attention over the paged cache in place) or flashinfer (CUDA)")

@@ -9,6 +9,7 @@ from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
 from epd.engine.memory_profile import kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
+from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.model_runner import ModelRunner
 from epd.engine.sampler import Sampler
 from epd.engine.scheduler import Scheduler, SchedulerConfig
@@ -34,9 +35,12 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len), self.block_manager,
                                    on_finish=on_finish)
+        graph_sizes = () if config.enforce_eager else (config.cuda_graph_batch_sizes
+                                                       or tuple(decode_batch_buckets(config.max_num_seqs)))
         self.runner = ModelRunner(model, num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.target_device, dtype=dtype,
-                                  attention_backend=config.attention_backend, mm_token_ids=mm_token_ids)
+                                  attention_backend=config.attention_backend, mm_token_ids=mm_token_ids,
+                                  decode_graph_sizes=graph_sizes)
         self.sampler = Sampler()
         self.num_steps = 0
 

@@ -39,7 +39,10 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 attention_backend: str = "sdpa", mm_token_ids: tuple[int, ...] = ()) -> None:
+                 attention_backend: str = "sdpa", mm_token_ids: tuple[int, ...] = (),
+                 decode_graph_sizes: tuple[int, ...] | list[int] = ()) -> None:
+        """``decode_graph_sizes``: decode batch sizes to capture as CUDA graphs (used on CUDA with
+        the flashinfer backend; elsewhere every step runs eager)."""
         cfg = model.config
         # in-vocab placeholders allow the one-lookup fusion path; empty -> OOV-safe path
         self.mm_token_ids = torch.tensor(mm_token_ids, dtype=torch.long) if mm_token_ids else None
@@ -51,13 +54,21 @@ class ModelRunner:
         self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype, block_size))
         self.block_tables = BlockTableMirror()
-        self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, num_blocks * block_size,
+        graphs = list(decode_graph_sizes) if self.device.type == "cuda" and self.attention_backend == "flashinfer" else []
+        self.kv_pages = num_blocks + (1 if graphs else 0)  # + the decode graphs' padding page, owned by no sequence
+        self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, self.kv_pages * block_size,
                                          cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)
+        self.graphs = None
+        if graphs:
+            from epd.engine.decode_graphs import DecodeGraphRunner
+            self.graphs = DecodeGraphRunner(self, graphs)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
         step = self.prepare(out)
+        if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
+            return logits, step.sampling_chunks
         self.backend.plan(step.meta)  # once per step, before the first layer
         embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, step.mm_rows,
                                       mm_token_ids=self.mm_token_ids, text_token_indices=step.text_token_indices,
@@ -109,7 +120,7 @@ class ModelRunner:
         query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
         rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
         host, slots = build_page_metadata(self.block_tables.array[rows], starts, query_lens, self.block_size)
-        meta = metadata_on(host, slots, num_decodes, self.block_size, self.num_blocks, self._to_device)
+        meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
         ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.end]]
         positions = self._positions(chunks, host, starts)
         mm_rows, mm_idx = [], []

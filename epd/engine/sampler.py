@@ -5,6 +5,8 @@ temperature/top-k/top-p), which is what OpenAI-compatible servers report.
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 from epd.engine.sequence import Sequence
@@ -37,6 +39,9 @@ class Sampler:
         if greedy:
             for i, token in zip(greedy, greedy_tokens(_rows(logits, greedy)).tolist()):
                 tokens[i] = token
+        if logits.is_cuda and (kernels := flashinfer_sampling()) is not None:
+            _sample_with_flashinfer(kernels, logits, seqs, tokens)
+            return
         plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
         if plain:
             temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
@@ -87,6 +92,34 @@ class Sampler:
             values, ids = logp.topk(k)
             top = {int(i): float(v) for i, v in zip(ids, values)}
         return TokenLogprobs(token_id=token, logprob=float(logp[token]), top=top)
+
+
+@cache
+def flashinfer_sampling():
+    """FlashInfer's sampling kernels where it is installed (the ``gpu`` extra), else None."""
+    try:
+        from flashinfer import sampling
+    except ImportError:
+        return None
+    return sampling
+
+
+def _sample_with_flashinfer(kernels, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
+    """Unseeded sampled rows on CUDA in one FlashInfer kernel: temperature, then top-k, then top-p
+    (``top_k_first``: the order the row-by-row filters apply them), sampled by rejection on the
+    device with no sort of the vocabulary and no host sync per row."""
+    rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and seq.sampling_params.seed is None]
+    if not rows:
+        return
+    params = [seqs[i].sampling_params for i in rows]
+    vocab, device = logits.shape[1], logits.device
+    temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], dtype=torch.int32, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    picked = kernels.top_k_top_p_sampling_from_logits(_rows(logits, rows) / temperatures, top_k, top_p,
+                                                       filter_apply_order="top_k_first")
+    for i, token in zip(rows, picked.tolist()):
+        tokens[i] = token
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

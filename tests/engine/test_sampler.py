@@ -119,3 +119,22 @@ def test_greedy_tokens_take_the_first_maximum_like_argmax():
     for x in (logits, logits.bfloat16(), logits.t().contiguous().t()):  # the numpy path and the torch one
         assert greedy_tokens(x).tolist() == x.argmax(dim=-1).tolist()
     assert greedy_tokens(logits)[3].item() == 10 and greedy_tokens(logits)[5].item() == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or __import__("importlib").util.find_spec("flashinfer") is None,
+                    reason="needs CUDA and FlashInfer")
+def test_flashinfers_sampling_kernels_honour_temperature_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50_000, device="cuda") * 4
+    cases = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.7, top_p=1e-6),
+             SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.5, top_k=5, top_p=0.5),
+             SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    seqs = [Sequence([1], p) for p in cases]
+    for _ in range(20):
+        out = [token for token, _ in Sampler()(logits, seqs)]
+        best = logits.argmax(dim=-1).tolist()
+        top5 = logits.topk(5).indices.tolist()
+        assert out[0] == best[0] and out[1] == best[1] and out[5] == best[5]  # top-1, a tiny top-p, greedy
+        assert out[2] in top5[2] and out[3] in top5[3]
+        assert 0 <= out[4] < 50_000

@@ -29,18 +29,37 @@ def import_flashinfer():
 
 @ATTENTION_BACKENDS.register("flashinfer")
 class FlashInferAttentionBackend:
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, *, graph_batch_size: int | None = None, max_pages: int = 0) -> None:
+        """``graph_batch_size``: a decode-only backend for one captured CUDA graph of that many rows
+        (FlashInfer's CUDA-graph wrapper, whose page-table buffers stay at fixed addresses;
+        ``max_pages`` sizes the indices buffer)."""
         self.spec = spec
         self._flashinfer = import_flashinfer()
+        self.graph_batch_size, self.max_pages = graph_batch_size, max_pages
         self._decode = self._prefill = None
+        self._graph_buffers: tuple[torch.Tensor, ...] = ()
         self._has_decodes = self._has_prefills = False
 
     def _wrappers(self, device: torch.device):
         if self._decode is None:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
-            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            if self.graph_batch_size is None:
+                self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                                   use_tensor_cores=True)
+                self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            else:
+                b = self.graph_batch_size
+                self._graph_buffers = (torch.zeros(b + 1, dtype=torch.int32, device=device),
+                                       torch.zeros(self.max_pages, dtype=torch.int32, device=device),
+                                       torch.ones(b, dtype=torch.int32, device=device))
+                indptr, indices, last = self._graph_buffers
+                self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+                    paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
         return self._decode, self._prefill
+
+    def graph_buffer_pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self._graph_buffers)
 
     def plan(self, meta: AttentionMetadata) -> None:
         device = meta.block_tables.device
@@ -53,6 +72,8 @@ class FlashInferAttentionBackend:
         dtypes = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
         split = int(host.kv_indptr[nd])  # the decodes' pages come first
         self._has_decodes, self._has_prefills = nd > 0, nd < meta.num_seqs
+        if self._has_prefills and prefill is None:
+            raise ValueError(f"a decode-graph backend ({self.graph_batch_size} rows) was planned with prefill chunks")
         if self._has_decodes:
             decode.plan(torch.from_numpy(host.kv_indptr[:nd + 1]), meta.kv_indices[:split],
                         torch.from_numpy(host.kv_last_page_len[:nd]), head_dim=spec.head_dim,
@@ -68,8 +89,8 @@ class FlashInferAttentionBackend:
         if abs(scale - self.spec.scale) > 1e-12:
             raise ValueError(f"flashinfer was planned for scale {self.spec.scale}, the layer asks {scale}")
         kv_cache.write(layer_idx, meta.slot_mapping, k, v)
-        pages = (kv_cache.k[layer_idx].view(meta.num_blocks, meta.block_size, *k.shape[1:]),
-                 kv_cache.v[layer_idx].view(meta.num_blocks, meta.block_size, *k.shape[1:]))
+        pages = (kv_cache.k[layer_idx].view(-1, meta.block_size, *k.shape[1:]),
+                 kv_cache.v[layer_idx].view(-1, meta.block_size, *k.shape[1:]))
         out = torch.empty_like(q)
         nd = meta.num_decodes
         if self._has_decodes:

@@ -49,6 +49,7 @@ class HostPageMetadata:
     kv_indptr: np.ndarray
     kv_indices: np.ndarray
     kv_last_page_len: np.ndarray
+    slot_mapping: np.ndarray | None = None  # int64 [T]: each new token's slot
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -76,7 +77,8 @@ def build_page_metadata(block_tables: np.ndarray, starts: np.ndarray, query_lens
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     host = HostPageMetadata(query_start_loc=query_start_loc, seq_lens=seq_lens.astype(np.int32), block_tables=tables,
                             kv_indptr=kv_indptr, kv_indices=kv_indices,
-                            kv_last_page_len=(seq_lens - (pages - 1) * block_size).astype(np.int32))
+                            kv_last_page_len=(seq_lens - (pages - 1) * block_size).astype(np.int32),
+                            slot_mapping=slots)
     return host, slots
 
 

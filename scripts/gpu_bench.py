@@ -18,6 +18,7 @@ A phase that starts past ``--deadline-s`` is skipped and says so.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -162,7 +163,8 @@ def _random_llm(shape: tuple, device: str, dtype: torch.dtype) -> Qwen2ForCausal
     return model.eval()
 
 
-def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int) -> dict:
+def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int, backend: str = "auto",
+                 eager: bool = False) -> dict:
     dtype = torch.float32 if run.dry_run else torch.bfloat16
     model = _random_llm(shape, run.device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -172,7 +174,8 @@ def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int
     engine = LLMEngine(model, EngineConfig(device=run.device, dtype="float32" if run.dry_run else "bfloat16",
                                            max_num_seqs=batch, max_model_len=context + 16,
                                            max_num_batched_tokens=max(2048, prompt_len),
-                                           kv_cache_bytes=int(kv_per_token * batch * (context + 32) * 1.1)),
+                                           kv_cache_bytes=int(kv_per_token * batch * (context + 32) * 1.1),
+                                           attention_backend=backend, enforce_eager=eager),
                        eos_token_ids=())
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
@@ -191,7 +194,8 @@ def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int
     kv_bytes = batch * (prompt_len + steps // 2) * kv_per_token
     bandwidth = run.results.get("bandwidth_gb_s", 4300.0) * 1e9
     floor_s = (weight_bytes + kv_bytes) / bandwidth
-    out = {"batch": batch, "ms_per_step": round(step_s * 1e3, 2), "tok_s": round(batch / step_s, 1),
+    out = {"batch": batch, "backend": engine.runner.attention_backend, "graphs": engine.runner.graphs is not None,
+           "ms_per_step": round(step_s * 1e3, 2), "tok_s": round(batch / step_s, 1),
            "floor_ms": round(floor_s * 1e3, 2), "fraction_of_floor": round(floor_s / step_s, 3)}
     if run.device == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
@@ -201,10 +205,31 @@ def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int
     return out
 
 
+def _variants(run: Run, first_shape: bool) -> list[tuple[str, bool]]:
+    """(attention backend, eager) runs: on the first (smaller) shape every backend there is, with
+    and without decode graphs; on the 7B shape the default (auto) and the SDPA reference."""
+    if run.dry_run:
+        return [("sdpa", True)]
+    have_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    if not first_shape:
+        return [("auto", False), ("sdpa", True)]
+    return [("sdpa", True), ("flex", True)] + ([("flashinfer", True), ("flashinfer", False)] if have_flashinfer else [])
+
+
 def decode(run: Run) -> dict:
     shapes = DRY_SHAPES if run.dry_run else SHAPES
     batches, prompt_len, steps = ((4,), 32, 4) if run.dry_run else ((32, 128), 512, 20)
-    return {name: [_decode_rate(run, shape, b, prompt_len, steps) for b in batches] for name, shape in shapes.items()}
+    out = {}
+    for n, (name, shape) in enumerate(shapes.items()):
+        rows = []
+        for backend, eager in _variants(run, n == 0):
+            for b in batches:
+                try:
+                    rows.append(_decode_rate(run, shape, b, prompt_len, steps, backend, eager))
+                except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
+                    rows.append({"batch": b, "backend": backend, "eager": eager, "error": f"{type(err).__name__}: {err}"})
+        out[name] = rows
+    return out
 
 
 # ---- ipc -----------------------------------------------------------------------------------------

@@ -19,8 +19,8 @@ class Reference:
 
 
 class ReferenceModel:
-    def __init__(self, model_dir) -> None:
-        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    def __init__(self, model_dir, dtype: torch.dtype = torch.float32) -> None:
+        self.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).eval()
         self.processor = load_processor(model_dir)
         self.eos_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
 

@@ -82,3 +82,32 @@ def test_the_llm_loads_straight_into_the_target_dtype(model_dir):
     assert direct.rotary.inv_freq.dtype == torch.float32
     for (name, a), (_, b) in zip(exact.named_parameters(), direct.named_parameters()):
         assert torch.equal(a.to(torch.bfloat16), b), name  # the same weights, each rounded once
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+@pytest.mark.slow
+def test_bf16_greedy_agreement_with_transformers_in_bf16_is_reported(model_dir, record_property):
+    """Greedy, 32 tokens, one image. In bfloat16 two implementations round differently (other
+    kernel orders, fused or not), so token identity is not expected the way it is in float32: the
+    agreements are recorded (``record_property``; printed with -s): ours in bf16 against
+    transformers in bf16, and each against transformers in float32. Ours must stay at least as close
+    to the float32 reference as transformers' own bf16 is, give or take two tokens."""
+    from tests.fidelity.reference import ReferenceModel
+    images = [make_image_bytes(224, 168, seed=13)]
+    messages = user_message("Describe the image in detail.", images)
+    ours = LLM(str(model_dir), engine_config=EngineConfig(dtype="bfloat16")).chat(
+        messages, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    hf_bf16 = ReferenceModel(model_dir, dtype=torch.bfloat16).generate(messages, images)
+    hf_fp32 = ReferenceModel(model_dir).generate(messages, images)
+    assert ours.prompt_token_ids == hf_bf16.prompt_token_ids == hf_fp32.prompt_token_ids
+    agreement = {"ours_bf16_vs_transformers_bf16": _agreement(ours.token_ids, hf_bf16.token_ids),
+                 "ours_bf16_vs_transformers_fp32": _agreement(ours.token_ids, hf_fp32.token_ids),
+                 "transformers_bf16_vs_fp32": _agreement(hf_bf16.token_ids, hf_fp32.token_ids)}
+    for name, value in agreement.items():
+        record_property(name, value)
+    print(f"leading identical greedy tokens of 32: {agreement}")
+    assert agreement["ours_bf16_vs_transformers_fp32"] >= agreement["transformers_bf16_vs_fp32"] - 2, agreement

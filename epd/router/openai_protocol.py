@@ -4,7 +4,8 @@ the wire, and the one conversion into the router's ``ChatRequest``.
 Wire types stop here: ``to_chat_request`` turns a body into a ``ChatRequest`` once, and the
 response models are built from ``StreamEvent``s by the HTTP app. Extensions beyond OpenAI
 (vLLM-style): ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
-Unknown request fields are ignored, as OpenAI-compatible servers do.
+What every other OpenAI and vLLM field gets (informational, or a 400 naming it) is the table in
+``openai_fields``; a field in neither list is logged once and ignored, as vLLM does.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from epd.errors import EPDError, InvalidRequest
+from epd.router.openai_fields import check_chat_fields
 from epd.types import ChatRequest, SamplingParams, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
@@ -63,6 +65,23 @@ class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _no_tool_calls_yet(cls, value: list | None) -> list | None:
+        if value:  # dropping them would change what the model sees of the conversation
+            raise ValueError("an assistant message's tool_calls are not supported yet (tool calling is not "
+                             "implemented)")
+        return value
+
+    @field_validator("role")
+    @classmethod
+    def _no_tool_role_yet(cls, value: str) -> str:
+        if value == "tool":
+            raise ValueError("tool messages are not supported yet (tool calling is not implemented)")
+        return value
 
 
 class StreamOptions(_Lenient):
@@ -99,6 +118,7 @@ def parse_chat_body(body: Any) -> ChatCompletionRequest:
     """A decoded JSON body -> the request model, or a 400 naming the first field that is wrong."""
     if not isinstance(body, Mapping):
         raise InvalidRequest(f"expected a JSON object as the request body, got {type(body).__name__}")
+    check_chat_fields(body)
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -145,8 +165,6 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
     Image parts keep their ``image_url``; the router's pipeline turns them into bytes."""
     if not isinstance(body, ChatCompletionRequest):
         body = parse_chat_body(body)
-    if body.n not in (None, 1):
-        raise InvalidRequest(f"n must be 1 (one choice per request), got {body.n}", param="n")
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,

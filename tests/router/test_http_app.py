@@ -110,7 +110,7 @@ def test_n_other_than_one_is_a_bad_request():
     with served() as (core, _, client):
         with pytest.raises(openai.BadRequestError) as info:
             create(client, n=2)
-    assert "n must be 1 (one choice per request), got 2" in info.value.message
+    assert "n is not supported by this server: one choice per request for now (got 2)" in info.value.message
     assert info.value.body["param"] == "n" and info.value.body["type"] == "invalid_request_error"
     assert core.requests == []
 

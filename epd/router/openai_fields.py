@@ -1,0 +1,172 @@
+"""Every field of an OpenAI chat-completions request, and of vLLM's extensions to it, with what
+this server does with it: it works, it is informational (accepted, used for nothing that changes
+the output, as OpenAI documents it), or it is refused: a value that asks for something this server
+does not do is a 400 naming the field, never a 200 that quietly did something else. A refused
+field's default values (``presence_penalty: 0``, ``tools: []``, ``n: 1``...) are accepted, since
+clients and agent frameworks send them unasked. A field in no list is logged once as ignored
+(vLLM's rule for unknown fields).
+
+``docs/openai-compat.md`` is this table (``python -m epd.router.openai_fields`` writes it; a test
+checks that it did), so the documentation cannot drift from the code.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from epd.errors import InvalidRequest
+
+log = logging.getLogger("epd.router.http")
+
+Status = Literal["works", "informational", "refused"]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {} or value == ""
+
+
+def _one_of(*defaults: Any) -> Callable[[Any], bool]:
+    return lambda value: value is None or value in defaults
+
+
+@dataclass(frozen=True)
+class FieldRule:
+    name: str
+    origin: Literal["OpenAI", "vLLM"]
+    status: Status
+    note: str
+    asks_nothing: Callable[[Any], bool] = _unset  # values a refused field accepts (they ask for nothing)
+
+
+def _works(name: str, note: str, origin: Literal["OpenAI", "vLLM"] = "OpenAI") -> FieldRule:
+    return FieldRule(name, origin, "works", note)
+
+
+def _info(name: str, note: str, origin: Literal["OpenAI", "vLLM"] = "OpenAI") -> FieldRule:
+    return FieldRule(name, origin, "informational", note)
+
+
+def _refused(name: str, note: str, asks_nothing: Callable[[Any], bool] = _unset,
+             origin: Literal["OpenAI", "vLLM"] = "OpenAI") -> FieldRule:
+    return FieldRule(name, origin, "refused", note, asks_nothing)
+
+
+CHAT_FIELDS: tuple[FieldRule, ...] = (
+    # ---- OpenAI
+    _works("messages", "system / developer / user / assistant roles; text and image_url parts (tool messages "
+                       "and an assistant's tool_calls: a 400 until tool calling is implemented)"),
+    _works("model", "one of the served names (--served-model-name), else 404; omitted: the first"),
+    _works("max_tokens", "default: --default-max-tokens"),
+    _works("max_completion_tokens", "OpenAI's newer name; wins over max_tokens"),
+    _works("temperature", "[0, 2]; 0 is greedy"),
+    _works("top_p", "(0, 1]"),
+    _works("seed", "a 64-bit integer; the same seed draws the same tokens on any tier and batch"),
+    _works("stop", "a string or up to any number of strings, cut from the answer"),
+    _works("stream", "server-sent events, OpenAI's chunk shape"),
+    _works("stream_options", "include_usage"),
+    _works("logprobs", "log-probabilities of the model's own distribution"),
+    _works("top_logprobs", "[0, 20]"),
+    _refused("n", "one choice per request for now", _one_of(1)),
+    _info("user", "an end-user id for abuse monitoring; not used for generation"),
+    _info("metadata", "stored nowhere (there is no store); not used for generation"),
+    _info("safety_identifier", "as user"),
+    _info("prompt_cache_key", "prefix caching is automatic (block hashes), so no key is needed"),
+    _refused("store", "this server stores no completions", _one_of(False)),
+    _refused("service_tier", "one tier only", _one_of("auto", "default")),
+    _refused("presence_penalty", "not implemented yet", _one_of(0, 0.0)),
+    _refused("frequency_penalty", "not implemented yet", _one_of(0, 0.0)),
+    _refused("logit_bias", "not implemented yet", _falsy),
+    _refused("response_format", "structured output is not implemented yet", lambda v: v is None or (
+        isinstance(v, Mapping) and v.get("type") == "text")),
+    _refused("tools", "tool calling is not implemented yet", _falsy),
+    _refused("tool_choice", "tool calling is not implemented yet", _one_of("none")),
+    _refused("parallel_tool_calls", "tool calling is not implemented yet"),
+    _refused("functions", "deprecated by OpenAI for tools; not implemented", _falsy),
+    _refused("function_call", "deprecated by OpenAI for tool_choice; not implemented", _one_of("none")),
+    _refused("audio", "audio output is not supported"),
+    _refused("modalities", "text output only", lambda v: v is None or v == ["text"]),
+    _refused("prediction", "predicted outputs are not supported"),
+    _refused("reasoning_effort", "not a reasoning model"),
+    _refused("verbosity", "not supported"),
+    _refused("web_search_options", "no web search"),
+    # ---- vLLM's extensions
+    _works("top_k", "-1 or 0: the whole vocabulary", "vLLM"),
+    _works("min_tokens", "EOS and stop tokens are held back until then", "vLLM"),
+    _works("stop_token_ids", "", "vLLM"),
+    _works("ignore_eos", "", "vLLM"),
+    _works("return_token_ids", "prompt and completion token ids in the response", "vLLM"),
+    _refused("min_p", "not implemented yet", _one_of(0, 0.0), "vLLM"),
+    _refused("repetition_penalty", "not implemented yet", _one_of(1, 1.0), "vLLM"),
+    _refused("length_penalty", "beam search only, which is not supported", _one_of(1, 1.0), "vLLM"),
+    _refused("use_beam_search", "beam search is not supported", _one_of(False), "vLLM"),
+    _refused("best_of", "not supported", _one_of(1), "vLLM"),
+    _refused("include_stop_str_in_output", "not implemented yet", _one_of(False), "vLLM"),
+    _refused("skip_special_tokens", "special tokens are always skipped", _one_of(True), "vLLM"),
+    _refused("spaces_between_special_tokens", "not supported", _one_of(True), "vLLM"),
+    _refused("truncate_prompt_tokens", "prompts are never truncated: a prompt too long is a 400", origin="vLLM"),
+    _refused("prompt_logprobs", "not supported", origin="vLLM"),
+    _refused("echo", "not supported", _one_of(False), "vLLM"),
+    _refused("add_generation_prompt", "the generation prompt is always added", _one_of(True), "vLLM"),
+    _refused("continue_final_message", "not supported", _one_of(False), "vLLM"),
+    _refused("add_special_tokens", "not supported", _one_of(False), "vLLM"),
+    _refused("documents", "not supported", _falsy, "vLLM"),
+    _refused("chat_template", "per-request chat templates are not implemented yet", origin="vLLM"),
+    _refused("chat_template_kwargs", "not implemented yet", _falsy, "vLLM"),
+    _refused("mm_processor_kwargs", "not implemented yet", _falsy, "vLLM"),
+    _refused("structured_outputs", "structured output is not implemented yet", _falsy, "vLLM"),
+    _refused("guided_json", "structured output is not implemented yet", origin="vLLM"),
+    _refused("guided_regex", "structured output is not implemented yet", origin="vLLM"),
+    _refused("guided_choice", "structured output is not implemented yet", origin="vLLM"),
+    _refused("guided_grammar", "structured output is not implemented yet", origin="vLLM"),
+    _refused("guided_decoding_backend", "structured output is not implemented yet", origin="vLLM"),
+    _refused("guided_whitespace_pattern", "structured output is not implemented yet", origin="vLLM"),
+    _refused("priority", "requests are served in arrival order", _one_of(0), "vLLM"),
+    _refused("request_id", "not implemented yet (send X-Request-Id)", origin="vLLM"),
+    _refused("return_tokens_as_token_ids", "not supported", _one_of(False), "vLLM"),
+    _refused("cache_salt", "not supported", origin="vLLM"),
+    _refused("kv_transfer_params", "KV transfer is the cluster's own", origin="vLLM"),
+    _refused("vllm_xargs", "not supported", _falsy, "vLLM"),
+    _refused("bad_words", "not supported", _falsy, "vLLM"),
+    _refused("allowed_token_ids", "not supported", origin="vLLM"),
+    _refused("logits_processors", "not supported", _falsy, "vLLM"),
+)
+RULES: dict[str, FieldRule] = {rule.name: rule for rule in CHAT_FIELDS}
+_logged_unknown: set[str] = set()
+
+
+def check_chat_fields(body: Mapping[str, Any]) -> None:
+    """400 for the first refused field that asks for something; unknown fields logged once each."""
+    for name, value in body.items():
+        rule = RULES.get(name)
+        if rule is None:
+            if name not in _logged_unknown and len(_logged_unknown) < 1024:
+                _logged_unknown.add(name)
+                log.warning("chat completions: ignoring the unknown request field %r", name)
+            continue
+        if rule.status == "refused" and not rule.asks_nothing(value):
+            raise InvalidRequest(f"{name} is not supported by this server: {rule.note} (got {_short(value)})",
+                                 param=name)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def markdown_table() -> str:
+    """The table docs/openai-compat.md carries."""
+    lines = ["| field | from | here | notes |", "|---|---|---|---|"]
+    for rule in CHAT_FIELDS:
+        status = {"works": "works", "informational": "accepted, informational", "refused": "refused (400)"}[rule.status]
+        lines.append(f"| `{rule.name}` | {rule.origin} | {status} | {rule.note} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -41,7 +41,11 @@ class DecodeJob:
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature,
                                     top_p=p.top_p, top_k=p.top_k, stop_token_ids=list(p.stop_token_ids),
-                                    ignore_eos=p.ignore_eos)
+                                    ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty,
+                                    frequency_penalty=p.frequency_penalty, min_p=p.min_p,
+                                    logit_bias=dict(p.logit_bias))
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -53,7 +57,15 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
                           top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
                           stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                          logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+                          logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+                          **logits_processors_from_proto(msg))
+
+
+def logits_processors_from_proto(msg: common_pb2.SamplingParams) -> dict:
+    """The penalties, min_p and logit_bias of a proto SamplingParams, as SamplingParams fields."""
+    return {"presence_penalty": msg.presence_penalty, "frequency_penalty": msg.frequency_penalty,
+            "repetition_penalty": msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+            "min_p": msg.min_p, "logit_bias": tuple(sorted(msg.logit_bias.items()))}
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -22,6 +22,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; k: plus top-k
+    # logits processors, in vLLM's order: logit_bias, then the penalties, then temperature and the
+    # filters (top-k, top-p, min-p); logprobs stay those of the raw distribution
+    presence_penalty: float = 0.0  # minus this for every token already in the output (OpenAI)
+    frequency_penalty: float = 0.0  # minus this times its count in the output (OpenAI)
+    repetition_penalty: float = 1.0  # a token in the prompt or output: positive logits / p, others * p
+    min_p: float = 0.0  # keep tokens of at least min_p x the top token's probability
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)
@@ -32,6 +39,19 @@ class SamplingParams:
         _check(self.top_k == -1 or self.top_k >= 1, "top_k", "-1 or >= 1", self.top_k)
         _check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                f"None or in [0, {MAX_LOGPROBS}]", self.logprobs)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2.0 <= value <= 2.0, name, "in [-2, 2]", value)
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]", self.repetition_penalty)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        for token_id, bias in self.logit_bias:
+            _check(token_id >= 0 and -100.0 <= bias <= 100.0, "logit_bias",
+                   "token ids >= 0 with biases in [-100, 100]", (token_id, bias))
+
+    @property
+    def has_logits_processors(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

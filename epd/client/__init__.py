@@ -13,6 +13,6 @@ from epd.client.types import ChatDelta, ChatResult, HealthStatus, TokenLogprob, 
 
 __all__ = [
     "AsyncChatStream", "AsyncEPDClient", "ChatDelta", "ChatResult", "ChatStream", "DeadlineExceeded", "EPDClient",
-    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "Unauthenticated", "Unavailable", "Usage",
-    "WorkerHealth",
+    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "Unauthenticated", "Unavailable",
+    "Usage", "WorkerHealth",
 ]

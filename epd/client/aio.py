@@ -78,29 +78,20 @@ class AsyncEPDClient:
             self._stub_ = router_pb2_grpc.RouterStub(self._channel)
         return self._stub_
 
-    async def chat(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
-                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                   seed: int | None = None, stop: str | Sequence[str] | None = None,
-                   logprobs: int | bool | None = None, timeout_s: float | None = None,
-                   request_id: str | None = None) -> ChatResult:
-        """Run one request to the end. ``messages``: a prompt string or OpenAI-style messages."""
+    async def chat(self, messages: Messages, *, images: Sequence[ImageInput] = (), timeout_s: float | None = None,
+                   **options) -> ChatResult:
+        """Run one request to the end (``options``: as ``EPDClient.chat``)."""
         builder = ResultBuilder()
-        async with self.stream(messages, images=images, max_tokens=max_tokens, temperature=temperature,
-                               top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
-                               timeout_s=timeout_s, request_id=request_id) as deltas:
+        async with self.stream(messages, images=images, timeout_s=timeout_s, **options) as deltas:
             async for delta in deltas:
                 builder.add(delta)
         return builder.result()
 
-    def stream(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | Sequence[str] | None = None, logprobs: int | bool | None = None,
-               timeout_s: float | None = None, request_id: str | None = None) -> AsyncChatStream:
+    def stream(self, messages: Messages, *, images: Sequence[ImageInput] = (), timeout_s: float | None = None,
+               **options) -> AsyncChatStream:
         """Start one request (call from a running loop); ``async for`` the result for its deltas."""
         timeout_s = timeout_s or self.timeout_s
-        request = build_request(messages, images=images, max_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
-                                timeout_s=timeout_s, request_id=request_id)
+        request = build_request(messages, images=images, timeout_s=timeout_s, **options)
         return AsyncChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
 
     async def models(self, *, timeout_s: float | None = None) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -23,12 +23,21 @@ _URL_PREFIXES = ("data:", "file:", "http://", "https://")
 def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: str | Sequence[str] | None = None,
-                  logprobs: int | bool | None = None, timeout_s: float | None = None,
+                  logprobs: int | bool | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  repetition_penalty: float | None = None, min_p: float = 0.0,
+                  logit_bias: Mapping[int, float] | None = None, timeout_s: float | None = None,
                   request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
+    """The request ``EPDClient.chat`` / ``stream`` send; their keyword options are these, named as in
+    the OpenAI API (penalties, ``min_p``, ``logit_bias`` keyed by token id)."""
     try:
+        sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
+        sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
+            presence_penalty, frequency_penalty, min_p)
+        if repetition_penalty is not None:
+            sampling.repetition_penalty = repetition_penalty
+        sampling.logit_bias.update({int(t): float(b) for t, b in (logit_bias or {}).items()})
         return router_pb2.ChatGenerateRequest(
-            request_id=request_id or "", messages=_messages(messages, images),
-            sampling=_sampling(max_tokens, temperature, top_p, top_k, seed, logprobs),
+            request_id=request_id or "", messages=_messages(messages, images), sampling=sampling,
             stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0)
     except InvalidRequest:
         raise

@@ -66,28 +66,22 @@ class EPDClient:
         self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
-    def chat(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
-             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-             seed: int | None = None, stop: str | Sequence[str] | None = None, logprobs: int | bool | None = None,
-             timeout_s: float | None = None, request_id: str | None = None) -> ChatResult:
-        """Run one request to the end. ``messages``: a prompt string or OpenAI-style messages."""
+    def chat(self, messages: Messages, *, images: Sequence[ImageInput] = (), timeout_s: float | None = None,
+             **options) -> ChatResult:
+        """Run one request to the end. ``messages``: a prompt string or OpenAI-style messages;
+        ``options``: ``build_request``'s (max_tokens, temperature, top_p, top_k, seed, stop, logprobs,
+        the penalties, min_p, logit_bias, request_id)."""
         builder = ResultBuilder()
-        with self.stream(messages, images=images, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                         top_k=top_k, seed=seed, stop=stop, logprobs=logprobs, timeout_s=timeout_s,
-                         request_id=request_id) as deltas:
+        with self.stream(messages, images=images, timeout_s=timeout_s, **options) as deltas:
             for delta in deltas:
                 builder.add(delta)
         return builder.result()
 
-    def stream(self, messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               seed: int | None = None, stop: str | Sequence[str] | None = None, logprobs: int | bool | None = None,
-               timeout_s: float | None = None, request_id: str | None = None) -> ChatStream:
-        """Start one request; iterate the returned ChatStream for its deltas."""
+    def stream(self, messages: Messages, *, images: Sequence[ImageInput] = (), timeout_s: float | None = None,
+               **options) -> ChatStream:
+        """Start one request; iterate the returned ChatStream for its deltas (``options``: as ``chat``)."""
         timeout_s = timeout_s or self.timeout_s
-        request = build_request(messages, images=images, max_tokens=max_tokens, temperature=temperature,
-                                top_p=top_p, top_k=top_k, seed=seed, stop=stop, logprobs=logprobs,
-                                timeout_s=timeout_s, request_id=request_id)
+        request = build_request(messages, images=images, timeout_s=timeout_s, **options)
         return ChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
 
     def models(self, *, timeout_s: float | None = None) -> list[str]:

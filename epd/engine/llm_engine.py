@@ -7,13 +7,14 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
+from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.memory_profile import kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
-from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.model_runner import ModelRunner
 from epd.engine.sampler import Sampler
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.sequence import Sequence
+from epd.errors import InvalidRequest
 from epd.types import MultimodalItemSpan, SamplingParams
 
 
@@ -49,10 +50,19 @@ class LLMEngine:
                     mm_items: list[MultimodalItemSpan] | None = None,
                     output_token_ids: tuple[int, ...] = ()) -> Sequence:
         """``output_token_ids``: what the request already produced elsewhere; it goes on after them."""
+        self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items,
                        eos_token_ids=self.eos_token_ids, output_token_ids=output_token_ids)
         self.scheduler.add(seq)
         return seq
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Refuse a token id the model has no logit for now: in a step it would fail the batch."""
+        vocab = self.runner.model.config.vocab_size
+        for token_id, _ in params.logit_bias:
+            if token_id >= vocab:
+                raise InvalidRequest(f"logit_bias names token {token_id}; the model's vocabulary has {vocab}",
+                                     param="logit_bias")
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -69,6 +79,7 @@ class LLMEngine:
         into our cache when it is admitted, with its whole token budget reserved. A KV of the wrong
         shape or dtype is refused here (ValueError), before it could fail a whole step."""
         self.runner.check_kv(kv, len(prompt_token_ids) + len(output_token_ids))
+        self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,
                        output_token_ids=output_token_ids)
         seq.append_token(first_token_id, first_logprobs)

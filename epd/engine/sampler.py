@@ -9,6 +9,7 @@ from functools import cache
 
 import torch
 
+from epd.engine.logits_processors import apply_logits_processors, keep_min_p
 from epd.engine.sequence import Sequence
 from epd.types import TokenLogprobs
 
@@ -22,9 +23,10 @@ class Sampler:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         logits = logits.float()
+        processed = apply_logits_processors(logits, seqs)  # bias and penalties; logprobs stay raw
         tokens: list[int | None] = [None] * len(seqs)
-        self._sample_batched(logits, seqs, tokens)
-        for i, (row, seq) in enumerate(zip(logits, seqs)):
+        self._sample_batched(processed, seqs, tokens)
+        for i, (row, seq) in enumerate(zip(processed, seqs)):
             if tokens[i] is None:  # seeded: row by row, each from its own generator
                 tokens[i] = self._sample_one(row, seq)
         return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
@@ -67,6 +69,8 @@ class Sampler:
         if params.top_p < 1.0:
             scaled = _keep_top_p(scaled, params.top_p)
         probs = torch.softmax(scaled, dim=-1)
+        if params.min_p > 0.0:
+            probs = keep_min_p(probs[None], torch.tensor([params.min_p], device=probs.device))[0]
         generator = self._generator(seq)
         if generator is not None:  # seeded draws come from a CPU generator: the same token on any device
             probs = probs.cpu()
@@ -108,7 +112,8 @@ def _sample_with_flashinfer(kernels, logits: torch.Tensor, seqs: list[Sequence],
     """Unseeded sampled rows on CUDA in one FlashInfer kernel: temperature, then top-k, then top-p
     (``top_k_first``: the order the row-by-row filters apply them), sampled by rejection on the
     device with no sort of the vocabulary and no host sync per row."""
-    rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and seq.sampling_params.seed is None]
+    rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and seq.sampling_params.seed is None
+            and not seq.sampling_params.min_p]  # min-p rows: the torch path (no single kernel does all four)
     if not rows:
         return
     params = [seqs[i].sampling_params for i in rows]
@@ -168,18 +173,22 @@ def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, to
     # drop a candidate when the mass before it already reaches p; the best one always stays
     before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(before >= top_p[:, None], 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
+    if bool((min_p > 0).any()):
+        probs = keep_min_p(probs, min_p)
     return probs / probs.sum(dim=-1, keepdim=True), candidates
 
 
 def _is_filtered(seq: Sequence) -> bool:
     params = seq.sampling_params
-    return not params.is_greedy and params.seed is None and (params.top_k > 0 or params.top_p < 1.0)
+    return not params.is_greedy and params.seed is None and (params.top_k > 0 or params.top_p < 1.0
+                                                             or params.min_p > 0.0)
 
 
 def _is_plain(seq: Sequence) -> bool:
     """Sampled from the temperature-scaled distribution alone, with no seed of its own."""
     params = seq.sampling_params
-    return params.seed is None and params.top_k <= 0 and params.top_p >= 1.0
+    return params.seed is None and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
 
 
 def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

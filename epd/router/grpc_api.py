@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
-from epd.protocol import logprobs_to_proto
+from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
@@ -110,7 +110,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             max_tokens=msg.max_tokens or self.default_max_tokens, min_tokens=msg.min_tokens,
             temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k or -1,
             seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+            ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            **logits_processors_from_proto(msg))
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

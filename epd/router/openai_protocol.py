@@ -108,6 +108,11 @@ class ChatCompletionRequest(_Lenient):
     top_logprobs: int | None = None
     return_token_ids: bool | None = None
     user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
 
     @property
     def include_usage(self) -> bool:
@@ -186,7 +191,28 @@ def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int) -> Sa
     _require(body.seed is None or _INT64_MIN <= body.seed <= _INT64_MAX, "seed", "a 64-bit integer", body.seed)
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body))
+                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body), **_processors(body))
+
+
+def _processors(body: ChatCompletionRequest) -> dict:
+    """The penalties, min_p and logit_bias, checked against OpenAI's (and vLLM's) ranges."""
+    out = {}
+    for name, default, ok, expected in (
+            ("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", 1.0, lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
+            ("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")):
+        value = getattr(body, name)
+        value = default if value is None else value
+        _require(math.isfinite(value) and ok(value), name, expected, value)
+        out[name] = value
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        _require(key.isdigit(), "logit_bias", "keyed by token ids (strings of digits)", key)
+        _require(math.isfinite(value) and -100.0 <= value <= 100.0, "logit_bias", "values in [-100, 100]", value)
+        bias.append((int(key), float(value)))
+    out["logit_bias"] = tuple(sorted(bias))
+    return out
 
 
 def _num_logprobs(body: ChatCompletionRequest) -> int | None:

@@ -27,6 +27,13 @@ def test_sampling_unset_is_zero_and_set_fields_travel():
     assert not build_request("x").sampling.HasField("logprobs")
     sampling = build_request("x", max_tokens=3, top_k=-1, seed=0, logprobs=5).sampling
     assert (sampling.max_tokens, sampling.top_k, sampling.seed, sampling.logprobs) == (3, -1, 0, 5)
+    assert not sampling.HasField("repetition_penalty") and not sampling.logit_bias
+    processed = build_request("x", presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2, min_p=0.1,
+                              logit_bias={42: 5, 7: -100}).sampling
+    assert (processed.presence_penalty, processed.frequency_penalty, processed.min_p) == pytest.approx((0.5, -1.0, 0.1))
+    assert processed.repetition_penalty == pytest.approx(1.2) and dict(processed.logit_bias) == {42: 5.0, 7: -100.0}
+    with pytest.raises(TypeError, match="frequncy_penalty"):
+        build_request("x", frequncy_penalty=1.0)  # a misspelt option is an error, not ignored
     assert build_request("x", stop="END").stop == ["END"]
 
 

@@ -25,14 +25,16 @@ class ReferenceModel:
         self.eos_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @torch.inference_mode()
-    def generate(self, messages: list[dict], images: list[bytes], max_new_tokens: int = 32) -> Reference:
+    def generate(self, messages: list[dict], images: list[bytes], max_new_tokens: int = 32, **generate_kwargs
+                 ) -> Reference:
+        """Greedy ``generate``; ``generate_kwargs``: its logits processors (repetition_penalty, ...)."""
         text = self.processor.apply_chat_template(_markers_only(messages), tokenize=False,
                                                   add_generation_prompt=True)
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True,
-                                  eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id)
+                                  eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id, **generate_kwargs)
         prompt = inputs["input_ids"][0].tolist()
         generated = out.sequences[0, len(prompt):].tolist()
         return Reference(prompt, generated, [torch.log_softmax(l[0].float(), -1) for l in out.logits])

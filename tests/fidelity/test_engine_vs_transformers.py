@@ -153,3 +153,20 @@ def test_the_flex_backend_reads_the_paged_cache_to_the_same_tokens(model_dir, re
     llm.engine.run_until_done([again])
     assert again.num_cached_tokens > 0
     check_same(reference.generate(conversations[1], [IMG_A]), llm._output(again))
+
+
+@pytest.mark.parametrize("processor", ["repetition_penalty", "logit_bias"])
+def test_logits_processors_give_transformers_greedy_tokens(llm, reference, processor):
+    """Greedy with a processor that must change this output (a penalty below 1 pulls seen tokens
+    up; a bias of -100 bans the first greedy token), token-identical to transformers' own."""
+    messages = user_message("Describe what you see in detail.", [IMG_A, IMG_B])
+    plain = llm.chat(messages, GREEDY)[0].token_ids
+    if processor == "repetition_penalty":
+        ours, theirs = dict(repetition_penalty=0.5), dict(repetition_penalty=0.5)
+    else:
+        bias = {plain[0]: -100.0, 11: 3.0}
+        ours = dict(logit_bias=tuple(sorted(bias.items())))
+        theirs = dict(sequence_bias={(t,): b for t, b in bias.items()})
+    out = llm.chat(messages, SamplingParams(max_tokens=MAX_NEW, **ours))[0]
+    check_same(reference.generate(messages, [IMG_A, IMG_B], **theirs), out)
+    assert out.token_ids != plain

@@ -17,13 +17,12 @@ from tests.router.test_http_app import create, served
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
 
 # a value that asks for something, per refused field
-ASKING = {"store": True, "service_tier": "flex", "presence_penalty": 0.5, "frequency_penalty": -1,
-          "logit_bias": {"42": 5}, "response_format": {"type": "json_object"},
+ASKING = {"store": True, "service_tier": "flex", "response_format": {"type": "json_object"},
           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
           "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
           "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
-          "web_search_options": {}, "n": 2, "min_p": 0.1, "repetition_penalty": 1.2, "length_penalty": 0.5,
+          "web_search_options": {}, "n": 2, "length_penalty": 0.5,
           "use_beam_search": True, "best_of": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
           "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "echo": True,
           "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,

@@ -50,6 +50,15 @@ def test_max_completion_tokens_wins_and_single_stop_string():
     assert chat.sampling.max_tokens == 20 and chat.stop_strings == ["###"]
 
 
+def test_penalties_min_p_and_logit_bias_become_sampling_params():
+    sampling = convert(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.3, min_p=0.1,
+                       logit_bias={"42": 5, "7": -100}).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -0.25, 1.3)
+    assert sampling.min_p == 0.1 and sampling.logit_bias == ((7, -100.0), (42, 5.0))
+    plain = convert().sampling
+    assert not plain.has_logits_processors and plain.min_p == 0.0
+
+
 def test_logprobs_without_top_is_zero():
     assert convert(logprobs=True).sampling.logprobs == 0
     assert convert(logprobs=False, top_logprobs=0).sampling.logprobs is None
@@ -68,6 +77,12 @@ def test_logprobs_without_top_is_zero():
     ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
     ({"seed": 2**64}, "seed", "64-bit"),
     ({"max_tokens": "many"}, "max_tokens", "valid integer"),
+    ({"presence_penalty": 5}, "presence_penalty", "presence_penalty must be in [-2, 2], got 5"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "in [-2, 2], got -2.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "in (0, 2], got 0"),
+    ({"min_p": 1.5}, "min_p", "in [0, 1], got 1.5"),
+    ({"logit_bias": {"12": 101}}, "logit_bias", "values in [-100, 100], got 101"),
+    ({"logit_bias": {"x": 1}}, "logit_bias", "keyed by token ids"),
 ])
 def test_invalid_values_say_expected_and_got(fields, param, fragment):
     err = refused(**fields)

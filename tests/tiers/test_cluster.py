@@ -63,6 +63,26 @@ def test_cluster_equals_in_process_engine(driver, llm, case):
     assert out.token_ids == expected.token_ids
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, presence_penalty=1.5, frequency_penalty=0.75, repetition_penalty=1.4),
+    SamplingParams(max_tokens=16, temperature=1.0, top_k=40, min_p=0.5, seed=7, frequency_penalty=2.0),
+], ids=["greedy-penalised", "seeded-min-p"])
+def test_penalties_and_min_p_give_the_in_process_tokens_across_the_split(driver, llm, params):
+    """Prefill samples the first token and decode the rest, each over the same token counts."""
+    messages = user_message("Describe every detail.", [IMG_A])
+    out = driver.chat(messages, params)
+    expected = llm.chat(messages, params)[0]
+    assert out.token_ids == expected.token_ids
+    plain = SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, top_k=params.top_k,
+                           seed=params.seed)
+    assert out.token_ids != llm.chat(messages, plain)[0].token_ids
+
+
+def test_logit_bias_holds_on_every_tier_that_samples(driver):
+    out = driver.chat(user_message("Hi.", []), SamplingParams(max_tokens=6, logit_bias=((1234, 100.0),)))
+    assert out.token_ids == [1234] * 6
+
+
 def test_cluster_equals_transformers(driver, model_dir):
     images = CASES["3img"]
     messages = user_message("Compare the pictures.", images)

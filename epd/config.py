@@ -250,7 +250,9 @@ class RouterConfig(_Config):
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
-    default_max_tokens: PositiveInt = Field(256, description="max_tokens of a request that gives none")
+    default_max_tokens: PositiveInt | None = Field(
+        None, description="max_tokens of a request that gives none (default: what max_model_len leaves after its "
+                          "prompt, as vLLM)")
     max_items_per_request: PositiveInt = Field(16, description="images per request")
     max_request_body_bytes: PositiveInt = Field(100 * MiB, description="an HTTP request body beyond this is a 413, "
                                                                        "refused before it is read")

@@ -54,7 +54,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
+    return SamplingParams(max_tokens=msg.max_tokens, min_tokens=msg.min_tokens,
+                          temperature=msg.temperature if msg.HasField("temperature") else 1.0,
                           top_p=msg.top_p, top_k=msg.top_k, seed=msg.seed if msg.HasField("seed") else None,
                           stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
                           logprobs=msg.logprobs if msg.HasField("logprobs") else None,

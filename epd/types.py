@@ -84,6 +84,9 @@ class TokenLogprobs:
     top: dict[int, float] = field(default_factory=dict)
 
 
+MAX_TOKENS_TO_FILL = 2**31 - 1  # sampling.max_tokens of a ChatRequest with fill_max_tokens, until it is set
+
+
 @dataclass
 class ChatRequest:
     """One chat completion as both front ends hand it to the router's pipeline. ``messages`` are
@@ -96,6 +99,9 @@ class ChatRequest:
     request_id: str
     stop_strings: list[str] = field(default_factory=list)  # the output ends before the first match
     timeout_s: float | None = None  # per-request deadline; None: the router's default
+    # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt
+    # (vLLM's default), once the prompt is tokenized; until then sampling.max_tokens is a placeholder
+    fill_max_tokens: bool = False
 
 
 @dataclass

@@ -123,8 +123,9 @@ def _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs) -> common_p
         raise InvalidRequest(f"logprobs must be None, True or an int in [0, 20], got {logprobs}")
     if top_k == 0:
         raise InvalidRequest("top_k must be -1 (whole vocabulary) or >= 1, got 0")
-    msg = common_pb2.SamplingParams(max_tokens=max_tokens or 0, temperature=temperature or 0.0,
-                                    top_p=top_p or 0.0, top_k=top_k or 0)
+    msg = common_pb2.SamplingParams(max_tokens=max_tokens or 0, top_p=top_p or 0.0, top_k=top_k or 0)
+    if temperature is not None:  # unset: the server's default (1.0, OpenAI's), the same as over HTTP
+        msg.temperature = temperature
     if seed is not None:
         msg.seed = seed
     if logprobs is True:

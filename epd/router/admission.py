@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 from epd.config import RouterConfig
@@ -39,6 +40,18 @@ class RequestLimits:
             if limit is not None and tokens > limit:
                 raise InvalidRequest(f"image {index} needs {tokens} encoder tokens; the limit per image is "
                                      f"{limit} (encoder_max_item_tokens); send a smaller image", param="messages")
+
+    def fill_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
+        """A request without max_tokens may use what the model length leaves after its prompt
+        (vLLM's default)."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1:
+            raise InvalidRequest(f"the prompt ({num_prompt_tokens} tokens, images included) leaves no room for output "
+                                 f"in the model length {self.max_model_len} (max_model_len)", param="messages")
+        if params.min_tokens > room:
+            raise InvalidRequest(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the model length "
+                                 f"{self.max_model_len} leaves after the prompt", param="min_tokens")
+        return dataclasses.replace(params, max_tokens=room)
 
     def check_prompt(self, num_prompt_tokens: int, num_embedding_rows: int, params: SamplingParams) -> None:
         total = num_prompt_tokens + params.max_tokens

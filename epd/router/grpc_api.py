@@ -19,7 +19,7 @@ from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
 from epd.router.rate_limit import KeyRateLimiter
 from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
-from epd.types import ChatRequest, SamplingParams, StreamEvent
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("epd.router.grpc")
@@ -29,7 +29,7 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     """A grpc.aio servicer. The server that hosts it should raise the message size limits
     (``epd.rpc.SERVER_OPTIONS``): requests carry encoded images."""
 
-    def __init__(self, core: RouterCore, *, default_max_tokens: int = 256, limits: BodyLimits = BodyLimits()
+    def __init__(self, core: RouterCore, *, default_max_tokens: int | None = None, limits: BodyLimits = BodyLimits()
                  ) -> None:
         self.core = core
         self.default_max_tokens = default_max_tokens
@@ -82,7 +82,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
         timeouts_s = [t for t in (request.timeout_s, time_remaining_s) if t and t > 0]
         return ChatRequest(messages=messages, sampling=self._sampling(request), request_id=request_id,
                            stop_strings=[s for s in request.stop if s],
-                           timeout_s=min(timeouts_s) if timeouts_s else None)
+                           timeout_s=min(timeouts_s) if timeouts_s else None,
+                           fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
         if not message.role:
@@ -107,8 +108,9 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
         # proto3 zeros are "unset": map them to the defaults documented in router.proto.
         msg = request.sampling
         return SamplingParams(
-            max_tokens=msg.max_tokens or self.default_max_tokens, min_tokens=msg.min_tokens,
-            temperature=msg.temperature, top_p=msg.top_p or 1.0, top_k=msg.top_k or -1,
+            max_tokens=msg.max_tokens or self.default_max_tokens or MAX_TOKENS_TO_FILL, min_tokens=msg.min_tokens,
+            temperature=msg.temperature if msg.HasField("temperature") else 1.0,  # OpenAI's default, as over HTTP
+            top_p=msg.top_p or 1.0, top_k=msg.top_k or -1,
             seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
             **logits_processors_from_proto(msg))
@@ -158,7 +160,7 @@ def public_server_options(limits: BodyLimits) -> list[tuple]:
             ("grpc.max_receive_message_length", min(limits.max_body_bytes, MAX_MESSAGE_BYTES))]
 
 
-def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int = 256,
+def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int | None = None,
                     limits: BodyLimits = BodyLimits()) -> RouterGrpcServicer:
     """Register the public Router service on a grpc.aio server (not started here)."""
     servicer = RouterGrpcServicer(core, default_max_tokens=default_max_tokens, limits=limits)

@@ -71,14 +71,14 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(core: RouterCore, *, default_max_tokens: int = 256, tokenizer=None, api_keys: ApiKeys | None = None,
+def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokenizer=None, api_keys: ApiKeys | None = None,
               protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits(),
               rate_limiter: KeyRateLimiter | None = None) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
     (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
-    if default_max_tokens < 1:
-        raise ValueError(f"default_max_tokens must be >= 1, got {default_max_tokens}")
+    if default_max_tokens is not None and default_max_tokens < 1:
+        raise ValueError(f"default_max_tokens must be None or >= 1, got {default_max_tokens}")
     chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens, limits)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
@@ -163,7 +163,7 @@ def error_response(err: EPDError) -> JSONResponse:
 
 
 class _ChatCompletions:
-    def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int,
+    def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int | None,
                  limits: BodyLimits) -> None:
         self.core, self.token_text = core, token_text
         self.default_max_tokens, self.limits = default_max_tokens, limits

@@ -62,7 +62,7 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _works("messages", "system / developer / user / assistant roles; text and image_url parts (tool messages "
                        "and an assistant's tool_calls: a 400 until tool calling is implemented)"),
     _works("model", "one of the served names (--served-model-name), else 404; omitted: the first"),
-    _works("max_tokens", "default: --default-max-tokens"),
+    _works("max_tokens", "default: what --max-model-len leaves after the prompt (vLLM's), or --default-max-tokens"),
     _works("max_completion_tokens", "OpenAI's newer name; wins over max_tokens"),
     _works("temperature", "[0, 2]; 0 is greedy"),
     _works("top_p", "(0, 1]"),

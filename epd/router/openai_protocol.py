@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from epd.errors import EPDError, InvalidRequest
 from epd.router.openai_fields import check_chat_fields
-from epd.types import ChatRequest, SamplingParams, TokenLogprobs
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
@@ -165,23 +165,27 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
-                    default_max_tokens: int) -> ChatRequest:
+                    default_max_tokens: int | None = None) -> ChatRequest:
     """Validate sampling values against OpenAI semantics and convert once into a ``ChatRequest``.
     Image parts keep their ``image_url``; the router's pipeline turns them into bytes."""
     if not isinstance(body, ChatCompletionRequest):
         body = parse_chat_body(body)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    given = body.max_completion_tokens is not None or body.max_tokens is not None
     return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,
-                       default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop))
+                       default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop),
+                       fill_max_tokens=not given and default_max_tokens is None)
 
 
-def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int) -> SamplingParams:
+def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens is None:
+        max_tokens = MAX_TOKENS_TO_FILL if default_max_tokens is None else default_max_tokens
     _require(max_tokens >= 1, max_name, "an integer >= 1", max_tokens)
-    _require(0 <= body.min_tokens <= max_tokens, "min_tokens", f"in [0, {max_name}={max_tokens}]", body.min_tokens)
+    _require(body.min_tokens >= 0 and (body.min_tokens <= max_tokens), "min_tokens",
+             f"in [0, {max_name}={max_tokens}]", body.min_tokens)
     temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's defaults
     _require(math.isfinite(temperature) and 0.0 <= temperature <= 2.0, "temperature", "in [0, 2]", temperature)
     top_p = 1.0 if body.top_p is None else body.top_p

@@ -116,6 +116,8 @@ class RequestPipeline:
         messages = await self.media.resolve(request.messages)
         prompt = await asyncio.to_thread(self._preprocess, messages)
         self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
+        if request.fill_max_tokens:
+            request.sampling = self.limits.fill_max_tokens(len(prompt.prompt_token_ids), request.sampling)
         self.limits.check_prompt(len(prompt.prompt_token_ids), prompt.num_embedding_rows, request.sampling)
         return prompt
 

@@ -21,7 +21,7 @@ from epd.client import (
     TokenLogprob,
     Unavailable,
 )
-from epd.types import SamplingParams
+from epd.types import MAX_TOKENS_TO_FILL, SamplingParams
 from tests.conftest import make_image_bytes
 
 WAIT_S = 5.0
@@ -81,7 +81,10 @@ def test_request_fields_reach_the_core(client, core):
 
 def test_unset_options_get_the_server_defaults(client, core):
     client.chat("Hi")
-    assert core.requests[0].sampling == SamplingParams(max_tokens=256)  # the router's default, as over HTTP
+    # what HTTP gives a request that names nothing: OpenAI's temperature 1, and max_tokens left for the
+    # pipeline to fill in from the model length (vLLM's default)
+    assert core.requests[0].sampling == SamplingParams(max_tokens=MAX_TOKENS_TO_FILL, temperature=1.0)
+    assert core.requests[0].fill_max_tokens
     assert 0 < core.requests[0].timeout_s <= 10  # the client's default deadline bounds the request
 
 

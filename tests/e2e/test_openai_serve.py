@@ -184,12 +184,12 @@ def test_sdk_sync_and_async_against_the_real_cluster(client, server, media_dir):
     via_http = client.chat.completions.create(model="m", messages=chat("Name it.", [data_url(image)]),
                                               max_tokens=12, temperature=0)
     with EPDClient(server.grpc_address, timeout_s=120) as sdk:
-        result = sdk.chat("Name it.", images=[str(media_dir / "sdk.png")], max_tokens=12)
+        result = sdk.chat("Name it.", images=[str(media_dir / "sdk.png")], max_tokens=12, temperature=0)
     assert result.text == via_http.choices[0].message.content and len(result.token_ids) == 12
 
     async def streamed() -> str:
         async with AsyncEPDClient(server.grpc_address, timeout_s=120) as sdk:
-            stream = sdk.stream("Name it.", images=[image], max_tokens=12)
+            stream = sdk.stream("Name it.", images=[image], max_tokens=12, temperature=0)
             return "".join([d.text async for d in stream])
 
     assert asyncio.run(streamed()) == result.text
@@ -207,12 +207,12 @@ def test_sdk_and_public_grpc_take_an_http_image_like_a_data_url(client, server):
     with serve_files({"/pic.png": send_bytes(image)}) as files:
         url = f"{files}/pic.png"
         with EPDClient(server.grpc_address, timeout_s=120) as sdk:
-            by_url = sdk.chat("Describe it.", images=[url], max_tokens=12)
-            by_data = sdk.chat("Describe it.", images=[data_url(image)], max_tokens=12)
+            by_url = sdk.chat("Describe it.", images=[url], max_tokens=12, temperature=0)
+            by_data = sdk.chat("Describe it.", images=[data_url(image)], max_tokens=12, temperature=0)
         request = router_pb2.ChatGenerateRequest(
             messages=[router_pb2.ChatMessage(role="user", content=[
                 router_pb2.ContentPart(image_url=url), router_pb2.ContentPart(text="Describe it.")])],
-            sampling=common_pb2.SamplingParams(max_tokens=12))
+            sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0))
         with grpc.insecure_channel(server.grpc_address) as channel:
             raw = [t for r in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=120) for t in r.token_ids]
         via_http = client.chat.completions.create(model="m", messages=chat("Describe it.", [url]), max_tokens=12,

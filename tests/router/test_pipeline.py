@@ -211,3 +211,21 @@ def test_an_encoders_bad_image_error_names_every_part_it_concerns_each_with_its_
     assert named.param == "messages[0].content[2]"
     other = InvalidRequest("request r: max_tokens must be >= 1")
     assert name_the_part(other, prompt, messages) is other
+
+
+def test_without_max_tokens_a_request_may_use_what_the_model_length_leaves(model_dir, tokenizer):
+    """vLLM's default, on both front ends: max_tokens = max_model_len - prompt tokens; a prompt
+    that leaves no room, or a min_tokens beyond the room, is a 400 before the backend is asked."""
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with both_front_ends(make_pipeline(model_dir, backend, max_model_len=300)) as (http, sdk):
+        http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+        sdk.chat("Hi")
+        http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=7)
+        with pytest.raises(openai.BadRequestError, match="leaves no room for output in the model length 300"):
+            http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "word " * 400}])
+        with pytest.raises(openai.BadRequestError, match=r"min_tokens \(299\) is more than the \d+ tokens"):
+            http.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                         extra_body={"min_tokens": 299})
+    prompt_len = len(backend.jobs[0].prompt.prompt_token_ids)
+    assert [job.sampling.max_tokens for job in backend.jobs] == [300 - prompt_len, 300 - prompt_len, 7]
+    assert backend.jobs[1].sampling.temperature == backend.jobs[0].sampling.temperature == 1.0

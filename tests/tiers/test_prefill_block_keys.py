@@ -27,7 +27,7 @@ class _Engine:
 
 def job(request_id: str, image_hash: str):
     meta = common_pb2.RequestMetadata(
-        request_id=request_id, token_ids=IDS, sampling=common_pb2.SamplingParams(max_tokens=4, top_p=1.0, top_k=-1),
+        request_id=request_id, token_ids=IDS, sampling=common_pb2.SamplingParams(max_tokens=4, top_p=1.0, top_k=-1, temperature=0.0),
         items=[common_pb2.MultimodalItem(item_index=0, modality="image", content_hash=image_hash, offset=8,
                                          expected_rows=8, encoder_tokens=32, grid_thw=[1, 4, 8])])
     return prefill_job_from_proto(meta)

@@ -99,6 +99,7 @@ class ChatRequest:
     request_id: str
     stop_strings: list[str] = field(default_factory=list)  # the output ends before the first match
     timeout_s: float | None = None  # per-request deadline; None: the router's default
+    include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's)
     # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt
     # (vLLM's default), once the prompt is tokenized; until then sampling.max_tokens is a placeholder
     fill_max_tokens: bool = False
@@ -114,6 +115,8 @@ class StreamEvent:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last event
     prompt_token_ids: list[int] | None = None  # first event only
     num_cached_tokens: int = 0  # first event only: prompt tokens served from the prefix cache
+    # last event, finish "stop": the stop string or stop token id that ended it (None: EOS), vLLM's
+    stop_reason: str | int | None = None
 
 
 @dataclass

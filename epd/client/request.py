@@ -25,10 +25,12 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
                   seed: int | None = None, stop: str | Sequence[str] | None = None,
                   logprobs: int | bool | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float | None = None, min_p: float = 0.0,
-                  logit_bias: Mapping[int, float] | None = None, timeout_s: float | None = None,
-                  request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
+                  logit_bias: Mapping[int, float] | None = None, include_stop_str_in_output: bool = False,
+                  stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
+                  timeout_s: float | None = None, request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
     """The request ``EPDClient.chat`` / ``stream`` send; their keyword options are these, named as in
-    the OpenAI API (penalties, ``min_p``, ``logit_bias`` keyed by token id)."""
+    the OpenAI API and vLLM's extensions (penalties, ``min_p``, ``logit_bias`` keyed by token id,
+    ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``)."""
     try:
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
         sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
@@ -36,9 +38,12 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
         if repetition_penalty is not None:
             sampling.repetition_penalty = repetition_penalty
         sampling.logit_bias.update({int(t): float(b) for t, b in (logit_bias or {}).items()})
+        sampling.stop_token_ids.extend(int(t) for t in stop_token_ids)
+        sampling.min_tokens, sampling.ignore_eos = min_tokens, ignore_eos
         return router_pb2.ChatGenerateRequest(
             request_id=request_id or "", messages=_messages(messages, images), sampling=sampling,
-            stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0)
+            stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0,
+            include_stop_str_in_output=include_stop_str_in_output)
     except InvalidRequest:
         raise
     except (TypeError, ValueError) as exc:  # protobuf refusing a value of the wrong type or range

@@ -37,6 +37,7 @@ class ChatDelta:
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta
     prompt_token_ids: list[int] | None = None  # first delta only
     num_cached_tokens: int = 0  # first delta only
+    stop_reason: str | int | None = None  # last delta: the stop string or stop token id that ended it
 
     @classmethod
     def from_proto(cls, msg: router_pb2.ChatGenerateResponse, *, is_first: bool) -> ChatDelta:
@@ -45,7 +46,8 @@ class ChatDelta:
                              for lp in msg.logprobs],
                    finish_reason=msg.finish_reason or None,
                    prompt_token_ids=list(msg.prompt_token_ids) if is_first else None,
-                   num_cached_tokens=msg.num_cached_tokens if is_first else 0)
+                   num_cached_tokens=msg.num_cached_tokens if is_first else 0,
+                   stop_reason=msg.stop_string or (msg.stop_token_id if msg.HasField("stop_token_id") else None))
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,14 @@ class ChatResult:
     logprobs: list[TokenLogprob]
     num_cached_tokens: int
     usage: Usage
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
 
 
 class ResultBuilder:
     """Folds a stream of deltas into one ChatResult."""
 
     def __init__(self) -> None:
-        self.request_id, self.finish_reason = "", None
+        self.request_id, self.finish_reason, self.stop_reason = "", None, None
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] = []
@@ -79,6 +82,7 @@ class ResultBuilder:
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
             self.num_cached_tokens = delta.num_cached_tokens
@@ -88,7 +92,8 @@ class ResultBuilder:
                       cached_tokens=self.num_cached_tokens)
         return ChatResult(request_id=self.request_id, text="".join(self.texts), token_ids=self.token_ids,
                           prompt_token_ids=self.prompt_token_ids, finish_reason=self.finish_reason,
-                          logprobs=self.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage)
+                          logprobs=self.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage,
+                          stop_reason=self.stop_reason)
 
 
 @dataclass(frozen=True)

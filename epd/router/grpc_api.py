@@ -83,6 +83,7 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
         return ChatRequest(messages=messages, sampling=self._sampling(request), request_id=request_id,
                            stop_strings=[s for s in request.stop if s],
                            timeout_s=min(timeouts_s) if timeouts_s else None,
+                           include_stop_str_in_output=request.include_stop_str_in_output,
                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
@@ -170,10 +171,15 @@ def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_to
 
 # ---- StreamEvent -> proto -----------------------------------------------------------------------
 def _response(event: StreamEvent, request_id: str) -> router_pb2.ChatGenerateResponse:
-    return router_pb2.ChatGenerateResponse(
+    msg = router_pb2.ChatGenerateResponse(
         request_id=request_id, token_ids=event.token_ids, text=event.text,
         logprobs=[logprobs_to_proto(lp) for lp in event.logprobs], finish_reason=event.finish_reason or "",
         prompt_token_ids=event.prompt_token_ids or [], num_cached_tokens=event.num_cached_tokens)
+    if isinstance(event.stop_reason, str):
+        msg.stop_string = event.stop_reason
+    elif event.stop_reason is not None:
+        msg.stop_token_id = event.stop_reason
+    return msg
 
 
 # ---- errors -------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from epd.router.openai_protocol import (
     Usage,
     logprobs_content,
     parse_chat_body,
+    request_id_base,
     to_chat_request,
 )
 from epd.router.rate_limit import KeyRateLimiter
@@ -71,7 +72,8 @@ class _ClientGone(Exception):
     pass
 
 
-def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokenizer=None, api_keys: ApiKeys | None = None,
+def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokenizer=None,
+              api_keys: ApiKeys | None = None,
               protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits(),
               rate_limiter: KeyRateLimiter | None = None) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
@@ -175,6 +177,8 @@ class _ChatCompletions:
             raw = await _read_json(request, self.limits.max_body_bytes)
             check_json_messages(raw.get("messages") if isinstance(raw, dict) else None, self.limits)
             body = parse_chat_body(raw)
+            client_id = request_id_base(request.headers.get("x-request-id"), body)
+            request_id = f"chatcmpl-{client_id or uuid.uuid4().hex}"
             model = served_name(self.core, body.model)
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
             pump = _CorePump(self.core, chat)
@@ -182,10 +186,11 @@ class _ChatCompletions:
             if first is None:
                 raise UpstreamError("the router's stream ended before any output")
             out = _Completion(request_id, model, body, chat, self.token_text)
+            out.header_id = client_id or request_id  # the client's own id comes back as it was sent
             if body.stream:
                 stream, pump = self._stream(request, pump, first, out), None  # the stream owns the pump now
                 return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+                                         headers={"Cache-Control": "no-cache", "X-Request-Id": out.header_id})
             return await self._complete(request, pump, first, out)
         except EPDError as err:
             return error_response(err)
@@ -216,9 +221,10 @@ class _ChatCompletions:
             id=out.request_id, created=out.created, model=out.model, usage=out.usage(),
             prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None,
             choices=[Choice(message=ResponseMessage(content="".join(text)), finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
                             logprobs=ChoiceLogprobs(content=logprobs) if out.num_logprobs is not None else None,
                             token_ids=token_ids if out.return_token_ids else None)])
-        return JSONResponse(response.model_dump(), headers={"X-Request-Id": out.request_id})
+        return JSONResponse(response.model_dump(), headers={"X-Request-Id": out.header_id})
 
     async def _stream(self, request: Request, pump: _CorePump, event: StreamEvent | None,
                       out: _Completion) -> AsyncIterator[bytes]:
@@ -236,7 +242,7 @@ class _ChatCompletions:
             if event is None:  # the core's stream ended with no finish reason
                 out.finish_reason = "stop"
             cancel = False
-            yield _sse(out.chunk(DeltaMessage(), finish_reason=out.finish_reason))
+            yield _sse(out.chunk(DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason))
             if out.include_usage:
                 yield _sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
                                                usage=out.usage()))
@@ -261,12 +267,14 @@ class _Completion:
     def __init__(self, request_id: str, model: str, body: ChatCompletionRequest, chat: ChatRequest,
                  token_text: Callable[[int], str]) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.header_id = request_id
         self.return_token_ids, self.include_usage = bool(body.return_token_ids), body.include_usage
         self.num_logprobs = chat.sampling.logprobs
         self.token_text = token_text
         self.prompt_token_ids: list[int] = []
         self.num_cached_tokens = self.num_completion_tokens = 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def add(self, event: StreamEvent) -> tuple[str, list[int], list[TokenLogprob] | None]:
         """(text to send, token ids, logprobs entries or None when not asked for)."""
@@ -275,6 +283,7 @@ class _Completion:
             self.num_cached_tokens = event.num_cached_tokens
         self.num_completion_tokens += len(event.token_ids)
         self.finish_reason = event.finish_reason or self.finish_reason
+        self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
         logprobs = (logprobs_content(event.logprobs, self.token_text, self.num_logprobs)
                     if self.num_logprobs is not None else None)
         return event.text, list(event.token_ids), logprobs
@@ -283,9 +292,9 @@ class _Completion:
         return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
 
     def chunk(self, delta: DeltaMessage, *, finish_reason: str | None = None, token_ids: list[int] | None = None,
-              logprobs: list[TokenLogprob] | None = None, prompt_token_ids: list[int] | None = None
-              ) -> ChatCompletionChunk:
-        choice = StreamChoice(delta=delta, finish_reason=finish_reason,
+              logprobs: list[TokenLogprob] | None = None, prompt_token_ids: list[int] | None = None,
+              stop_reason: str | int | None = None) -> ChatCompletionChunk:
+        choice = StreamChoice(delta=delta, finish_reason=finish_reason, stop_reason=stop_reason,
                               logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
                               token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],

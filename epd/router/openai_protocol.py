@@ -113,6 +113,8 @@ class ChatCompletionRequest(_Lenient):
     repetition_penalty: float | None = None
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
+    include_stop_str_in_output: bool = False
+    request_id: str | None = None  # vLLM's: the id's base, as the X-Request-Id header
 
     @property
     def include_usage(self) -> bool:
@@ -164,6 +166,18 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def request_id_base(header: str | None, body: ChatCompletionRequest) -> str | None:
+    """The client's own request id (the X-Request-Id header, else vLLM's ``request_id`` field),
+    checked: it lands in responses, logs and the workers' ids."""
+    for name, value in (("X-Request-Id", header), ("request_id", body.request_id)):
+        if value:
+            if len(value) > 128 or not all(c.isprintable() and not c.isspace() for c in value):
+                raise InvalidRequest(f"{name} must be at most 128 printable characters without spaces, got "
+                                     f"{_short(value, 40)}", param="request_id")
+            return value
+    return None
+
+
 def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
                     default_max_tokens: int | None = None) -> ChatRequest:
     """Validate sampling values against OpenAI semantics and convert once into a ``ChatRequest``.
@@ -175,7 +189,8 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
     given = body.max_completion_tokens is not None or body.max_tokens is not None
     return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,
                        default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop),
-                       fill_max_tokens=not given and default_max_tokens is None)
+                       fill_max_tokens=not given and default_max_tokens is None,
+                       include_stop_str_in_output=body.include_stop_str_in_output)
 
 
 def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
@@ -314,6 +329,7 @@ class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or token id; None for EOS or length
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = _omit_if_none()  # extension: return_token_ids
 
@@ -337,6 +353,7 @@ class StreamChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = _omit_if_none()
 

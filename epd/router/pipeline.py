@@ -88,7 +88,8 @@ class RequestPipeline:
         # the client's id, made unique for the workers: two requests with one id never meet there
         job = Job(f"{request.request_id}#{uuid.uuid4().hex[:8]}", prompt, request.sampling, self.eos_token_ids,
                   deadline)
-        text = _TextStream(self.tokenizer, request.stop_strings)
+        text = _TextStream(self.tokenizer, request.stop_strings, request.include_stop_str_in_output,
+                           request.sampling.stop_token_ids)
         outputs = self.backend.run(job)
         first_at, num_tokens = None, 0
         try:
@@ -135,17 +136,23 @@ class RequestPipeline:
 class _TextStream:
     """Backend outputs -> events: incremental text, then stop strings (which may end the request)."""
 
-    def __init__(self, tokenizer, stop_strings: list[str]) -> None:
+    def __init__(self, tokenizer, stop_strings: list[str], include_stop_str: bool = False,
+                 stop_token_ids: tuple[int, ...] = ()) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopStrings(stop_strings)
+        self.stops = StopStrings(stop_strings, include_in_output=include_stop_str)
+        self.stop_token_ids = frozenset(stop_token_ids)
 
     def event(self, output: BackendOutput, prompt: ProcessedPrompt | None) -> StreamEvent:
-        text, is_stopped = self.stops.feed(self.detok.add(output.token_ids))
-        finish_reason = "stop" if is_stopped else output.finish_reason
-        if finish_reason and not is_stopped:
+        text, matched = self.stops.feed(self.detok.add(output.token_ids))
+        finish_reason = "stop" if matched is not None else output.finish_reason
+        stop_reason: str | int | None = matched
+        if finish_reason and matched is None:
             text += self.stops.flush()
+            last = output.token_ids[-1] if output.token_ids else None
+            if finish_reason == "stop" and last in self.stop_token_ids:
+                stop_reason = last  # a stop token ended it; EOS leaves stop_reason None, as vLLM
         return StreamEvent(token_ids=list(output.token_ids), text=text, logprobs=list(output.logprobs),
-                           finish_reason=finish_reason,
+                           finish_reason=finish_reason, stop_reason=stop_reason,
                            prompt_token_ids=list(prompt.prompt_token_ids) if prompt is not None else None,
                            num_cached_tokens=output.num_cached_tokens if prompt is not None else 0)
 

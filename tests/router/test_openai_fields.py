@@ -23,14 +23,14 @@ ASKING = {"store": True, "service_tier": "flex", "response_format": {"type": "js
           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
           "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
           "web_search_options": {}, "n": 2, "length_penalty": 0.5,
-          "use_beam_search": True, "best_of": 2, "include_stop_str_in_output": True, "skip_special_tokens": False,
+          "use_beam_search": True, "best_of": 2, "skip_special_tokens": False,
           "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "echo": True,
           "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
           "documents": [{"text": "d"}], "chat_template": "{{ 1 }}", "chat_template_kwargs": {"x": 1},
           "mm_processor_kwargs": {"max_pixels": 1000}, "structured_outputs": {"json": {}}, "guided_json": {},
           "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
           "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "priority": 5,
-          "request_id": "mine", "return_tokens_as_token_ids": True, "cache_salt": "s",
+          "return_tokens_as_token_ids": True, "cache_salt": "s",
           "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "bad_words": ["x"], "allowed_token_ids": [1],
           "logits_processors": ["x"]}
 # what clients send unasked: accepted

@@ -128,5 +128,6 @@ def test_logprobs_content_sorted_limited_and_finite():
 def test_chunk_json_omits_extensions_but_keeps_nulls():
     chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[StreamChoice(delta=DeltaMessage(content="x"))])
     data = chunk.model_dump()
-    assert data["choices"][0] == {"index": 0, "delta": {"content": "x"}, "finish_reason": None, "logprobs": None}
+    assert data["choices"][0] == {"index": 0, "delta": {"content": "x"}, "finish_reason": None, "stop_reason": None,
+                                  "logprobs": None}  # stop_reason: vLLM's, sent as it does
     assert "usage" not in data and "prompt_token_ids" not in data

@@ -229,3 +229,41 @@ def test_without_max_tokens_a_request_may_use_what_the_model_length_leaves(model
     prompt_len = len(backend.jobs[0].prompt.prompt_token_ids)
     assert [job.sampling.max_tokens for job in backend.jobs] == [300 - prompt_len, 300 - prompt_len, 7]
     assert backend.jobs[1].sampling.temperature == backend.jobs[0].sampling.temperature == 1.0
+
+
+def test_stop_reason_names_the_stop_string_or_token_and_the_string_can_stay_in_the_text(model_dir, tokenizer):
+    outputs = pieces(tokenizer, ["Hello", " world", " END", " more"])
+    user = [{"role": "user", "content": "Hi"}]
+    with both_front_ends(make_pipeline(model_dir, ScriptedBackend(outputs))) as (http, sdk):
+        cut = http.chat.completions.create(model="tiny", messages=user, stop=["END"])
+        kept = http.chat.completions.create(model="tiny", messages=user, stop=["END"],
+                                            extra_body={"include_stop_str_in_output": True})
+        streamed = list(http.chat.completions.create(model="tiny", messages=user, stop=["END"], stream=True))
+        by_sdk = sdk.chat("Hi", stop=["END"], include_stop_str_in_output=True)
+    assert cut.choices[0].message.content == "Hello world " and cut.choices[0].model_extra["stop_reason"] == "END"
+    assert kept.choices[0].message.content == "Hello world END"
+    last = streamed[-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "END"
+    assert by_sdk.text == "Hello world END" and by_sdk.stop_reason == "END"
+    last_token = outputs[-1][-1]
+    with both_front_ends(make_pipeline(model_dir, ScriptedBackend(outputs, finish_reason="stop"))) as (http, sdk):
+        by_token = http.chat.completions.create(model="tiny", messages=user,
+                                                extra_body={"stop_token_ids": [last_token]})
+        by_eos = http.chat.completions.create(model="tiny", messages=user)
+        assert sdk.chat("Hi", stop_token_ids=[last_token]).stop_reason == last_token
+    assert by_token.choices[0].model_extra["stop_reason"] == last_token
+    assert by_eos.choices[0].finish_reason == "stop" and by_eos.choices[0].model_extra["stop_reason"] is None
+
+
+def test_the_clients_request_id_is_the_responses(model_dir, tokenizer):
+    import httpx
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with serve_app(build_app(make_pipeline(model_dir, backend), tokenizer=tokenizer)) as base:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}
+        by_header = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-42"})
+        by_body = httpx.post(f"{base}/v1/chat/completions", json={**body, "request_id": "mine-7"})
+        bad = httpx.post(f"{base}/v1/chat/completions", json=body, headers={"X-Request-Id": "a b"})
+    assert by_header.json()["id"] == "chatcmpl-trace-42" and by_header.headers["x-request-id"] == "trace-42"
+    assert by_body.json()["id"] == "chatcmpl-mine-7"
+    assert bad.status_code == 400 and "X-Request-Id must be at most 128 printable" in bad.json()["error"]["message"]
+    assert backend.jobs[0].request_id.startswith("chatcmpl-trace-42#")  # unique on the workers all the same

@@ -33,18 +33,24 @@ def test_earliest_stop_string_wins():
 
 def test_stop_string_split_across_deltas():
     matcher = StopStrings(["STOP"])
-    assert matcher.feed("abc ST") == ("abc ", False)  # "ST" might begin STOP: held back
-    assert matcher.feed("OP and more") == ("", True)
+    assert matcher.feed("abc ST") == ("abc ", None)  # "ST" might begin STOP: held back
+    assert matcher.feed("OP and more") == ("", "STOP")
 
 
 def test_held_back_text_is_released_at_the_end_when_it_is_not_a_stop():
     matcher = StopStrings(["STOP", "\n\n"])
-    assert matcher.feed("x\n") == ("x", False)
-    assert matcher.feed("y S") == ("\ny ", False)
-    assert matcher.feed("T") == ("", False)
+    assert matcher.feed("x\n") == ("x", None)
+    assert matcher.feed("y S") == ("\ny ", None)
+    assert matcher.feed("T") == ("", None)
     assert matcher.flush() == "ST"
 
 
 def test_earliest_stop_wins_and_no_stops_pass_through():
-    assert StopStrings(["b", "a"]).feed("xxabxx") == ("xx", True)
-    assert StopStrings([]).feed("anything") == ("anything", False)
+    assert StopStrings(["b", "a"]).feed("xxabxx") == ("xx", "a")
+    assert StopStrings([]).feed("anything") == ("anything", None)
+
+
+def test_the_stop_string_stays_in_the_output_when_asked_and_the_longer_of_two_at_one_place_wins():
+    assert StopStrings(["ab", "abc"], include_in_output=True).feed("xxabcx") == ("xxabc", "abc")
+    matcher = StopStrings(["END"], include_in_output=True)
+    assert matcher.feed("one E") == ("one ", None) and matcher.feed("ND two") == ("END", "END")

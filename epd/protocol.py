@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from epd.errors import InvalidRequest
-from epd.types import MultimodalItemSpan, SamplingParams, TokenLogprobs
+from epd.types import MultimodalItemSpan, SamplingParams, StructuredOutput, TokenLogprobs
 from epd.v1 import common_pb2
 
 
@@ -46,6 +46,8 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
                                     logit_bias=dict(p.logit_bias))
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
+    if p.structured is not None:
+        msg.structured.kind, msg.structured.spec = p.structured.kind, p.structured.spec
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:
@@ -66,7 +68,9 @@ def logits_processors_from_proto(msg: common_pb2.SamplingParams) -> dict:
     """The penalties, min_p and logit_bias of a proto SamplingParams, as SamplingParams fields."""
     return {"presence_penalty": msg.presence_penalty, "frequency_penalty": msg.frequency_penalty,
             "repetition_penalty": msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
-            "min_p": msg.min_p, "logit_bias": tuple(sorted(msg.logit_bias.items()))}
+            "min_p": msg.min_p, "logit_bias": tuple(sorted(msg.logit_bias.items())),
+            "structured": StructuredOutput(msg.structured.kind, msg.structured.spec) if msg.HasField("structured")
+            else None}
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:

@@ -9,6 +9,25 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20  # top alternatives a request may ask for, per token
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match (``epd.engine.grammar`` enforces it). ``spec``: the JSON
+    schema (as JSON text), the regex, the choices (a JSON list of strings) or the Lark grammar;
+    empty for ``json_object``."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            from epd.errors import InvalidRequest
+            raise InvalidRequest(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                                 f"{self.kind!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks of the sampler. ``temperature == 0`` means greedy."""
@@ -29,6 +48,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a token in the prompt or output: positive logits / p, others * p
     min_p: float = 0.0  # keep tokens of at least min_p x the top token's probability
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    structured: StructuredOutput | None = None  # a grammar the output must match (masked per step)
 
     def __post_init__(self) -> None:
         _check(self.max_tokens >= 1, "max_tokens", ">= 1", self.max_tokens)

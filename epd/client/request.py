@@ -3,6 +3,7 @@ PIL images or URLs, sampling options (None leaves the server default)."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -27,10 +28,13 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
                   repetition_penalty: float | None = None, min_p: float = 0.0,
                   logit_bias: Mapping[int, float] | None = None, include_stop_str_in_output: bool = False,
                   stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
+                  response_format: Mapping | type | None = None, structured_outputs: Mapping | None = None,
                   timeout_s: float | None = None, request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
     """The request ``EPDClient.chat`` / ``stream`` send; their keyword options are these, named as in
     the OpenAI API and vLLM's extensions (penalties, ``min_p``, ``logit_bias`` keyed by token id,
-    ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``)."""
+    ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``, and structured
+    output: ``response_format`` as OpenAI's (or a pydantic model class), or vLLM's
+    ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``))."""
     try:
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
         sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
@@ -40,6 +44,9 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
         sampling.logit_bias.update({int(t): float(b) for t, b in (logit_bias or {}).items()})
         sampling.stop_token_ids.extend(int(t) for t in stop_token_ids)
         sampling.min_tokens, sampling.ignore_eos = min_tokens, ignore_eos
+        structured = _structured(response_format, structured_outputs)
+        if structured is not None:
+            sampling.structured.CopyFrom(structured)
         return router_pb2.ChatGenerateRequest(
             request_id=request_id or "", messages=_messages(messages, images), sampling=sampling,
             stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0,
@@ -116,6 +123,36 @@ def _image_part(where: str, image: ImageInput) -> router_pb2.ContentPart:
         image.save(buf, format="PNG")  # lossless, and every PIL mode the processors accept has a PNG form
         return router_pb2.ContentPart(image_bytes=buf.getvalue())
     raise InvalidRequest(f"{where}: expected image bytes, a path, a URL or a PIL image, got {_describe(image)}")
+
+
+def _structured(response_format, structured_outputs) -> common_pb2.StructuredOutput | None:
+    if response_format is not None and structured_outputs:
+        raise InvalidRequest("give response_format or structured_outputs, not both")
+    if isinstance(response_format, type):  # a pydantic model class, as the openai client's parse()
+        return common_pb2.StructuredOutput(kind="json_schema", spec=json.dumps(response_format.model_json_schema()))
+    if response_format is not None:
+        kind = response_format.get("type")
+        if kind == "json_object":
+            return common_pb2.StructuredOutput(kind="json_object")
+        if kind == "json_schema":
+            return common_pb2.StructuredOutput(kind="json_schema",
+                                               spec=json.dumps(response_format["json_schema"].get("schema", {})))
+        if kind != "text":
+            raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}")
+        return None
+    given = {k: v for k, v in (structured_outputs or {}).items() if v not in (None, False)}
+    if len(given) > 1 or set(given) - {"json", "regex", "choice", "grammar", "json_object"}:
+        raise InvalidRequest(f"structured_outputs takes one of json, regex, choice, grammar, json_object; got "
+                             f"{sorted(given)}")
+    for key, value in given.items():
+        if key == "json":
+            return common_pb2.StructuredOutput(kind="json_schema",
+                                               spec=value if isinstance(value, str) else json.dumps(value))
+        if key == "choice":
+            return common_pb2.StructuredOutput(kind="choice", spec=json.dumps(list(value)))
+        kind = {"regex": "regex", "grammar": "lark", "json_object": "json_object"}[key]
+        return common_pb2.StructuredOutput(kind=kind, spec="" if key == "json_object" else value)
+    return None
 
 
 def _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs) -> common_pb2.SamplingParams:

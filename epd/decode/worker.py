@@ -17,6 +17,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.models.registry import load_llm_for
+from epd.models.tokenizer_loading import load_tokenizer
 from epd.protocol import DecodeJob
 from epd.threads import ThreadPolicy
 
@@ -27,8 +28,10 @@ class DecodeWorker:
         # prefix caching buys nothing here: the KV arrives computed
         cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, cfg), cfg, eos_token_ids=()),
-                               name="decode-loop", threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
+        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, cfg), cfg, eos_token_ids=(),
+                                                 tokenizer=load_tokenizer(model_dir)),
+                               name="decode-loop",
+                               threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine
 
     def close(self) -> None:

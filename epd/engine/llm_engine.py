@@ -8,6 +8,7 @@ import torch
 from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
 from epd.engine.decode_graphs import decode_batch_buckets
+from epd.engine.grammar import GrammarCompiler
 from epd.engine.memory_profile import kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.model_runner import ModelRunner
@@ -20,7 +21,10 @@ from epd.types import MultimodalItemSpan, SamplingParams
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...],
-                 mm_token_ids: tuple[int, ...] = (), on_finish=None) -> None:
+                 mm_token_ids: tuple[int, ...] = (), on_finish=None, tokenizer=None) -> None:
+        """``tokenizer``: the model's, for structured output (grammars are compiled against it);
+        without one a request with structured output is refused."""
+        self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size) if tokenizer is not None else None
         cfg = model.config
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
@@ -53,8 +57,19 @@ class LLMEngine:
         self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, mm_items=mm_items,
                        eos_token_ids=self.eos_token_ids, output_token_ids=output_token_ids)
+        seq.grammar = self._matcher(params, output_token_ids)
         self.scheduler.add(seq)
         return seq
+
+    def _matcher(self, params: SamplingParams, output_token_ids) -> object | None:
+        """The request's grammar matcher, fed what it produced already (a migrated request's
+        outputs, an imported one's first token); compiled here, so a bad grammar fails alone."""
+        if params.structured is None:
+            return None
+        if self.grammar_compiler is None:
+            raise InvalidRequest("structured output needs the model's tokenizer, which this engine was built "
+                                 "without", param="response_format")
+        return self.grammar_compiler.matcher(params.structured, tuple(output_token_ids))
 
     def _check_vocabulary(self, params: SamplingParams) -> None:
         """Refuse a token id the model has no logit for now: in a step it would fail the batch."""
@@ -82,6 +97,7 @@ class LLMEngine:
         self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,
                        output_token_ids=output_token_ids)
+        seq.grammar = self._matcher(params, (*output_token_ids, first_token_id))
         seq.append_token(first_token_id, first_logprobs)
         seq.imported_kv = kv
         self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)

@@ -9,6 +9,7 @@ from functools import cache
 
 import torch
 
+from epd.engine.grammar import advance_grammars, apply_grammar_masks
 from epd.engine.logits_processors import apply_logits_processors, keep_min_p
 from epd.engine.sequence import Sequence
 from epd.types import TokenLogprobs
@@ -24,11 +25,13 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         logits = logits.float()
         processed = apply_logits_processors(logits, seqs)  # bias and penalties; logprobs stay raw
+        processed = apply_grammar_masks(processed, seqs)  # structured output: what may come next
         tokens: list[int | None] = [None] * len(seqs)
         self._sample_batched(processed, seqs, tokens)
         for i, (row, seq) in enumerate(zip(processed, seqs)):
             if tokens[i] is None:  # seeded: row by row, each from its own generator
                 tokens[i] = self._sample_one(row, seq)
+        advance_grammars(seqs, tokens)
         return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
 
     @staticmethod

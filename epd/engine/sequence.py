@@ -71,6 +71,10 @@ class Sequence:
         # admission, and how many tokens to reserve so the request never needs preemption
         self.imported_kv: Any = None
         self.num_reserved_tokens = 0
+        # structured output: the grammar's matcher, fed every token this sequence samples (the engine
+        # sets it at admission; epd.engine.grammar)
+        self.grammar: Any = None
+        self.grammar_error: str | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

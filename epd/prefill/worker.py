@@ -22,6 +22,7 @@ from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.models.registry import family_for, load_llm_for
+from epd.models.tokenizer_loading import load_tokenizer
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
 from epd.threads import ThreadPolicy
@@ -72,9 +73,11 @@ class PrefillWorker:
         self._tickets: dict[str, PrefillTicket] = {}
         self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, engine_config), engine_config, eos_token_ids=(),
-                                                 mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish),
-                               name="prefill-loop", threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
+        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, engine_config), engine_config,
+                                                 eos_token_ids=(), mm_token_ids=self.spec.mm_token_ids,
+                                                 on_finish=self._on_finish, tokenizer=load_tokenizer(model_dir)),
+                               name="prefill-loop",
+                               threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine
         self.inbox = EmbeddingInbox(on_arrival=self.loop.wake, on_failure=self._fail)
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from epd.engine.grammar import check_grammar
 from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
 from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
@@ -19,7 +20,7 @@ from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
 from epd.router.rate_limit import KeyRateLimiter
 from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
-from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent, StructuredOutput
 from epd.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("epd.router.grpc")
@@ -108,6 +109,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     def _sampling(self, request: router_pb2.ChatGenerateRequest) -> SamplingParams:
         # proto3 zeros are "unset": map them to the defaults documented in router.proto.
         msg = request.sampling
+        if msg.HasField("structured"):  # a grammar that does not compile is refused before any work
+            check_grammar(StructuredOutput(msg.structured.kind, msg.structured.spec))
         return SamplingParams(
             max_tokens=msg.max_tokens or self.default_max_tokens or MAX_TOKENS_TO_FILL, min_tokens=msg.min_tokens,
             temperature=msg.temperature if msg.HasField("temperature") else 1.0,  # OpenAI's default, as over HTTP

@@ -9,15 +9,17 @@ What every other OpenAI and vLLM field gets (informational, or a 400 naming it) 
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from epd.engine.grammar import check_grammar
 from epd.errors import EPDError, InvalidRequest
 from epd.router.openai_fields import check_chat_fields
-from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, TokenLogprobs
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StructuredOutput, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
@@ -115,6 +117,13 @@ class ChatCompletionRequest(_Lenient):
     logit_bias: dict[str, float] | None = None  # OpenAI's shape: token id (as a string) -> bias
     include_stop_str_in_output: bool = False
     request_id: str | None = None  # vLLM's: the id's base, as the X-Request-Id header
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    structured_outputs: dict | None = None  # vLLM's: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+    guided_json: dict | str | None = None  # vLLM's older names for the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -210,7 +219,80 @@ def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None
     _require(body.seed is None or _INT64_MIN <= body.seed <= _INT64_MAX, "seed", "a 64-bit integer", body.seed)
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body), **_processors(body))
+                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body), **_processors(body),
+                          structured=structured_output(body))
+
+
+_GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
+
+
+def structured_output(body: ChatCompletionRequest) -> StructuredOutput | None:
+    """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` / ``guided_*`` as one grammar
+    (at most one may be given), checked to compile: a bad one is a 400 before any work."""
+    found = [(name, so) for name, so in _structured_candidates(body) if so is not None]
+    if len(found) > 1:
+        raise InvalidRequest(f"give one structured output, got {' and '.join(name for name, _ in found)}",
+                             param=found[1][0])
+    if body.guided_decoding_backend not in (None, *_GUIDED_BACKENDS):
+        raise InvalidRequest(f"guided_decoding_backend must be one of {', '.join(_GUIDED_BACKENDS)} (this server "
+                             f"runs llguidance), got {body.guided_decoding_backend!r}", param="guided_decoding_backend")
+    if not found:
+        return None
+    name, structured = found[0]
+    try:
+        check_grammar(structured)
+    except InvalidRequest as err:
+        raise InvalidRequest(f"{name}: {err.message}", param=name) from None
+    return structured
+
+
+def _structured_candidates(body: ChatCompletionRequest):
+    yield "response_format", _response_format(body.response_format)
+    outputs = body.structured_outputs or {}
+    keys = ("json", "regex", "choice", "grammar", "json_object")
+    given = [key for key in keys if outputs.get(key) not in (None, False)]
+    unknown = set(outputs) - {"json", "regex", "choice", "grammar", "json_object", "whitespace_pattern"}
+    if unknown or outputs.get("whitespace_pattern") is not None:
+        raise InvalidRequest(f"structured_outputs takes json, regex, choice, grammar or json_object, got "
+                             f"{sorted(unknown or {'whitespace_pattern'})}", param="structured_outputs")
+    if len(given) > 1:
+        raise InvalidRequest(f"structured_outputs takes one of json, regex, choice, grammar, json_object; got {given}",
+                             param="structured_outputs")
+    for key in given:
+        yield f"structured_outputs.{key}", _from_vllm(key, outputs[key])
+    for key in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{key}")
+        yield f"guided_{key}", None if value is None else _from_vllm(key, value)
+
+
+def _response_format(value: dict | None) -> StructuredOutput | None:
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("schema", {}), Mapping):
+            raise InvalidRequest("response_format.json_schema must be an object with a schema object, got "
+                                 f"{_short(spec)}", param="response_format")
+        return StructuredOutput("json_schema", json.dumps(spec.get("schema", {})))
+    raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                         param="response_format")
+
+
+def _from_vllm(key: str, value) -> StructuredOutput:
+    if key == "json":
+        return StructuredOutput("json_schema", value if isinstance(value, str) else json.dumps(value))
+    if key == "json_object":
+        return StructuredOutput("json_object")
+    if key == "choice":
+        return StructuredOutput("choice", json.dumps(value))
+    if key == "regex":
+        return StructuredOutput("regex", value)
+    return StructuredOutput("lark", value)  # EBNF or Lark: the grammar module reads both
 
 
 def _processors(body: ChatCompletionRequest) -> dict:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"\xd5\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x39\n\nlogit_bias\x18\x0e \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\"\xca\x01\n\x0eMultimodalItem\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\t\x12\x1d\n\x15processor_kwargs_json\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x15\n\rexpected_rows\x18\x07 \x01(\r\x12\x16\n\x0e\x65ncoder_tokens\x18\x08 \x01(\r\x12\x10\n\x08grid_thw\x18\t \x03(\r\"\xc6\x01\n\x0fRequestMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.epd.v1.MultimodalItem\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x03J\x04\x08\x04\x10\x05J\x04\x08\x07\x10\x08\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x0f\n\rHealthRequest\"\xe0\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x1c\n\x14num_encoder_forwards\x18\x07 \x01(\x04\x12\x19\n\x11num_encoded_items\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x19\n\x11num_held_requests\x18\n \x01(\r\"f\n\rEmbeddingPush\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nitem_index\x18\x02 \x01(\r\x12\'\n\tembedding\x18\x03 \x01(\x0b\x32\x14.epd.v1.TensorHandleJ\x04\x08\x04\x10\x05\"\xc5\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12-\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x15.epd.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.epd.v1.TensorHandle\x12\x13\n\x0bmrope_delta\x18\x04 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rfinish_reason\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/common.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/tensor.proto\"\x83\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x03\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x03\x88\x01\x01\x12\r\n\x05min_p\x18\r \x01(\x02\x12\x39\n\nlogit_bias\x18\x0e \x03(\x0b\x32%.epd.v1.SamplingParams.LogitBiasEntry\x12,\n\nstructured\x18\x0f \x01(\x0b\x32\x18.epd.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penalty\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\xca\x01\n\x0eMultimodalItem\x12\x12\n\nitem_index\x18\x01 \x01(\r\x12\x10\n\x08modality\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\t\x12\x1d\n\x15processor_kwargs_json\x18\x05 \x01(\t\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x15\n\rexpected_rows\x18\x07 \x01(\r\x12\x16\n\x0e\x65ncoder_tokens\x18\x08 \x01(\r\x12\x10\n\x08grid_thw\x18\t \x03(\r\"\xc6\x01\n\x0fRequestMetadata\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12%\n\x05items\x18\x03 \x03(\x0b\x32\x16.epd.v1.MultimodalItem\x12(\n\x08sampling\x18\x05 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x06 \x03(\x03\x12\x18\n\x10output_token_ids\x18\x08 \x03(\x03J\x04\x08\x04\x10\x05J\x04\x08\x07\x10\x08\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x0f\n\rHealthRequest\"\xe0\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04tier\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x1c\n\x14num_encoder_forwards\x18\x07 \x01(\x04\x12\x19\n\x11num_encoded_items\x18\x08 \x01(\x04\x12\x11\n\tnum_steps\x18\t \x01(\x04\x12\x19\n\x11num_held_requests\x18\n \x01(\r\"f\n\rEmbeddingPush\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nitem_index\x18\x02 \x01(\r\x12\'\n\tembedding\x18\x03 \x01(\x0b\x32\x14.epd.v1.TensorHandleJ\x04\x08\x04\x10\x05\"\xc5\x01\n\rPrefillResult\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12-\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x15.epd.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.epd.v1.TensorHandle\x12\x13\n\x0bmrope_delta\x18\x04 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rfinish_reason\x18\x07 \x01(\tJ\x04\x08\x05\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=522
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=413
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=461
-  _globals['_MULTIMODALITEM']._serialized_start=525
-  _globals['_MULTIMODALITEM']._serialized_end=727
-  _globals['_REQUESTMETADATA']._serialized_start=730
-  _globals['_REQUESTMETADATA']._serialized_end=928
-  _globals['_TOKENLOGPROBS']._serialized_start=930
-  _globals['_TOKENLOGPROBS']._serialized_end=1025
-  _globals['_HEALTHREQUEST']._serialized_start=1027
-  _globals['_HEALTHREQUEST']._serialized_end=1042
-  _globals['_HEALTHRESPONSE']._serialized_start=1045
-  _globals['_HEALTHRESPONSE']._serialized_end=1269
-  _globals['_EMBEDDINGPUSH']._serialized_start=1271
-  _globals['_EMBEDDINGPUSH']._serialized_end=1373
-  _globals['_PREFILLRESULT']._serialized_start=1376
-  _globals['_PREFILLRESULT']._serialized_end=1573
+  _globals['_SAMPLINGPARAMS']._serialized_end=568
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=459
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=507
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=570
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=616
+  _globals['_MULTIMODALITEM']._serialized_start=619
+  _globals['_MULTIMODALITEM']._serialized_end=821
+  _globals['_REQUESTMETADATA']._serialized_start=824
+  _globals['_REQUESTMETADATA']._serialized_end=1022
+  _globals['_TOKENLOGPROBS']._serialized_start=1024
+  _globals['_TOKENLOGPROBS']._serialized_end=1119
+  _globals['_HEALTHREQUEST']._serialized_start=1121
+  _globals['_HEALTHREQUEST']._serialized_end=1136
+  _globals['_HEALTHRESPONSE']._serialized_start=1139
+  _globals['_HEALTHRESPONSE']._serialized_end=1363
+  _globals['_EMBEDDINGPUSH']._serialized_start=1365
+  _globals['_EMBEDDINGPUSH']._serialized_end=1467
+  _globals['_PREFILLRESULT']._serialized_start=1470
+  _globals['_PREFILLRESULT']._serialized_end=1667
 # @@protoc_insertion_point(module_scope)

@@ -7,8 +7,10 @@ import re
 import threading
 import time
 import urllib.request
+from typing import Literal
 
 import openai
+import pydantic
 import pytest
 
 from epd.models.presets import write_preset_checkpoint
@@ -230,3 +232,26 @@ def test_an_image_that_does_not_decode_is_a_400_naming_it_and_the_server_keeps_s
         client.chat.completions.create(model="m", messages=chat("What is it?", [data_url(truncated)]), max_tokens=2)
     out = client.chat.completions.create(model="m", messages=chat("What is it?", [data_url(image)]), max_tokens=2)
     assert out.choices[0].finish_reason == "length"
+
+
+class _Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=150)
+    colour: Literal["red", "green", "blue"]
+    ok: bool
+
+
+def test_parse_with_a_pydantic_model_gives_an_instance_across_the_split(client):
+    """The official client's structured-output helper: prefill samples the first token under the
+    grammar and decode the rest, each with its own matcher over the same tokens."""
+    image = make_image_bytes(64, 48, seed=41)
+    for params in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        out = client.chat.completions.parse(model="m", messages=chat("Who is in the picture?", [data_url(image)]),
+                                            response_format=_Person, max_tokens=120, **params)
+        assert isinstance(out.choices[0].message.parsed, _Person), out.choices[0].message.content
+    streamed = client.chat.completions.create(
+        model="m", messages=chat("Pick one.", []), stream=True, max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta", "gamma"]}})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in {"alpha", "beta", "gamma"}
+    with pytest.raises(openai.BadRequestError, match=r"guided_regex: structured output \(regex\) does not compile"):
+        client.chat.completions.create(model="m", messages=chat("x", []), extra_body={"guided_regex": "a("})

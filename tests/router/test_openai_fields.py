@@ -17,7 +17,7 @@ from tests.router.test_http_app import create, served
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
 
 # a value that asks for something, per refused field
-ASKING = {"store": True, "service_tier": "flex", "response_format": {"type": "json_object"},
+ASKING = {"store": True, "service_tier": "flex",
           "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
           "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
@@ -27,9 +27,7 @@ ASKING = {"store": True, "service_tier": "flex", "response_format": {"type": "js
           "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "echo": True,
           "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
           "documents": [{"text": "d"}], "chat_template": "{{ 1 }}", "chat_template_kwargs": {"x": 1},
-          "mm_processor_kwargs": {"max_pixels": 1000}, "structured_outputs": {"json": {}}, "guided_json": {},
-          "guided_regex": "a+", "guided_choice": ["a"], "guided_grammar": "root ::= 'a'",
-          "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "priority": 5,
+          "mm_processor_kwargs": {"max_pixels": 1000}, "guided_whitespace_pattern": " ", "priority": 5,
           "return_tokens_as_token_ids": True, "cache_salt": "s",
           "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "bad_words": ["x"], "allowed_token_ids": [1],
           "logits_processors": ["x"]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import time
 
 import openai
@@ -267,3 +268,31 @@ def test_the_clients_request_id_is_the_responses(model_dir, tokenizer):
     assert by_body.json()["id"] == "chatcmpl-mine-7"
     assert bad.status_code == 400 and "X-Request-Id must be at most 128 printable" in bad.json()["error"]["message"]
     assert backend.jobs[0].request_id.startswith("chatcmpl-trace-42#")  # unique on the workers all the same
+
+
+def test_structured_output_reaches_the_backend_from_both_front_ends_in_every_spelling(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["{}"]))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    user = [{"role": "user", "content": "Hi"}]
+    json_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        http.chat.completions.create(model="tiny", messages=user, response_format=json_schema)
+        http.chat.completions.create(model="tiny", messages=user, response_format={"type": "json_object"})
+        http.chat.completions.create(model="tiny", messages=user, extra_body={"guided_choice": ["a", "b"]})
+        http.chat.completions.create(model="tiny", messages=user, extra_body={"structured_outputs": {"regex": "x+"}})
+        http.chat.completions.create(model="tiny", messages=user,
+                                     extra_body={"guided_grammar": 'root ::= "yes" | "no"'})
+        sdk.chat("Hi", response_format=json_schema)
+        sdk.chat("Hi", structured_outputs={"choice": ["a", "b"]})
+        with pytest.raises(openai.BadRequestError, match="give one structured output, got response_format and "
+                                                         "guided_regex"):
+            http.chat.completions.create(model="tiny", messages=user, response_format={"type": "json_object"},
+                                         extra_body={"guided_regex": "a"})
+        with pytest.raises(openai.BadRequestError, match=r"guided_grammar: .*not valid EBNF: Expected .\)."):
+            http.chat.completions.create(model="tiny", messages=user, extra_body={"guided_grammar": "root ::= ("})
+        with pytest.raises(SdkInvalidRequest, match="does not compile"):
+            sdk.chat("Hi", structured_outputs={"regex": "a("})
+    got = [job.sampling.structured for job in backend.jobs]
+    assert [(s.kind, json.loads(s.spec) if s.kind in ("json_schema", "choice") else s.spec) for s in got] == [
+        ("json_schema", schema), ("json_object", ""), ("choice", ["a", "b"]), ("regex", "x+"),
+        ("lark", 'root ::= "yes" | "no"'), ("json_schema", schema), ("choice", ["a", "b"])]

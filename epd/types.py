@@ -4,6 +4,7 @@ engine, the router, the SDK and the front ends all import these, and wire types 
 and from them at each process edge (``epd.protocol``)."""
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for, per token
@@ -104,6 +105,15 @@ class TokenLogprobs:
     top: dict[int, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made (``epd.router.tool_calls`` parses it out of its text)."""
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+
 MAX_TOKENS_TO_FILL = 2**31 - 1  # sampling.max_tokens of a ChatRequest with fill_max_tokens, until it is set
 
 
@@ -120,6 +130,8 @@ class ChatRequest:
     stop_strings: list[str] = field(default_factory=list)  # the output ends before the first match
     timeout_s: float | None = None  # per-request deadline; None: the router's default
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's)
+    tools: list[dict] | None = None  # rendered by the chat template (None: no tools in the prompt)
+    parse_tool_calls: bool = False  # turn <tool_call> blocks of the output into tool calls
     # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt
     # (vLLM's default), once the prompt is tokenized; until then sampling.max_tokens is a placeholder
     fill_max_tokens: bool = False
@@ -137,6 +149,7 @@ class StreamEvent:
     num_cached_tokens: int = 0  # first event only: prompt tokens served from the prefix cache
     # last event, finish "stop": the stop string or stop token id that ended it (None: EOS), vLLM's
     stop_reason: str | int | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed with this event
 
 
 @dataclass

@@ -9,10 +9,11 @@
 from epd.client.aio import AsyncChatStream, AsyncEPDClient
 from epd.client.errors import DeadlineExceeded, EPDError, InvalidRequest, Overloaded, Unauthenticated, Unavailable
 from epd.client.sync import ChatStream, EPDClient
-from epd.client.types import ChatDelta, ChatResult, HealthStatus, TokenLogprob, Usage, WorkerHealth
+from epd.client.types import ChatDelta, ChatResult, HealthStatus, TokenLogprob, ToolCall, Usage, WorkerHealth
 
 __all__ = [
     "AsyncChatStream", "AsyncEPDClient", "ChatDelta", "ChatResult", "ChatStream", "DeadlineExceeded", "EPDClient",
-    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "Unauthenticated", "Unavailable",
+    "EPDError", "HealthStatus", "InvalidRequest", "Overloaded", "TokenLogprob", "ToolCall", "Unauthenticated",
+    "Unavailable",
     "Usage", "WorkerHealth",
 ]

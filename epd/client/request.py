@@ -29,12 +29,16 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
                   logit_bias: Mapping[int, float] | None = None, include_stop_str_in_output: bool = False,
                   stop_token_ids: Sequence[int] = (), min_tokens: int = 0, ignore_eos: bool = False,
                   response_format: Mapping | type | None = None, structured_outputs: Mapping | None = None,
+                  tools: Sequence[Mapping] | None = None, tool_choice: str | Mapping | None = None,
+                  parallel_tool_calls: bool | None = None,
                   timeout_s: float | None = None, request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
     """The request ``EPDClient.chat`` / ``stream`` send; their keyword options are these, named as in
     the OpenAI API and vLLM's extensions (penalties, ``min_p``, ``logit_bias`` keyed by token id,
     ``stop_token_ids``, ``min_tokens``, ``ignore_eos``, ``include_stop_str_in_output``, and structured
     output: ``response_format`` as OpenAI's (or a pydantic model class), or vLLM's
-    ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``))."""
+    ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``), and
+    ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's (calls come back in
+    ``ChatResult.tool_calls``; messages may carry ``tool_calls`` and ``tool_call_id`` as OpenAI's do))."""
     try:
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
         sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
@@ -47,10 +51,15 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
         structured = _structured(response_format, structured_outputs)
         if structured is not None:
             sampling.structured.CopyFrom(structured)
-        return router_pb2.ChatGenerateRequest(
+        request = router_pb2.ChatGenerateRequest(
             request_id=request_id or "", messages=_messages(messages, images), sampling=sampling,
             stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0,
-            include_stop_str_in_output=include_stop_str_in_output)
+            include_stop_str_in_output=include_stop_str_in_output,
+            tools_json=json.dumps(list(tools)) if tools else "",
+            tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "")
+        if parallel_tool_calls is not None:
+            request.parallel_tool_calls = parallel_tool_calls
+        return request
     except InvalidRequest:
         raise
     except (TypeError, ValueError) as exc:  # protobuf refusing a value of the wrong type or range
@@ -86,7 +95,22 @@ def _message(index: int, message: dict | router_pb2.ChatMessage) -> router_pb2.C
     elif isinstance(content, str):
         content = [content]
     parts = [_part(f"messages[{index}].content[{j}]", part) for j, part in enumerate(content)]
-    return router_pb2.ChatMessage(role=message["role"], content=parts)
+    calls = [_tool_call(f"messages[{index}].tool_calls[{j}]", call)
+             for j, call in enumerate(message.get("tool_calls") or [])]
+    return router_pb2.ChatMessage(role=message["role"], content=parts, tool_calls=calls,
+                                  tool_call_id=message.get("tool_call_id") or "")
+
+
+def _tool_call(where: str, call) -> router_pb2.ChatToolCall:
+    """An OpenAI-shaped call ({"id", "function": {"name", "arguments"}}), or the SDK's own ToolCall."""
+    if isinstance(call, dict):
+        function = call.get("function") or {}
+        arguments = function.get("arguments", "{}")
+        return router_pb2.ChatToolCall(id=call.get("id", ""), name=function.get("name", ""),
+                                       arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if hasattr(call, "name") and hasattr(call, "arguments"):
+        return router_pb2.ChatToolCall(id=getattr(call, "id", ""), name=call.name, arguments=call.arguments)
+    raise InvalidRequest(f"{where}: expected an OpenAI tool call dict or a ToolCall, got {_describe(call)}")
 
 
 def _part(where: str, part: str | dict) -> router_pb2.ContentPart:

@@ -27,6 +27,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A function call the model made; send it back in an assistant message's ``tool_calls``."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class ChatDelta:
     """New output of a streaming request. The last delta has ``finish_reason``."""
 
@@ -38,6 +50,7 @@ class ChatDelta:
     prompt_token_ids: list[int] | None = None  # first delta only
     num_cached_tokens: int = 0  # first delta only
     stop_reason: str | int | None = None  # last delta: the stop string or stop token id that ended it
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed with this delta
 
     @classmethod
     def from_proto(cls, msg: router_pb2.ChatGenerateResponse, *, is_first: bool) -> ChatDelta:
@@ -47,7 +60,8 @@ class ChatDelta:
                    finish_reason=msg.finish_reason or None,
                    prompt_token_ids=list(msg.prompt_token_ids) if is_first else None,
                    num_cached_tokens=msg.num_cached_tokens if is_first else 0,
-                   stop_reason=msg.stop_string or (msg.stop_token_id if msg.HasField("stop_token_id") else None))
+                   stop_reason=msg.stop_string or (msg.stop_token_id if msg.HasField("stop_token_id") else None),
+                   tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls])
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class ChatResult:
     num_cached_tokens: int
     usage: Usage
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason "tool_calls"
 
 
 class ResultBuilder:
@@ -74,6 +89,7 @@ class ResultBuilder:
         self.token_ids: list[int] = []
         self.prompt_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[ToolCall] = []
         self.num_cached_tokens = 0
 
     def add(self, delta: ChatDelta) -> None:
@@ -83,6 +99,7 @@ class ResultBuilder:
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+        self.tool_calls += delta.tool_calls
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
             self.num_cached_tokens = delta.num_cached_tokens
@@ -93,7 +110,7 @@ class ResultBuilder:
         return ChatResult(request_id=self.request_id, text="".join(self.texts), token_ids=self.token_ids,
                           prompt_token_ids=self.prompt_token_ids, finish_reason=self.finish_reason,
                           logprobs=self.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage,
-                          stop_reason=self.stop_reason)
+                          stop_reason=self.stop_reason, tool_calls=self.tool_calls)
 
 
 @dataclass(frozen=True)

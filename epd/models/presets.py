@@ -37,7 +37,7 @@ VIDEO_TOKEN_ID = 151_656
 
 NORM_SCALE_STD = 0.1  # norm weights are 1 + N(0, this)
 _MARKER_FILE = "epd_preset.json"
-_FORMAT_VERSION = 1  # bump when the written files change for the same spec
+_FORMAT_VERSION = 2  # bump when the written files change for the same spec (2: a chat template with tools)
 
 
 @dataclass(frozen=True)

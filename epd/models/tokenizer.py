@@ -44,18 +44,20 @@ MODEL_MAX_LENGTH = 32_768
 
 # Same output as Qwen2-VL-Instruct's template: a default system turn, images/videos as one placeholder
 # each (the processor expands it to the item's token count), optional "Picture N: " labels. No Jinja
-# whitespace control: every newline below is part of the prompt.
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}"
-    "{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
+# whitespace control: every newline below is part of the prompt. With ``tools`` (and tool calls and
+# tool results in the history) it renders them as Qwen2.5's template does, in the Hermes format the
+# Qwen models were trained on: the tools in the system turn inside <tools>, each call as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>, results as <tool_response> in a user turn.
+# Without any of them the output is the Qwen2-VL template's, byte for byte.
+_TOOLS_PREAMBLE = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                   "You are provided with function signatures within <tools></tools> XML tags:\n<tools>")
+_TOOLS_EPILOGUE = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                   "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, "
+                   "\"arguments\": <args-json-object>}\n</tool_call>")
+_CONTENT = (
     "{% if message['content'] is string %}"
     "{{ message['content'] }}"
-    "{% else %}"
+    "{% elif message['content'] %}"
     "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "{% set image_count.value = image_count.value + 1 %}"
@@ -70,15 +72,45 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% endif %}"
     "{% endfor %}"
     "{% endif %}"
+)
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant."
+    "{% if tools %}" + _TOOLS_PREAMBLE + "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    + _TOOLS_EPILOGUE + "{% endif %}"
     "<|im_end|>\n"
+    "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n" + _CONTENT + "\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "<|im_start|>assistant"
+    "{% if message['content'] %}\n" + _CONTENT + "{% endif %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "\n<tool_call>\n{\"name\": \"{{ call['name'] }}\", \"arguments\": "
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "}\n</tool_call>"
+    "{% endfor %}"
+    "<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n" + _CONTENT +
+    "{% if loop.first and message['role'] == 'system' and tools %}" + _TOOLS_PREAMBLE
+    + "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}" + _TOOLS_EPILOGUE + "{% endif %}"
+    "<|im_end|>\n"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}"
     "<|im_start|>assistant\n"
     "{% endif %}"
-)
+).replace("%}\n", "%}{{ '\\n' }}")  # chat templates render with trim_blocks: a newline right after a tag is dropped
 
 # Bumped when the built files change; a cache entry with another version is rebuilt.
-_BUILD_VERSION = 1
+_BUILD_VERSION = 2  # 2: the chat template renders tools
 _VERSION_FILE = "epd_tokenizer.json"
 
 

@@ -6,6 +6,8 @@ resolves them, the same way for this API as for HTTP.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +20,9 @@ from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
+from epd.router.openai_protocol import arguments_for_template as _arguments
 from epd.router.rate_limit import KeyRateLimiter
+from epd.router.tool_calls import plan_tools
 from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
 from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent, StructuredOutput
 from epd.v1 import router_pb2, router_pb2_grpc
@@ -81,19 +85,37 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
         messages = [self._message(i, m) for i, m in enumerate(request.messages)]
         # The call deadline bounds the request too, so the core stops when the client gives up.
         timeouts_s = [t for t in (request.timeout_s, time_remaining_s) if t and t > 0]
-        return ChatRequest(messages=messages, sampling=self._sampling(request), request_id=request_id,
+        tools = plan_tools(_json_field(request.tools_json, "tools_json"),
+                           _json_field(request.tool_choice_json, "tool_choice_json"),
+                           request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None)
+        sampling = self._sampling(request)
+        if tools.grammar is not None:
+            if sampling.structured is not None:
+                raise InvalidRequest("tool_choice required or a named function already constrains the output; give "
+                                     "no structured output with it")
+            sampling = dataclasses.replace(sampling, structured=tools.grammar)
+        return ChatRequest(messages=messages, sampling=sampling, request_id=request_id,
                            stop_strings=[s for s in request.stop if s],
                            timeout_s=min(timeouts_s) if timeouts_s else None,
                            include_stop_str_in_output=request.include_stop_str_in_output,
-                           fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None)
+                           fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
+                           tools=tools.render, parse_tool_calls=tools.parse)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
         if not message.role:
             raise ValueError(f"messages[{index}] has no role; expected 'system', 'user' or 'assistant'")
         parts = [self._part(f"messages[{index}].content[{j}]", p) for j, p in enumerate(message.content)]
         if all(p["type"] == "text" for p in parts):
-            return {"role": message.role, "content": "".join(p["text"] for p in parts)}
-        return {"role": message.role, "content": parts}
+            out = {"role": message.role, "content": "".join(p["text"] for p in parts)}
+        else:
+            out = {"role": message.role, "content": parts}
+        if message.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                 for c in message.tool_calls]
+        if message.tool_call_id:
+            out["tool_call_id"] = message.tool_call_id
+        return out
 
     @staticmethod
     def _part(where: str, part: router_pb2.ContentPart) -> dict:
@@ -178,11 +200,22 @@ def _response(event: StreamEvent, request_id: str) -> router_pb2.ChatGenerateRes
         request_id=request_id, token_ids=event.token_ids, text=event.text,
         logprobs=[logprobs_to_proto(lp) for lp in event.logprobs], finish_reason=event.finish_reason or "",
         prompt_token_ids=event.prompt_token_ids or [], num_cached_tokens=event.num_cached_tokens)
+    msg.tool_calls.extend(router_pb2.ChatToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                          for c in event.tool_calls)
     if isinstance(event.stop_reason, str):
         msg.stop_string = event.stop_reason
     elif event.stop_reason is not None:
         msg.stop_token_id = event.stop_reason
     return msg
+
+
+def _json_field(text: str, name: str):
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError as err:
+        raise InvalidRequest(f"{name} is not valid JSON: {err}", param=name) from None
 
 
 # ---- errors -------------------------------------------------------------------------------------

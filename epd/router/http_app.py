@@ -44,11 +44,15 @@ from epd.router.openai_protocol import (
     ChatCompletionResponse,
     Choice,
     ChoiceLogprobs,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseFunction,
     ResponseMessage,
+    ResponseToolCall,
     StreamChoice,
     TokenLogprob,
     Usage,
@@ -58,7 +62,7 @@ from epd.router.openai_protocol import (
     to_chat_request,
 )
 from epd.router.rate_limit import KeyRateLimiter
-from epd.types import ChatRequest, StreamEvent
+from epd.types import ChatRequest, StreamEvent, ToolCall
 
 log = logging.getLogger("epd.router.http")
 
@@ -204,8 +208,9 @@ class _ChatCompletions:
                 pump.close()
 
     async def _complete(self, request: Request, pump: _CorePump, event: StreamEvent, out: _Completion) -> Response:
-        text, token_ids, logprobs = [], [], []
+        text, token_ids, logprobs, calls = [], [], [], []
         while True:
+            calls += event.tool_calls
             delta_text, delta_ids, delta_logprobs = out.add(event)
             text.append(delta_text)
             token_ids += delta_ids
@@ -220,7 +225,7 @@ class _ChatCompletions:
         response = ChatCompletionResponse(
             id=out.request_id, created=out.created, model=out.model, usage=out.usage(),
             prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None,
-            choices=[Choice(message=ResponseMessage(content="".join(text)), finish_reason=out.finish_reason,
+            choices=[Choice(message=_message("".join(text), calls), finish_reason=out.finish_reason,
                             stop_reason=out.stop_reason,
                             logprobs=ChoiceLogprobs(content=logprobs) if out.num_logprobs is not None else None,
                             token_ids=token_ids if out.return_token_ids else None)])
@@ -233,9 +238,12 @@ class _ChatCompletions:
             prompt_token_ids = list(event.prompt_token_ids or []) if out.return_token_ids else None
             yield _sse(out.chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_token_ids))
             while event is not None:
+                calls = event.tool_calls
                 text, token_ids, logprobs = out.add(event)
                 if text or (token_ids and (out.return_token_ids or logprobs is not None)):
                     yield _sse(out.chunk(DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
+                if calls:
+                    yield _sse(out.chunk(DeltaMessage(tool_calls=out.delta_calls(calls))))
                 if out.finish_reason:
                     break
                 event = await pump.next(None)  # Starlette cancels this stream when the client leaves
@@ -275,6 +283,7 @@ class _Completion:
         self.num_cached_tokens = self.num_completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.num_calls = 0
 
     def add(self, event: StreamEvent) -> tuple[str, list[int], list[TokenLogprob] | None]:
         """(text to send, token ids, logprobs entries or None when not asked for)."""
@@ -291,6 +300,14 @@ class _Completion:
     def usage(self) -> Usage:
         return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
 
+    def delta_calls(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        """Calls as stream deltas, each whole in one (OpenAI's clients join a call's pieces by index)."""
+        out = [DeltaToolCall(index=self.num_calls + k, id=call.id,
+                             function=DeltaFunction(name=call.name, arguments=call.arguments))
+               for k, call in enumerate(calls)]
+        self.num_calls += len(calls)
+        return out
+
     def chunk(self, delta: DeltaMessage, *, finish_reason: str | None = None, token_ids: list[int] | None = None,
               logprobs: list[TokenLogprob] | None = None, prompt_token_ids: list[int] | None = None,
               stop_reason: str | int | None = None) -> ChatCompletionChunk:
@@ -299,6 +316,15 @@ class _Completion:
                               token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
                                    prompt_token_ids=prompt_token_ids)
+
+
+def _message(text: str, calls: list[ToolCall]) -> ResponseMessage:
+    """The answer: its text (None when it is only calls, as OpenAI sends it) and its tool calls."""
+    tool_calls = [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+                  for c in calls]
+    if calls:  # the text before the calls, as vLLM's Hermes parser returns it
+        return ResponseMessage(content=text.strip() or None, tool_calls=tool_calls)
+    return ResponseMessage(content=text, tool_calls=tool_calls)
 
 
 class _CorePump:

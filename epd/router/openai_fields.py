@@ -59,8 +59,8 @@ def _refused(name: str, note: str, asks_nothing: Callable[[Any], bool] = _unset,
 
 CHAT_FIELDS: tuple[FieldRule, ...] = (
     # ---- OpenAI
-    _works("messages", "system / developer / user / assistant roles; text and image_url parts (tool messages "
-                       "and an assistant's tool_calls: a 400 until tool calling is implemented)"),
+    _works("messages", "system / developer / user / assistant / tool roles; text and image_url parts; an "
+                       "assistant's tool_calls and tool results are rendered back into the prompt"),
     _works("model", "one of the served names (--served-model-name), else 404; omitted: the first"),
     _works("max_tokens", "default: what --max-model-len leaves after the prompt (vLLM's), or --default-max-tokens"),
     _works("max_completion_tokens", "OpenAI's newer name; wins over max_tokens"),
@@ -84,9 +84,10 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _works("logit_bias", "token id -> [-100, 100] added to its logit; an id past the vocabulary is a 400"),
     _works("response_format", "text, json_object, json_schema (client.chat.completions.parse works): the output "
                               "is kept inside the grammar token by token (llguidance), on every tier that samples"),
-    _refused("tools", "tool calling is not implemented yet", _falsy),
-    _refused("tool_choice", "tool calling is not implemented yet", _one_of("none")),
-    _refused("parallel_tool_calls", "tool calling is not implemented yet"),
+    _works("tools", "functions, rendered by the chat template (Qwen's Hermes format); calls come back as tool_calls"),
+    _works("tool_choice", "none, auto, required, or a named function: required and named are held to a grammar, so "
+                          "the call is always valid JSON for the tool's parameters"),
+    _works("parallel_tool_calls", "false: one call at most with required or a named function"),
     _refused("functions", "deprecated by OpenAI for tools; not implemented", _falsy),
     _refused("function_call", "deprecated by OpenAI for tool_choice; not implemented", _one_of("none")),
     _refused("audio", "audio output is not supported"),

@@ -9,6 +9,7 @@ What every other OpenAI and vLLM field gets (informational, or a 400 naming it) 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from epd.engine.grammar import check_grammar
 from epd.errors import EPDError, InvalidRequest
 from epd.router.openai_fields import check_chat_fields
+from epd.router.tool_calls import plan_tools
 from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StructuredOutput, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
@@ -63,27 +65,23 @@ class ImageURLPart(_Lenient):
 ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
 
 
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict = "{}"  # OpenAI sends JSON text; a dict is taken too
+
+
+class MessageToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("tool_calls")
-    @classmethod
-    def _no_tool_calls_yet(cls, value: list | None) -> list | None:
-        if value:  # dropping them would change what the model sees of the conversation
-            raise ValueError("an assistant message's tool_calls are not supported yet (tool calling is not "
-                             "implemented)")
-        return value
-
-    @field_validator("role")
-    @classmethod
-    def _no_tool_role_yet(cls, value: str) -> str:
-        if value == "tool":
-            raise ValueError("tool messages are not supported yet (tool calling is not implemented)")
-        return value
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls, rendered back into the prompt
+    tool_call_id: str | None = None  # a tool message: which call it answers
 
 
 class StreamOptions(_Lenient):
@@ -124,6 +122,9 @@ class ChatCompletionRequest(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -196,10 +197,18 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     given = body.max_completion_tokens is not None or body.max_tokens is not None
-    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=_sampling_params(body,
-                       default_max_tokens), request_id=request_id, stop_strings=_stop_strings(body.stop),
+    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    sampling = _sampling_params(body, default_max_tokens)
+    if tools.grammar is not None:
+        if sampling.structured is not None:
+            raise InvalidRequest("tool_choice required or a named function already constrains the output; give no "
+                                 "response_format or structured_outputs with it", param="tool_choice")
+        sampling = dataclasses.replace(sampling, structured=tools.grammar)
+    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=sampling,
+                       request_id=request_id, stop_strings=_stop_strings(body.stop),
                        fill_max_tokens=not given and default_max_tokens is None,
-                       include_stop_str_in_output=body.include_stop_str_in_output)
+                       include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,
+                       parse_tool_calls=tools.parse)
 
 
 def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
@@ -341,7 +350,25 @@ def _message_dict(message: ChatMessage) -> dict:
     out = {"role": role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        # arguments as a JSON object, which the chat template writes into the call as the model wrote it
+        out["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": arguments_for_template(call.function.arguments)}}
+            for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
+
+
+def arguments_for_template(arguments: str | dict) -> dict | str:
+    """A call's arguments as the chat template writes them: the JSON object itself."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: written as it came
+    return value if isinstance(value, dict) else arguments
 
 
 def _require(ok: bool, param: str, expected: str, got: Any) -> None:
@@ -402,9 +429,33 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
 
 
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: DeltaFunction
 
 
 class Choice(BaseModel):
@@ -429,6 +480,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()
     content: str | None = _omit_if_none()
+    tool_calls: list[DeltaToolCall] | None = _omit_if_none()
 
 
 class StreamChoice(BaseModel):

@@ -28,6 +28,7 @@ from epd.router.detok import IncrementalDetokenizer
 from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.metrics import RouterMetrics
 from epd.router.stop_strings import StopStrings
+from epd.router.tool_calls import ToolCallStream
 from epd.types import ChatRequest, StreamEvent
 
 log = logging.getLogger("epd.router")
@@ -89,7 +90,7 @@ class RequestPipeline:
         job = Job(f"{request.request_id}#{uuid.uuid4().hex[:8]}", prompt, request.sampling, self.eos_token_ids,
                   deadline)
         text = _TextStream(self.tokenizer, request.stop_strings, request.include_stop_str_in_output,
-                           request.sampling.stop_token_ids)
+                           request.sampling.stop_token_ids, request.parse_tool_calls)
         outputs = self.backend.run(job)
         first_at, num_tokens = None, 0
         try:
@@ -115,18 +116,18 @@ class RequestPipeline:
 
     async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
         messages = await self.media.resolve(request.messages)
-        prompt = await asyncio.to_thread(self._preprocess, messages)
+        prompt = await asyncio.to_thread(self._preprocess, messages, request.tools)
         self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
         if request.fill_max_tokens:
             request.sampling = self.limits.fill_max_tokens(len(prompt.prompt_token_ids), request.sampling)
         self.limits.check_prompt(len(prompt.prompt_token_ids), prompt.num_embedding_rows, request.sampling)
         return prompt
 
-    def _preprocess(self, messages: list[dict]) -> ProcessedPrompt:
+    def _preprocess(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
         """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
         conversation, images = extract_images(messages)
         try:
-            return self.processor.process_messages(conversation, images)
+            return self.processor.process_messages(conversation, images, tools=tools)
         except EPDError:
             raise
         except ValueError as err:
@@ -137,10 +138,11 @@ class _TextStream:
     """Backend outputs -> events: incremental text, then stop strings (which may end the request)."""
 
     def __init__(self, tokenizer, stop_strings: list[str], include_stop_str: bool = False,
-                 stop_token_ids: tuple[int, ...] = ()) -> None:
+                 stop_token_ids: tuple[int, ...] = (), parse_tool_calls: bool = False) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = StopStrings(stop_strings, include_in_output=include_stop_str)
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.tools = ToolCallStream() if parse_tool_calls else None
 
     def event(self, output: BackendOutput, prompt: ProcessedPrompt | None) -> StreamEvent:
         text, matched = self.stops.feed(self.detok.add(output.token_ids))
@@ -151,8 +153,15 @@ class _TextStream:
             last = output.token_ids[-1] if output.token_ids else None
             if finish_reason == "stop" and last in self.stop_token_ids:
                 stop_reason = last  # a stop token ended it; EOS leaves stop_reason None, as vLLM
+        calls = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if finish_reason:
+                text += self.tools.flush()
+                if finish_reason == "stop" and self.tools.calls:
+                    finish_reason = "tool_calls"  # OpenAI's reason when the answer is calls
         return StreamEvent(token_ids=list(output.token_ids), text=text, logprobs=list(output.logprobs),
-                           finish_reason=finish_reason, stop_reason=stop_reason,
+                           finish_reason=finish_reason, stop_reason=stop_reason, tool_calls=calls,
                            prompt_token_ids=list(prompt.prompt_token_ids) if prompt is not None else None,
                            num_cached_tokens=output.num_cached_tokens if prompt is not None else 0)
 

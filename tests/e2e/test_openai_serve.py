@@ -255,3 +255,34 @@ def test_parse_with_a_pydantic_model_gives_an_instance_across_the_split(client):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) in {"alpha", "beta", "gamma"}
     with pytest.raises(openai.BadRequestError, match=r"guided_regex: structured output \(regex\) does not compile"):
         client.chat.completions.create(model="m", messages=chat("x", []), extra_body={"guided_regex": "a("})
+
+
+_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1,
+                                                                         "maximum": 7}}}}}
+
+
+def test_a_tool_round_trip_with_the_official_client_across_the_split(client):
+    """tool_choice required: the random model's call is held to the tool's schema, so it is always
+    valid; the call and its result then go back in the history and the next answer comes."""
+    import jsonschema
+    messages = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
+    first = client.chat.completions.create(model="m", messages=messages, tools=[_WEATHER], tool_choice="required",
+                                           max_tokens=80, temperature=1.0, seed=5)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls[:1]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), _WEATHER["function"]["parameters"])
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "18C and sunny"}]
+    second = client.chat.completions.create(model="m", messages=messages, tools=[_WEATHER], max_tokens=8)
+    assert second.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result are in the prompt
+    streamed = list(client.chat.completions.create(
+        model="m", messages=messages[:1], tools=[_WEATHER], stream=True, max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False))
+    calls = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), _WEATHER["function"]["parameters"])

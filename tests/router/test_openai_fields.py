@@ -18,8 +18,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
 
 # a value that asks for something, per refused field
 ASKING = {"store": True, "service_tier": "flex",
-          "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}], "tool_choice": "required",
-          "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
+          "functions": [{"name": "f"}], "function_call": "auto",
           "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
           "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
           "web_search_options": {}, "n": 2, "length_penalty": 0.5,
@@ -76,14 +75,3 @@ def test_an_unknown_field_is_logged_once_and_ignored(caplog):
     assert caplog.text.count("ignoring the unknown request field 'frobnicate'") == 1
 
 
-def test_tool_messages_in_the_history_are_refused_not_dropped():
-    history = [{"role": "user", "content": "weather?"},
-               {"role": "assistant", "content": None,
-                "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    with served() as (core, _, client):
-        with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.tool_calls: .*not supported yet"):
-            create(client, messages=history)
-        with pytest.raises(openai.BadRequestError, match=r"messages\[1\]\.role: .*tool messages are not supported"):
-            create(client, messages=[history[0], history[2]])
-    assert core.requests == []

@@ -296,3 +296,81 @@ def test_structured_output_reaches_the_backend_from_both_front_ends_in_every_spe
     assert [(s.kind, json.loads(s.spec) if s.kind in ("json_schema", "choice") else s.spec) for s in got] == [
         ("json_schema", schema), ("json_object", ""), ("choice", ["a", "b"]), ("regex", "x+"),
         ("lark", 'root ::= "yes" | "no"'), ("json_schema", schema), ("choice", ["a", "b"])]
+
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_are_rendered_and_calls_come_back_parsed_whole_and_streamed(model_dir, tokenizer):
+    answer = ['Checking.\n<tool_call>\n{"name": "get_weather", ', '"arguments": {"city": "Paris"}}\n</tool_call>']
+    backend = ScriptedBackend(pieces(tokenizer, answer))
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, _):
+        out = http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL])
+        streamed = list(http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL], stream=True))
+        plain = http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL], tool_choice="none")
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking.\n"
+    [streamed_call] = [t for d in deltas for t in (d.tool_calls or [])]
+    assert streamed_call.index == 0 and streamed_call.function.name == "get_weather"
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    assert plain.choices[0].message.tool_calls == [] and "<tool_call>" in plain.choices[0].message.content
+    rendered = [tokenizer.decode(job.prompt.prompt_token_ids) for job in backend.jobs]
+    assert '"name": "get_weather"' in rendered[0] and "<tools>" in rendered[0] and "<tools>" not in rendered[2]
+
+
+def test_a_tool_round_trip_renders_the_call_and_its_result_into_the_next_prompt(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["Sunny."]))
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18C and sunny"}]
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, _):
+        out = http.chat.completions.create(model="tiny", messages=history, tools=[WEATHER_TOOL])
+    assert out.choices[0].message.content == "Sunny." and out.choices[0].finish_reason == "stop"
+    prompt = tokenizer.decode(backend.jobs[0].prompt.prompt_token_ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n18C and sunny\n</tool_response>" in prompt
+
+
+def test_required_and_named_tool_choice_hold_the_output_to_a_grammar(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["x"]))
+    user = [{"role": "user", "content": "Weather?"}]
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, _):
+        http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL], tool_choice="required")
+        http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL],
+                                     tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL],
+                                         tool_choice={"type": "function", "function": {"name": "other"}})
+        with pytest.raises(openai.BadRequestError, match="already constrains the output"):
+            http.chat.completions.create(model="tiny", messages=user, tools=[WEATHER_TOOL], tool_choice="required",
+                                         response_format={"type": "json_object"})
+    assert [job.sampling.structured.kind for job in backend.jobs] == ["lark", "lark"]
+    assert "get_weather" in backend.jobs[1].sampling.structured.spec
+
+
+def test_the_sdk_calls_tools_and_sends_the_round_trip_back(model_dir, tokenizer):
+    answer = ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>']
+    backend = ScriptedBackend(pieces(tokenizer, answer))
+    with both_front_ends(make_pipeline(model_dir, backend)) as (_, sdk):
+        result = sdk.chat("Weather in Oslo?", tools=[WEATHER_TOOL], tool_choice="auto")
+        [call] = result.tool_calls
+        assert result.finish_reason == "tool_calls" and call.name == "get_weather"
+        assert json.loads(call.arguments) == {"city": "Oslo"} and result.text == ""
+        history = [{"role": "user", "content": "Weather in Oslo?"},
+                   {"role": "assistant", "content": None, "tool_calls": [call.to_openai()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "cold"}]
+        sdk.chat(history, tools=[WEATHER_TOOL])
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        sdk.chat("Weather?", tools=[WEATHER_TOOL], tool_choice=named)
+    prompt = tokenizer.decode(backend.jobs[1].prompt.prompt_token_ids)
+    assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt and "<tool_response>\ncold" in prompt
+    assert backend.jobs[2].sampling.structured.kind == "lark"

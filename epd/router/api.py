@@ -18,6 +18,13 @@ class RouterCore(Protocol):
         workers) and during the stream for failures (502/504). Closing the iterator early (client
         gone) cancels the request on every tier."""
 
+    async def prompt_of(self, request: ChatRequest, *, add_generation_prompt: bool = True):
+        """The ``ProcessedPrompt`` ``request`` would run with (for /tokenize): its token ids count
+        what generation counts (images expanded to their rows)."""
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Text of token ids (for /detokenize); ids outside the vocabulary are a 400."""
+
     def health(self) -> dict:
         """{"status": "ok" | "degraded", "model": ..., "workers": {tier: [{"address", "healthy", ...}]}}"""
 

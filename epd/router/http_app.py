@@ -89,7 +89,7 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
     if api_keys is not None and api_keys.enabled:
-        guarded = ("/v1/", "/health", "/metrics") if protect_health_and_metrics else ("/v1/",)
+        guarded = ("/v1/", "/tokenize", "/detokenize") + (("/health", "/metrics") if protect_health_and_metrics else ())
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next):
@@ -100,7 +100,7 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
                     response = error_response(err)
                     response.headers["WWW-Authenticate"] = "Bearer"
                     return response
-                if rate_limiter is not None and request.url.path == "/v1/chat/completions":
+                if rate_limiter is not None and request.url.path in ("/v1/chat/completions", "/v1/completions"):
                     try:
                         rate_limiter.admit(key_id)
                     except Overloaded as err:
@@ -110,6 +110,39 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await chat.handle(request)
+
+    from epd.router import http_completions
+    text = http_completions.TextCompletions(core, chat.token_text, limits, _CorePump, _read_json, served_name,
+                                            error_response, _sse)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await text.handle(request)
+
+    async def _tokenize(request: Request) -> Response:
+        try:
+            body = await _read_json(request, limits.max_body_bytes)
+            served_name(core, body.get("model") if isinstance(body, dict) else None)
+            return JSONResponse(await http_completions.tokenize(core, body, chat.token_text))
+        except EPDError as err:
+            return error_response(err)
+
+    async def _detokenize(request: Request) -> Response:
+        try:
+            body = await _read_json(request, limits.max_body_bytes)
+            served_name(core, body.get("model") if isinstance(body, dict) else None)
+            return JSONResponse(http_completions.detokenize(core, body))
+        except EPDError as err:
+            return error_response(err)
+
+    for path in ("/tokenize", "/v1/tokenize"):  # vLLM serves the first; some clients ask the second
+        app.post(path)(_tokenize)
+    for path in ("/detokenize", "/v1/detokenize"):
+        app.post(path)(_detokenize)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse(http_completions.version())
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -123,7 +156,7 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
         except NotFound as err:
             return error_response(err)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         try:
             report = await _maybe_await(core.health())

@@ -88,13 +88,13 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Lenient):
+class GenerationFields(_Lenient):
+    """What chat completions and (text) completions requests share: the model and how to sample."""
+
     model: str | None = None  # one of the served names (else 404); none: the first
-    messages: list[ChatMessage] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     min_tokens: int = 0
     temperature: float | None = None
     top_p: float | None = None
@@ -104,8 +104,6 @@ class ChatCompletionRequest(_Lenient):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     return_token_ids: bool | None = None
     user: str | None = None
     presence_penalty: float | None = None
@@ -122,13 +120,20 @@ class ChatCompletionRequest(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
-    tools: list[dict] | None = None
-    tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
 
 
 def parse_chat_body(body: Any) -> ChatCompletionRequest:
@@ -176,7 +181,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def request_id_base(header: str | None, body: ChatCompletionRequest) -> str | None:
+def request_id_base(header: str | None, body: GenerationFields) -> str | None:
     """The client's own request id (the X-Request-Id header, else vLLM's ``request_id`` field),
     checked: it lands in responses, logs and the workers' ids."""
     for name, value in (("X-Request-Id", header), ("request_id", body.request_id)):
@@ -198,22 +203,25 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     given = body.max_completion_tokens is not None or body.max_tokens is not None
     tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    sampling = _sampling_params(body, default_max_tokens)
+    sampling = sampling_params(body, default_max_tokens, _num_logprobs(body))
     if tools.grammar is not None:
         if sampling.structured is not None:
             raise InvalidRequest("tool_choice required or a named function already constrains the output; give no "
                                  "response_format or structured_outputs with it", param="tool_choice")
         sampling = dataclasses.replace(sampling, structured=tools.grammar)
     return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=sampling,
-                       request_id=request_id, stop_strings=_stop_strings(body.stop),
+                       request_id=request_id, stop_strings=stop_strings(body.stop),
                        fill_max_tokens=not given and default_max_tokens is None,
                        include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,
                        parse_tool_calls=tools.parse)
 
 
-def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None) -> SamplingParams:
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    max_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None
+                    ) -> SamplingParams:
+    """The request's SamplingParams, each value checked against OpenAI's (and vLLM's) range."""
+    max_completion_tokens = getattr(body, "max_completion_tokens", None)
+    max_tokens = max_completion_tokens if max_completion_tokens is not None else body.max_tokens
+    max_name = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = MAX_TOKENS_TO_FILL if default_max_tokens is None else default_max_tokens
     _require(max_tokens >= 1, max_name, "an integer >= 1", max_tokens)
@@ -228,14 +236,14 @@ def _sampling_params(body: ChatCompletionRequest, default_max_tokens: int | None
     _require(body.seed is None or _INT64_MIN <= body.seed <= _INT64_MAX, "seed", "a 64-bit integer", body.seed)
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                          ignore_eos=body.ignore_eos, logprobs=_num_logprobs(body), **_processors(body),
+                          ignore_eos=body.ignore_eos, logprobs=num_logprobs, **_processors(body),
                           structured=structured_output(body))
 
 
 _GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 
 
-def structured_output(body: ChatCompletionRequest) -> StructuredOutput | None:
+def structured_output(body: GenerationFields) -> StructuredOutput | None:
     """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` / ``guided_*`` as one grammar
     (at most one may be given), checked to compile: a bad one is a 400 before any work."""
     found = [(name, so) for name, so in _structured_candidates(body) if so is not None]
@@ -255,7 +263,7 @@ def structured_output(body: ChatCompletionRequest) -> StructuredOutput | None:
     return structured
 
 
-def _structured_candidates(body: ChatCompletionRequest):
+def _structured_candidates(body: GenerationFields):
     yield "response_format", _response_format(body.response_format)
     outputs = body.structured_outputs or {}
     keys = ("json", "regex", "choice", "grammar", "json_object")
@@ -304,7 +312,7 @@ def _from_vllm(key: str, value) -> StructuredOutput:
     return StructuredOutput("lark", value)  # EBNF or Lark: the grammar module reads both
 
 
-def _processors(body: ChatCompletionRequest) -> dict:
+def _processors(body: GenerationFields) -> dict:
     """The penalties, min_p and logit_bias, checked against OpenAI's (and vLLM's) ranges."""
     out = {}
     for name, default, ok, expected in (
@@ -334,7 +342,7 @@ def _num_logprobs(body: ChatCompletionRequest) -> int | None:
     return top or 0
 
 
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
+def stop_strings(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     for i, s in enumerate(stops):
         _require(s != "", "stop", "non-empty strings", f"an empty string at index {i}")

@@ -114,20 +114,55 @@ class RequestPipeline:
             await outputs.aclose()  # before the last output: cancels the request wherever it is
         self.metrics.observe_done(start, first_at, num_tokens)
 
-    async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
+    async def prompt_of(self, request: ChatRequest, *, add_generation_prompt: bool = True) -> ProcessedPrompt:
+        """The prompt ``request`` runs with: media resolved, chat template applied (or a raw prompt
+        tokenized), each image expanded to its rows (what /tokenize counts)."""
+        self.limits.check_num_items(count_media_parts(request.messages))
+        if request.prompt is not None:
+            return await asyncio.to_thread(self._raw_prompt, request.prompt)
         messages = await self.media.resolve(request.messages)
-        prompt = await asyncio.to_thread(self._preprocess, messages, request.tools)
+        return await asyncio.to_thread(self._preprocess, messages, request.tools, add_generation_prompt)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"tokens must be in [0, {vocab}), got {bad}", param="tokens")
+        return self.tokenizer.decode(token_ids)
+
+    async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
+        prompt = await self.prompt_of(request)
         self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
         if request.fill_max_tokens:
             request.sampling = self.limits.fill_max_tokens(len(prompt.prompt_token_ids), request.sampling)
         self.limits.check_prompt(len(prompt.prompt_token_ids), prompt.num_embedding_rows, request.sampling)
         return prompt
 
-    def _preprocess(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
+    def _raw_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
+        """A completions prompt: its text tokenized as it is (or its token ids), no chat template."""
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = len(self.tokenizer)
+        if not ids:
+            raise InvalidRequest("the prompt is empty; expected text or token ids", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab}), got {bad}", param="prompt")
+        try:
+            return self.processor.process_token_ids(list(ids), [])
+        except ValueError as err:
+            raise InvalidRequest(str(err), param="prompt") from None
+
+    def _preprocess(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True) -> ProcessedPrompt:
         """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
         conversation, images = extract_images(messages)
         try:
-            return self.processor.process_messages(conversation, images, tools=tools)
+            return self.processor.process_messages(conversation, images, tools=tools,
+                                                   add_generation_prompt=add_generation_prompt)
         except EPDError:
             raise
         except ValueError as err:

@@ -286,3 +286,15 @@ def test_a_tool_round_trip_with_the_official_client_across_the_split(client):
     calls = [t for c in streamed if c.choices for t in (c.choices[0].delta.tool_calls or [])]
     assert len(calls) == 1 and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), _WEATHER["function"]["parameters"])
+
+
+def test_completions_and_tokenize_against_the_real_cluster(client, server):
+    out = client.completions.create(model="m", prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    image = make_image_bytes(80, 64, seed=44)
+    messages = chat("Describe it.", [data_url(image)])
+    counted = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"{server.base_url}/tokenize", data=json.dumps({"model": "m", "messages": messages}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=60).read())
+    answer = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert counted["count"] == answer.usage.prompt_tokens

@@ -7,6 +7,7 @@ import threading
 
 from epd.errors import EPDError
 from epd.router.backends.base import BackendOutput, Job
+from epd.types import TokenLogprobs
 
 
 class ScriptedBackend:
@@ -36,7 +37,10 @@ class ScriptedBackend:
                 if i == self.fail_after:
                     raise self.error
                 is_last = i == len(self.outputs) - 1
-                yield BackendOutput(token_ids, finish_reason=self.finish_reason if is_last else None,
+                # when asked: each token at -0.5, and the next id as its one alternative at -1.5
+                logprobs = [TokenLogprobs(t, -0.5, {t: -0.5, t + 1: -1.5}) for t in token_ids] \
+                    if job.sampling.logprobs is not None else []
+                yield BackendOutput(token_ids, logprobs=logprobs, finish_reason=self.finish_reason if is_last else None,
                                     num_cached_tokens=self.num_cached_tokens if i == 0 else 0)
         except (asyncio.CancelledError, GeneratorExit):
             self.cancelled.append(job.request_id)

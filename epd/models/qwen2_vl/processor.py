@@ -28,14 +28,16 @@ class QwenVLInputProcessor:
         self.processor_kwargs = {"min_pixels": self.geometry_config.min_pixels,
                                  "max_pixels": self.geometry_config.max_pixels}
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
 
-    def process_messages(self, messages: list[dict], images: list[bytes], tools: list[dict] | None = None
-                         ) -> ProcessedPrompt:
+    def process_messages(self, messages: list[dict], images: list[bytes], tools: list[dict] | None = None,
+                         add_generation_prompt: bool = True) -> ProcessedPrompt:
         """``images`` are the encoded images in the order their parts appear in ``messages``;
         ``tools``: rendered by the chat template (OpenAI's tool definitions)."""
-        token_ids = self.tokenizer.encode(self.render(messages, tools), add_special_tokens=False)
+        token_ids = self.tokenizer.encode(self.render(messages, tools, add_generation_prompt),
+                                          add_special_tokens=False)
         return self.process_token_ids(token_ids, images)
 
     def process_token_ids(self, token_ids: list[int], images: list[bytes]) -> ProcessedPrompt:

@@ -1,0 +1,305 @@
+"""The rest of the OpenAI / vLLM HTTP surface beside chat completions: ``/v1/completions`` (a raw
+prompt, text or token ids, no chat template), ``/tokenize`` and ``/detokenize`` (counting exactly
+what generation counts: the same template, images expanded to their rows) and ``/version``.
+
+Completions share the chat path's sampling, stop strings, structured output and streaming pump;
+what differs is the prompt and the response shape (``text_completion``, OpenAI's legacy logprobs
+with ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any, Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from epd.errors import EPDError, InternalError, InvalidRequest, UpstreamError
+from epd.router.openai_protocol import (
+    ChatMessage,
+    ErrorResponse,
+    GenerationFields,
+    Usage,
+    _Lenient,
+    _validation_error,
+    request_id_base,
+    sampling_params,
+    stop_strings,
+)
+from epd.router.openai_fields import check_chat_fields
+from epd.types import ChatRequest, StreamEvent, TokenLogprobs
+
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+_OWN_FIELDS = {"prompt", "echo", "suffix", "logprobs", "best_of"}
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+
+
+def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, ChatRequest]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"expected a JSON object as the request body, got {type(body).__name__}")
+    for name in _CHAT_ONLY:  # chat fields mean nothing here: a 400, not a silent drop
+        if body.get(name) not in (None, [], {}):
+            raise InvalidRequest(f"{name} is a chat completions field (/v1/chat/completions); /v1/completions takes "
+                                 f"a prompt", param=name)
+    check_chat_fields({k: v for k, v in body.items() if k not in _OWN_FIELDS})  # the same rule for the rest
+    try:
+        parsed = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+    prompt = parsed.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise InvalidRequest(f"one prompt per request (a list of {len(prompt)} prompts is not supported)",
+                                 param="prompt")
+        prompt = prompt[0]
+    for name, ok, expected in (("suffix", parsed.suffix in (None, ""), "unset (insertion is not supported)"),
+                               ("n", parsed.n in (None, 1), "1 (one choice per request)"),
+                               ("best_of", parsed.best_of in (None, 1), "1 (best-of is not supported)"),
+                               ("logprobs", parsed.logprobs is None or 0 <= parsed.logprobs <= MAX_COMPLETION_LOGPROBS,
+                                f"in [0, {MAX_COMPLETION_LOGPROBS}]"),
+                               ("echo", not (parsed.echo and parsed.logprobs is not None),
+                                "false with logprobs (prompt logprobs are not computed)")):
+        if not ok:
+            raise InvalidRequest(f"{name} must be {expected}, got {getattr(parsed, name)!r}", param=name)
+    if parsed.stream_options is not None and not parsed.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+    sampling = sampling_params(parsed, DEFAULT_COMPLETION_MAX_TOKENS, parsed.logprobs)
+    chat = ChatRequest(messages=[], sampling=sampling, request_id=request_id, stop_strings=stop_strings(parsed.stop),
+                       include_stop_str_in_output=parsed.include_stop_str_in_output, prompt=prompt)
+    return parsed, chat
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TextCompletions:
+    def __init__(self, core, token_text: Callable[[int], str], limits, pump_type, read_json, served_name,
+                 error_response, sse) -> None:
+        self.core, self.token_text, self.limits = core, token_text, limits
+        self._pump, self._read_json, self._served, self._error, self._sse = (
+            pump_type, read_json, served_name, error_response, sse)
+
+    async def handle(self, request: Request) -> Response:
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        pump = None
+        try:
+            raw = await self._read_json(request, self.limits.max_body_bytes)
+            body, chat = completion_request(raw, request_id)
+            request_id = f"cmpl-{request_id_base(request.headers.get('x-request-id'), body) or uuid.uuid4().hex}"
+            chat.request_id = request_id
+            model = self._served(self.core, body.model)
+            pump = self._pump(self.core, chat)
+            first = await pump.next(request)
+            if first is None:
+                raise UpstreamError("the router's stream ended before any output")
+            out = _TextOutput(request_id, model, body, self.token_text, self.core.detokenize)
+            if body.stream:
+                stream, pump = self._stream(pump, first, out), None
+                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return await self._complete(request, pump, first, out)
+        except EPDError as err:
+            return self._error(err)
+        except Exception:  # noqa: BLE001 - an answer, never a traceback
+            return self._error(InternalError(f"internal server error (request {request_id})"))
+        finally:
+            if pump is not None:
+                pump.close()
+
+    async def _complete(self, request: Request, pump, event: StreamEvent, out: "_TextOutput") -> Response:
+        while True:
+            out.add(event)
+            if out.finish_reason:
+                break
+            event = await pump.next(request)
+            if event is None:
+                out.finish_reason = "stop"
+                break
+        pump.close(cancel=False)
+        return JSONResponse(out.response(out.text(), out.all_logprobs()).model_dump(exclude_none=True))
+
+    async def _stream(self, pump, event: StreamEvent | None, out: "_TextOutput") -> AsyncIterator[bytes]:
+        cancel = True
+        try:
+            if out.echo:  # the prompt first, as its own piece
+                yield self._sse(out.response(out.prompt_text, None, usage=False))
+            while event is not None:
+                piece = out.add(event)
+                if piece.text or piece.logprobs is not None:
+                    yield self._sse(out.response(piece.text, piece.logprobs, usage=False))
+                if out.finish_reason:
+                    break
+                event = await pump.next(None)
+            if event is None:
+                out.finish_reason = "stop"
+            cancel = False
+            yield self._sse(out.response("", None, usage=False, final=True))
+            if out.include_usage:
+                yield self._sse(CompletionResponse(id=out.request_id, created=out.created, model=out.model,
+                                                   choices=[], usage=out.usage()))
+            yield b"data: [DONE]\n\n"
+        except EPDError as err:
+            yield self._sse(ErrorResponse.of_error(err))
+            yield b"data: [DONE]\n\n"
+        finally:
+            pump.close(cancel=cancel)
+
+
+class _Piece:
+    def __init__(self, text: str, logprobs: CompletionLogprobs | None) -> None:
+        self.text, self.logprobs = text, logprobs
+
+
+class _TextOutput:
+    def __init__(self, request_id: str, model: str, body: CompletionRequest, token_text, detokenize) -> None:
+        self.request_id, self.model, self.created = request_id, model, int(time.time())
+        self.echo, self.include_usage, self.num_logprobs = body.echo, body.include_usage, body.logprobs
+        self.token_text, self.detokenize = token_text, detokenize
+        self.prompt_text, self.prompt_token_ids = "", []
+        self.pieces: list[str] = []
+        self.logprobs = CompletionLogprobs()
+        self.offset = 0
+        self.num_cached_tokens = self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def add(self, event: StreamEvent) -> _Piece:
+        if event.prompt_token_ids is not None:
+            self.prompt_token_ids = list(event.prompt_token_ids)
+            self.num_cached_tokens = event.num_cached_tokens
+            if self.echo:
+                self.prompt_text = self.detokenize(self.prompt_token_ids)
+                self.offset = len(self.prompt_text)
+        self.num_completion_tokens += len(event.token_ids)
+        self.finish_reason = event.finish_reason or self.finish_reason
+        self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
+        self.pieces.append(event.text)
+        piece = None
+        if self.num_logprobs is not None:
+            piece = self._logprobs(event.logprobs)
+        return _Piece(event.text, piece)
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for entry in entries:
+            text = self.token_text(entry.token_id)
+            top = sorted(entry.top.items(), key=lambda kv: kv[1], reverse=True)[:self.num_logprobs]
+            out.tokens.append(text)
+            out.token_logprobs.append(max(entry.logprob, -9999.0))
+            out.top_logprobs.append({self.token_text(t): max(lp, -9999.0) for t, lp in top})
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(self.logprobs, name).extend(getattr(out, name))
+        return out
+
+    def text(self) -> str:
+        return (self.prompt_text if self.echo else "") + "".join(self.pieces)
+
+    def all_logprobs(self) -> CompletionLogprobs | None:
+        return self.logprobs if self.num_logprobs is not None else None
+
+    def usage(self) -> Usage:
+        return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
+
+    def response(self, text: str, logprobs: CompletionLogprobs | None, *, usage: bool = True,
+                 final: bool = False) -> CompletionResponse:
+        done = final or usage
+        choice = CompletionChoice(text=text, logprobs=logprobs,
+                                  finish_reason=self.finish_reason if done else None,
+                                  stop_reason=self.stop_reason if done else None)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+                                  usage=self.usage() if usage else None)
+
+
+# ---- /tokenize, /detokenize, /version ----------------------------------------------------------------
+class TokenizeRequest(_Lenient):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    tools: list[dict] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]
+
+
+async def tokenize(core, body: Any, token_text) -> dict:
+    try:
+        parsed = TokenizeRequest.model_validate(body if isinstance(body, Mapping) else {})
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+    if (parsed.prompt is None) == (parsed.messages is None):
+        raise InvalidRequest("give prompt (text) or messages (a chat), one of them", param="prompt")
+    from epd.router.openai_protocol import _message_dict
+
+    placeholder = ChatRequest(messages=[_message_dict(m) for m in parsed.messages or []], sampling=_ONE_TOKEN,
+                              request_id="tokenize", prompt=parsed.prompt, tools=parsed.tools)
+    prompt = await core.prompt_of(placeholder, add_generation_prompt=parsed.add_generation_prompt)
+    ids = list(prompt.prompt_token_ids)
+    out = {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
+    if parsed.return_token_strs:
+        out["token_strs"] = [token_text(t) for t in ids]
+    return out
+
+
+def detokenize(core, body: Any) -> dict:
+    try:
+        parsed = DetokenizeRequest.model_validate(body if isinstance(body, Mapping) else {})
+    except ValidationError as exc:
+        raise _validation_error(exc.errors()) from None
+    return {"prompt": core.detokenize(parsed.tokens)}
+
+
+def version() -> dict:
+    try:
+        return {"version": importlib.metadata.version("epd")}
+    except importlib.metadata.PackageNotFoundError:  # a checkout that was never installed
+        return {"version": "unknown"}
+
+
+def _one_token():
+    from epd.types import SamplingParams
+    return SamplingParams(max_tokens=1)
+
+
+_ONE_TOKEN = _one_token()

@@ -13,6 +13,8 @@ the key, what was expected and what came (``load_config``), never a traceback.
 """
 from __future__ import annotations
 
+import json
+
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -282,6 +284,17 @@ class RouterConfig(_Config):
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
+    allowed_media_domains: tuple[str, ...] = Field(
+        (), description="http(s) images only from these hosts or their subdomains (repeatable; default: any public "
+                        "host)")
+    allowed_origins: tuple[str, ...] = Field(
+        (), description="browser origins allowed to call the HTTP API (CORS; '*' for any; default: none, no CORS "
+                        "headers)")
+    chat_template: str | None = Field(None, description="a chat template (a file, or the Jinja text itself) instead "
+                                                        "of the model's")
+    limit_mm_per_prompt: dict[str, int] = Field(
+        default_factory=dict, description="vLLM's per-modality item limit, JSON or image=N: image sets "
+                                          "max_items_per_request; video is not supported yet (0 only)")
     api_keys: tuple[str, ...] = Field((), description="API keys a client must send as 'Authorization: Bearer "
                                                       "<key>' (repeatable; a flag shows in ps: prefer "
                                                       "--api-key-file or the EPD_API_KEY variable)",
@@ -307,6 +320,25 @@ class RouterConfig(_Config):
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         return [a for a in value.split(",") if a] if isinstance(value, str) else value
+
+    @field_validator("limit_mm_per_prompt", mode="before")
+    @classmethod
+    def _mm_limits(cls, value: Any) -> Any:
+        return parse_mapping(value)
+
+    @model_validator(mode="after")
+    def _apply_mm_limits(self) -> "RouterConfig":
+        unknown = set(self.limit_mm_per_prompt) - {"image", "video"}
+        if unknown:
+            raise ValueError(f"limit_mm_per_prompt knows image and video, got {sorted(unknown)}")
+        if self.limit_mm_per_prompt.get("video", 0):
+            raise ValueError("limit_mm_per_prompt: video input is not supported yet; give video=0 or leave it out")
+        if "image" in self.limit_mm_per_prompt:
+            images = self.limit_mm_per_prompt["image"]
+            if images < 1:
+                raise ValueError(f"limit_mm_per_prompt: image must be >= 1, got {images}")
+            object.__setattr__(self, "max_items_per_request", images)
+        return self
 
     @field_validator("api_key_file", "admin_token_file")
     @classmethod
@@ -424,6 +456,25 @@ class RayDeployment(_Config):
         object.__setattr__(self, "tiers", {t: s.model_copy(update={"config": s.config.model_copy(update={
             "tls": self.tls})}) for t, s in self.tiers.items()})
         return self
+
+
+def parse_mapping(value: Any) -> Any:
+    """A mapping given on the command line: JSON (``{"image": 4}``, vLLM's form) or ``k=v,k=v``."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"expected a JSON object or key=value pairs, got {value!r}: {err}") from None
+    out = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, number = pair.partition("=")
+        if not sep or not number.strip().lstrip("-").isdigit():
+            raise ValueError(f"expected a JSON object or key=value pairs, got {value!r}")
+        out[key.strip()] = int(number)
+    return out
 
 
 # ---- loading ---------------------------------------------------------------------------------------

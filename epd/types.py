@@ -132,6 +132,7 @@ class ChatRequest:
     include_stop_str_in_output: bool = False  # keep a matched stop string in the text (vLLM's)
     tools: list[dict] | None = None  # rendered by the chat template (None: no tools in the prompt)
     prompt: str | list[int] | None = None  # a raw prompt (/v1/completions): no chat template, no images
+    chat_template_kwargs: dict | None = None  # the chat template's own variables (vLLM's chat_template_kwargs)
     parse_tool_calls: bool = False  # turn <tool_call> blocks of the output into tool calls
     # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt
     # (vLLM's default), once the prompt is tokenized; until then sampling.max_tokens is a placeholder

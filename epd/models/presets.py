@@ -173,7 +173,27 @@ def resolve_model(path_or_preset: str | Path) -> Path:
         return path
     if path.exists():
         raise ValueError(f"model path {path} is a file; expected a checkpoint directory or a preset name")
+    if _looks_like_a_hub_id(text):
+        return _from_hub_cache(text)
     raise ValueError(f"model {text!r} is neither a directory nor a preset; presets: {', '.join(PRESETS)}")
+
+
+def _looks_like_a_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not text.startswith(("~", "/"))
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """A Hugging Face hub id, from the local hub cache only: nothing is downloaded at run time."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as err:  # noqa: BLE001 - LocalEntryNotFoundError, bad names, ... : one clear message
+        raise ValueError(f"model {repo_id!r} is not a directory, a preset, or in the local Hugging Face cache "
+                         f"({HF_HUB_CACHE}); download it first (huggingface-cli download {repo_id}) or give its "
+                         f"directory ({type(err).__name__})") from None
 
 
 def write_preset_checkpoint(name: str, out_dir: Path, *, seed: int | None = None) -> Path:

@@ -79,7 +79,7 @@ class _ClientGone(Exception):
 def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokenizer=None,
               api_keys: ApiKeys | None = None,
               protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits(),
-              rate_limiter: KeyRateLimiter | None = None) -> FastAPI:
+              rate_limiter: KeyRateLimiter | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
     (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
@@ -88,12 +88,17 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
     chat = _ChatCompletions(core, _TokenText(tokenizer), default_max_tokens, limits)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
+    if allowed_origins:  # browsers calling from these origins (--allowed-origins); none: no CORS headers at all
+        from fastapi.middleware.cors import CORSMiddleware
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     if api_keys is not None and api_keys.enabled:
         guarded = ("/v1/", "/tokenize", "/detokenize") + (("/health", "/metrics") if protect_health_and_metrics else ())
 
         @app.middleware("http")
         async def require_api_key(request: Request, call_next):
-            if request.url.path.startswith(guarded):
+            # a CORS preflight carries no credentials by design: the CORS layer answers it
+            if request.url.path.startswith(guarded) and not (allowed_origins and request.method == "OPTIONS"):
                 try:
                     key_id = api_keys.check_bearer(request.headers.get("authorization"))
                 except Unauthenticated as err:

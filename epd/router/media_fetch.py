@@ -61,9 +61,13 @@ class _FetchError(Exception):
 
 class MediaFetcher:
     def __init__(self, *, allowed_local_media_path: str | None = None, allow_private_network: bool = False,
-                 limits: FetchLimits = FetchLimits(), media_limits: MediaLimits = DEFAULT_LIMITS) -> None:
+                 limits: FetchLimits = FetchLimits(), media_limits: MediaLimits = DEFAULT_LIMITS,
+                 allowed_media_domains: tuple[str, ...] = ()) -> None:
+        """``allowed_media_domains``: when given, http(s) media only from these hosts (or their
+        subdomains), at every redirect hop too (vLLM's ``--allowed-media-domains``)."""
         self.allowed_local_media_path = allowed_local_media_path
         self.allow_private_network = allow_private_network
+        self.allowed_media_domains = tuple(d.lower().strip(".") for d in allowed_media_domains if d)
         self.limits = limits
         self.media_limits = MediaLimits(max_bytes=min(limits.max_bytes, media_limits.max_bytes),
                                         max_pixels=media_limits.max_pixels, max_side_px=media_limits.max_side_px)
@@ -155,6 +159,11 @@ class MediaFetcher:
         parsed = httpx.URL(url)
         if parsed.scheme not in ("http", "https") or not parsed.host:
             raise _FetchError(f"expected an http(s) URL with a host, got {_preview(url)!r}")
+        host = parsed.host.lower().rstrip(".")
+        if self.allowed_media_domains and not any(host == d or host.endswith("." + d)
+                                                  for d in self.allowed_media_domains):
+            raise _FetchError(f"host {parsed.host!r} is not among the allowed media domains "
+                              f"({', '.join(self.allowed_media_domains)}; --allowed-media-domains)")
         addresses = await self._checked_addresses(parsed)
         host_header = f"[{parsed.host}]" if ":" in parsed.host else parsed.host
         if parsed.port is not None:  # None: the scheme's default port

@@ -117,8 +117,10 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _refused("continue_final_message", "not supported", _one_of(False), "vLLM"),
     _refused("add_special_tokens", "not supported", _one_of(False), "vLLM"),
     _refused("documents", "not supported", _falsy, "vLLM"),
-    _refused("chat_template", "per-request chat templates are not implemented yet", origin="vLLM"),
-    _refused("chat_template_kwargs", "not implemented yet", _falsy, "vLLM"),
+    _refused("chat_template", "a per-request template is not taken (a client could reshape the prompt); the server's "
+                              "is --chat-template", origin="vLLM"),
+    _works("chat_template_kwargs", "the template's own variables (add_vision_id for Qwen-VL's); the server's "
+                                   "arguments (messages, tools, add_generation_prompt, ...) are a 400", "vLLM"),
     _refused("mm_processor_kwargs", "not implemented yet", _falsy, "vLLM"),
     _works("structured_outputs", "one of json (a schema), regex, choice, grammar (EBNF or Lark), json_object", "vLLM"),
     _works("guided_json", "as structured_outputs.json", "vLLM"),

@@ -134,6 +134,19 @@ class ChatCompletionRequest(GenerationFields):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _own_variables_only(cls, value: dict | None) -> dict | None:
+        taken = sorted(set(value or {}) & _TEMPLATE_ARGUMENTS)
+        if taken:  # these are the server's to set: a request overriding them would change the prompt's shape
+            raise ValueError(f"{taken} are set by the server, not by chat_template_kwargs")
+        return value
+
+
+_TEMPLATE_ARGUMENTS = {"messages", "conversation", "tools", "documents", "tokenize", "add_generation_prompt",
+                       "continue_final_message", "chat_template", "return_dict", "return_assistant_tokens_mask"}
 
 
 def parse_chat_body(body: Any) -> ChatCompletionRequest:
@@ -213,7 +226,7 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
                        request_id=request_id, stop_strings=stop_strings(body.stop),
                        fill_max_tokens=not given and default_max_tokens is None,
                        include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,
-                       parse_tool_calls=tools.parse)
+                       parse_tool_calls=tools.parse, chat_template_kwargs=body.chat_template_kwargs or None)
 
 
 def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None

@@ -45,6 +45,9 @@ class RequestPipeline:
         self.model_name = self.served_model_names[0]
         self.backend = backend
         self.tokenizer = load_tokenizer(model_dir)
+        if config.chat_template:  # --chat-template: a file, or the template itself
+            path = Path(config.chat_template).expanduser()
+            self.tokenizer.chat_template = path.read_text() if path.is_file() else config.chat_template
         self.processor = family_for(model_dir).input_processor(model_dir, self.tokenizer)
         self.eos_token_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
@@ -121,7 +124,8 @@ class RequestPipeline:
         if request.prompt is not None:
             return await asyncio.to_thread(self._raw_prompt, request.prompt)
         messages = await self.media.resolve(request.messages)
-        return await asyncio.to_thread(self._preprocess, messages, request.tools, add_generation_prompt)
+        return await asyncio.to_thread(self._preprocess, messages, request.tools, add_generation_prompt,
+                                       request.chat_template_kwargs)
 
     @property
     def max_model_len(self) -> int:
@@ -157,16 +161,20 @@ class RequestPipeline:
             raise InvalidRequest(str(err), param="prompt") from None
 
     def _preprocess(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True) -> ProcessedPrompt:
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> ProcessedPrompt:
         """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
         conversation, images = extract_images(messages)
         try:
             return self.processor.process_messages(conversation, images, tools=tools,
-                                                   add_generation_prompt=add_generation_prompt)
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   template_kwargs=template_kwargs)
         except EPDError:
             raise
         except ValueError as err:
             raise InvalidRequest(str(err), param="messages") from None
+        except Exception as err:  # noqa: BLE001 - a template that fails on this conversation (jinja raises many)
+            raise InvalidRequest(f"the chat template failed on these messages: {type(err).__name__}: {err}",
+                                 param="messages") from None
 
 
 class _TextStream:

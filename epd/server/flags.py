@@ -121,7 +121,8 @@ def _flaggable(annotation) -> bool:
     base = _base(annotation)
     if typing.get_origin(base) is tuple:
         return typing.get_args(base) == (str, Ellipsis)  # tuple[str, ...]: comma-separated
-    return base in (str, int, float, bool) or typing.get_origin(base) is typing.Literal
+    # dict[str, int]: one text value (JSON or k=v pairs) the config's own validator parses
+    return base in (str, int, float, bool) or typing.get_origin(base) in (typing.Literal, dict)
 
 
 def _is_bool(annotation) -> bool:
@@ -134,4 +135,6 @@ def _metavar(annotation) -> str:
         return "{" + ",".join(map(str, typing.get_args(base))) + "}"
     if typing.get_origin(base) is tuple:
         return "A,B,..."
+    if typing.get_origin(base) is dict:
+        return "JSON|K=V,..."
     return {int: "N", float: "X", str: "TEXT"}.get(base, "VALUE")

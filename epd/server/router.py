@@ -49,6 +49,7 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
         backend = DisaggregatedBackend(config, model_dir)
     media = MediaFetcher(allowed_local_media_path=config.allowed_local_media_path,
                          allow_private_network=config.allow_private_network,
+                         allowed_media_domains=config.allowed_media_domains,
                          limits=FetchLimits(max_items=config.max_items_per_request))
     return RequestPipeline(model_dir, config, backend, media=media)
 
@@ -148,7 +149,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
-                    limits=limits, rate_limiter=rate_limiter)
+                    limits=limits, rate_limiter=rate_limiter, allowed_origins=config.allowed_origins)
     admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
                                            timeout_graceful_shutdown=5))

@@ -27,6 +27,8 @@ _WORKER_ASSIGNED = ("host", "port", "metrics_port")
 
 def serve_command() -> Command:
     parser = argparse.ArgumentParser(prog="epd serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL",
+                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     parser.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
     parser.add_argument("--worker-config", help="YAML with every worker's settings (WorkerConfig fields)")
     command = Command(parser).add(ServeConfig, skip=("router", "worker"))
@@ -40,7 +42,15 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
     args = command.parser.parse_args(argv)
     data = {"router": load_yaml(args.config) if args.config else {},
             "worker": load_yaml(args.worker_config) if args.worker_config else {}}
-    data = deep_merge(data, command.overrides(args))
+    overrides = command.overrides(args)
+    if args.model_positional:
+        given = overrides.get("router", {}).get("model")
+        if given is not None and given != args.model_positional:
+            raise ConfigError(f"command line: the model is given twice, {args.model_positional!r} and --model "
+                              f"{given!r}; give it once")
+        for part in ("router", "worker"):
+            overrides.setdefault(part, {})["model"] = args.model_positional
+    data = deep_merge(data, overrides)
     config = load_config(ServeConfig, data, source="command line")
     if config.router.aggregated and config.launcher == "ray":
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "

@@ -44,7 +44,7 @@ def server(tmp_path_factory, media_dir):
 @pytest.fixture(scope="module")
 def corpus(media_dir) -> dict[str, Case]:
     image_bytes = make_image_bytes(32, 32, seed=2)
-    with serve_files({"/a.png": lambda handler: send_bytes(handler, image_bytes)}) as loopback_url:
+    with serve_files({"/a.png": send_bytes(image_bytes)}) as loopback_url:
         yield {c.name: c for c in cases(str(media_dir), loopback_url)}
 
 

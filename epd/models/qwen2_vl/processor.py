@@ -28,15 +28,18 @@ class QwenVLInputProcessor:
         self.processor_kwargs = {"min_pixels": self.geometry_config.min_pixels,
                                  "max_pixels": self.geometry_config.max_pixels}
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
+               template_kwargs: dict | None = None) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  **(template_kwargs or {}))
 
     def process_messages(self, messages: list[dict], images: list[bytes], tools: list[dict] | None = None,
-                         add_generation_prompt: bool = True) -> ProcessedPrompt:
+                         add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> ProcessedPrompt:
         """``images`` are the encoded images in the order their parts appear in ``messages``;
-        ``tools``: rendered by the chat template (OpenAI's tool definitions)."""
-        token_ids = self.tokenizer.encode(self.render(messages, tools, add_generation_prompt),
+        ``tools``: rendered by the chat template (OpenAI's tool definitions); ``template_kwargs``:
+        the template's own variables (``add_vision_id`` for Qwen-VL's)."""
+        token_ids = self.tokenizer.encode(self.render(messages, tools, add_generation_prompt, template_kwargs),
                                           add_special_tokens=False)
         return self.process_token_ids(token_ids, images)
 

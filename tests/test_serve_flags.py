@@ -1,0 +1,121 @@
+"""vLLM-named settings of ``epd serve`` and the router: a positional MODEL, a hub id from the local
+Hugging Face cache only, --limit-mm-per-prompt in vLLM's JSON (or k=v), --chat-template and per-request
+chat_template_kwargs, --allowed-origins (CORS) and --allowed-media-domains."""
+from __future__ import annotations
+
+import base64
+
+import httpx
+import openai
+import pytest
+
+from epd.config import ConfigError, RouterConfig, load_config
+from epd.models.presets import resolve_model
+from epd.server.serve import serve_config_from_args
+
+
+def test_a_positional_model_sets_both_the_router_and_the_workers():
+    config = serve_config_from_args(["tiny-qwen2.5-vl", "--port", "0"])
+    assert config.router.model == config.worker.model == "tiny-qwen2.5-vl"
+    with pytest.raises(ConfigError, match="the model is given twice"):
+        serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
+
+
+def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+    snapshot = tmp_path / "models--acme--vl-mini" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "models--acme--vl-mini" / "refs").mkdir()
+    (tmp_path / "models--acme--vl-mini" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model("acme/vl-mini") == snapshot
+    with pytest.raises(ValueError, match=r"'acme/absent' is not a directory, a preset, or in the local Hugging "
+                                         r"Face cache .*huggingface-cli download acme/absent"):
+        resolve_model("acme/absent")
+
+
+@pytest.mark.parametrize("value, images", [('{"image": 3}', 3), ("image=5", 5), ({"image": 2, "video": 0}, 2)])
+def test_limit_mm_per_prompt_takes_vllms_json_or_pairs(value, images):
+    assert load_config(RouterConfig, {"limit_mm_per_prompt": value}).max_items_per_request == images
+
+
+@pytest.mark.parametrize("value, match", [('{"video": 1}', "video input is not supported yet"),
+                                          ("audio=1", "knows image and video"), ("image:3", "key=value pairs")])
+def test_limit_mm_per_prompt_refuses_what_it_cannot_do(value, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(RouterConfig, {"limit_mm_per_prompt": value})
+
+
+@pytest.fixture
+def app_with(tmp_path):
+    from epd.router.http_app import build_app
+    from tests.router.fake_backend import ScriptedBackend
+    from tests.router.fake_core import serve_app
+    from tests.router.test_pipeline import make_pipeline
+
+    def make(media=None, allowed_origins=(), **config):
+        backend = ScriptedBackend([[9707]])
+        pipeline = make_pipeline(resolve_model("tiny-qwen2-vl"), backend, media=media, **config)
+        return backend, pipeline, serve_app(build_app(pipeline, tokenizer=pipeline.tokenizer,
+                                                      allowed_origins=allowed_origins))
+    return make
+
+
+def test_chat_template_override_and_per_request_kwargs(app_with, tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}>>")
+    backend, pipeline, server = app_with(chat_template=str(template))
+    with server as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert pipeline.tokenizer.decode(backend.jobs[0].prompt.prompt_token_ids) == "[user]hi>>"
+    backend, pipeline, server = app_with()
+    from tests.conftest import make_image_bytes
+    url = "data:image/png;base64," + base64.b64encode(make_image_bytes(32, 32, seed=1)).decode()
+    image_chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+    with server as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+        client.chat.completions.create(model="tiny", messages=image_chat,
+                                       extra_body={"chat_template_kwargs": {"add_vision_id": True}})
+        with pytest.raises(openai.BadRequestError, match=r"\['add_generation_prompt'\] are set by the server"):
+            client.chat.completions.create(model="tiny", messages=image_chat,
+                                           extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert "Picture 1: <|vision_start|>" in pipeline.tokenizer.decode(backend.jobs[0].prompt.prompt_token_ids)
+
+
+def test_cors_answers_only_the_allowed_origins(app_with):
+    _, _, server = app_with(allowed_origins=("https://app.example",))
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    with server as base:
+        allowed = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+        other = httpx.options(f"{base}/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+        models = httpx.get(f"{base}/v1/models", headers={"Origin": "https://app.example"})
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "https://app.example"
+    assert "access-control-allow-origin" not in other.headers
+    assert models.headers["access-control-allow-origin"] == "https://app.example"
+    _, _, plain = app_with()
+    with plain as base:
+        assert "access-control-allow-origin" not in httpx.get(f"{base}/v1/models",
+                                                             headers={"Origin": "https://app.example"}).headers
+
+
+def test_allowed_media_domains_refuse_other_hosts(app_with):
+    from epd.router.media_fetch import MediaFetcher
+    from tests.conftest import make_image_bytes
+    from tests.router.fake_core import send_bytes, serve_files
+    image = make_image_bytes(32, 32, seed=2)
+    with serve_files({"/a.png": send_bytes(image)}) as files:
+        for domains, ok in ((("example.com",), False), (("127.0.0.1",), True)):
+            media = MediaFetcher(allow_private_network=True, allowed_media_domains=domains)
+            backend, _, server = app_with(media=media)
+            with server as base:
+                client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+                chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"{files}/a.png"}}]}]
+                if ok:
+                    client.chat.completions.create(model="tiny", messages=chat)
+                else:
+                    with pytest.raises(openai.BadRequestError, match=r"not among the allowed media domains "
+                                                                     r"\(example.com; --allowed-media-domains\)"):
+                        client.chat.completions.create(model="tiny", messages=chat)
+            assert len(backend.jobs) == (1 if ok else 0)

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 
 import grpc
 
 from epd.client.errors import error_from_rpc
-from epd.client.request import ImageInput, Messages, auth_metadata, build_request
+from epd.client.request import ImageInput, Messages, auth_metadata, build_request, retry_wait_s
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
 from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -17,9 +18,13 @@ class AsyncChatStream:
     """Async iterator of ChatDelta for one request. ``await close()`` (or leaving the ``async with``
     block) before the end cancels the request on the server."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
-        self._call, self._address = call, address
+    def __init__(self, start, address: str, *, max_retries: int = 0, timeout_s: float = 60.0) -> None:
+        """``start()`` makes the call (again, for an overloaded retry: see ``ChatStream``)."""
+        self._start, self._address, self._max_retries = start, address, max_retries
+        self._deadline = time.monotonic() + timeout_s
+        self._call = start()
         self._is_first, self._is_done = True, False
+        self.num_retries = 0
 
     def __aiter__(self) -> AsyncChatStream:
         return self
@@ -27,14 +32,23 @@ class AsyncChatStream:
     async def __anext__(self) -> ChatDelta:
         if self._is_done:
             raise StopAsyncIteration
-        try:
-            msg = await self._call.read()
-        except grpc.RpcError as err:
-            self._is_done = True
-            raise error_from_rpc(err, self._address) from None
-        except asyncio.CancelledError:  # the caller's task was cancelled: so is the request
-            self.cancel()
-            raise
+        while True:
+            try:
+                msg = await self._call.read()
+                break
+            except grpc.RpcError as err:
+                error = error_from_rpc(err, self._address)
+                wait_s = retry_wait_s(error, self.num_retries, self._max_retries, self._deadline, time.monotonic()) \
+                    if self._is_first else None
+                if wait_s is None:
+                    self._is_done = True
+                    raise error from None
+                await asyncio.sleep(wait_s)
+                self.num_retries += 1
+                self._call = self._start()
+            except asyncio.CancelledError:  # the caller's task was cancelled: so is the request
+                self.cancel()
+                raise
         if msg is grpc.aio.EOF:
             self._is_done = True
             raise StopAsyncIteration
@@ -63,8 +77,8 @@ class AsyncEPDClient:
     """The asyncio twin of EPDClient. Use it from one event loop (the channel binds to it)."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = (),
-                 api_key: str | None = None) -> None:
-        self.address, self.timeout_s = address, timeout_s
+                 api_key: str | None = None, max_retries: int = 2) -> None:
+        self.address, self.timeout_s, self.max_retries = address, timeout_s, max_retries
         self._metadata = auth_metadata(api_key)
         self._options = [*CHANNEL_OPTIONS, *options]
         self._channel: grpc.aio.Channel | None = None
@@ -92,7 +106,8 @@ class AsyncEPDClient:
         """Start one request (call from a running loop); ``async for`` the result for its deltas."""
         timeout_s = timeout_s or self.timeout_s
         request = build_request(messages, images=images, timeout_s=timeout_s, **options)
-        return AsyncChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
+        return AsyncChatStream(lambda: self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata),
+                               self.address, max_retries=self.max_retries, timeout_s=timeout_s)
 
     async def models(self, *, timeout_s: float | None = None) -> list[str]:
         response = await self._unary(self._stub.Models, router_pb2.ModelsRequest(), timeout_s)

@@ -149,6 +149,20 @@ def _image_part(where: str, image: ImageInput) -> router_pb2.ContentPart:
     raise InvalidRequest(f"{where}: expected image bytes, a path, a URL or a PIL image, got {_describe(image)}")
 
 
+MAX_RETRY_WAIT_S = 10.0  # the longest an Overloaded retry waits, whatever the server's hint says
+
+
+def retry_wait_s(error, attempt: int, max_retries: int, deadline: float, now: float) -> float | None:
+    """How long to wait before retrying a call the router refused as overloaded (429 /
+    RESOURCE_EXHAUSTED with its Retry-After), or None: give up (out of retries, or past the deadline)."""
+    from epd.client.errors import Overloaded
+
+    if not isinstance(error, Overloaded) or attempt >= max_retries:
+        return None
+    wait_s = min(MAX_RETRY_WAIT_S, error.retry_after_s if error.retry_after_s is not None else 0.5 * 2 ** attempt)
+    return wait_s if now + wait_s < deadline else None
+
+
 def _structured(response_format, structured_outputs) -> common_pb2.StructuredOutput | None:
     if response_format is not None and structured_outputs:
         raise InvalidRequest("give response_format or structured_outputs, not both")

@@ -1,12 +1,13 @@
 """Blocking client: ``EPDClient(address).chat(...)`` / ``.stream(...)``."""
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import grpc
 
 from epd.client.errors import error_from_rpc
-from epd.client.request import ImageInput, Messages, auth_metadata, build_request
+from epd.client.request import ImageInput, Messages, auth_metadata, build_request, retry_wait_s
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
 from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -14,11 +15,16 @@ from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 class ChatStream:
     """Iterator of ChatDelta for one request. ``close()`` (or leaving the ``with`` block) before the
-    end cancels the request on the server."""
+    end cancels the request on the server. A request the router refuses as overloaded before its
+    first delta is sent again after the server's Retry-After, up to ``max_retries`` times within the
+    deadline (as the openai client does)."""
 
-    def __init__(self, call, address: str) -> None:
-        self._call, self._address = call, address
+    def __init__(self, start, address: str, *, max_retries: int = 0, timeout_s: float = 60.0) -> None:
+        self._start, self._address, self._max_retries = start, address, max_retries
+        self._deadline = time.monotonic() + timeout_s
+        self._call = start()
         self._is_first, self._is_done = True, False
+        self.num_retries = 0
 
     def __iter__(self) -> ChatStream:
         return self
@@ -26,14 +32,23 @@ class ChatStream:
     def __next__(self) -> ChatDelta:
         if self._is_done:
             raise StopIteration
-        try:
-            msg = next(self._call)
-        except StopIteration:
-            self._is_done = True
-            raise
-        except grpc.RpcError as err:
-            self._is_done = True
-            raise error_from_rpc(err, self._address) from None
+        while True:
+            try:
+                msg = next(self._call)
+                break
+            except StopIteration:
+                self._is_done = True
+                raise
+            except grpc.RpcError as err:
+                error = error_from_rpc(err, self._address)
+                wait_s = retry_wait_s(error, self.num_retries, self._max_retries, self._deadline, time.monotonic()) \
+                    if self._is_first else None
+                if wait_s is None:
+                    self._is_done = True
+                    raise error from None
+                time.sleep(wait_s)
+                self.num_retries += 1
+                self._call = self._start()
         delta = ChatDelta.from_proto(msg, is_first=self._is_first)
         self._is_first = False
         return delta
@@ -60,8 +75,10 @@ class EPDClient:
     """Talks to a router's public gRPC API. ``timeout_s`` is the default per-call deadline."""
 
     def __init__(self, address: str, *, timeout_s: float = 60.0, options: Sequence[tuple] = (),
-                 api_key: str | None = None) -> None:
-        self.address, self.timeout_s = address, timeout_s
+                 api_key: str | None = None, max_retries: int = 2) -> None:
+        """``max_retries``: times a request the router refuses as overloaded is sent again (after
+        its Retry-After, at most 10 s each, within the request's deadline)."""
+        self.address, self.timeout_s, self.max_retries = address, timeout_s, max_retries
         self._metadata = auth_metadata(api_key)
         self._channel = grpc.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self._stub = router_pb2_grpc.RouterStub(self._channel)
@@ -82,7 +99,8 @@ class EPDClient:
         """Start one request; iterate the returned ChatStream for its deltas (``options``: as ``chat``)."""
         timeout_s = timeout_s or self.timeout_s
         request = build_request(messages, images=images, timeout_s=timeout_s, **options)
-        return ChatStream(self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata), self.address)
+        return ChatStream(lambda: self._stub.Generate(request, timeout=timeout_s, metadata=self._metadata),
+                          self.address, max_retries=self.max_retries, timeout_s=timeout_s)
 
     def models(self, *, timeout_s: float | None = None) -> list[str]:
         response = self._unary(self._stub.Models, router_pb2.ModelsRequest(), timeout_s)

@@ -42,11 +42,14 @@ class FakeCore:
         self.is_hanging = False
         self.requests: list[ChatRequest] = []
         self.closed, self.finished = threading.Event(), threading.Event()
+        self.refusals: list[Exception] = []  # raised, one per request, before any other work
 
     def generate(self, request: ChatRequest):
         return self._play(request)
 
     async def _play(self, request: ChatRequest):
+        if self.refusals:
+            raise self.refusals.pop(0)
         request.messages = await self.media.resolve(request.messages)  # refused media: not recorded
         self.requests.append(request)
         try:

@@ -5,6 +5,7 @@ import base64
 import gc
 import io
 import socket
+import time
 
 import grpc
 import pytest
@@ -209,3 +210,31 @@ def test_no_server_is_unavailable():
     with EPDClient(f"127.0.0.1:{port}", timeout_s=5) as client:
         with pytest.raises(Unavailable):
             client.chat("Hi")
+
+
+def test_an_overloaded_router_is_asked_again_after_its_retry_after(address, core):
+    from epd.errors import Overloaded as ServerOverloaded
+    core.refusals = [ServerOverloaded("saturated", retry_after_s=0.3), ServerOverloaded("saturated", retry_after_s=0.3)]
+    start = time.monotonic()
+    with EPDClient(address, timeout_s=10) as client:
+        assert client.chat("Hi").text == "Hello world"
+    assert time.monotonic() - start >= 0.6 and len(core.requests) == 1  # two refusals waited out, one served
+    core.refusals = [ServerOverloaded("saturated", retry_after_s=0.1)] * 3
+    with EPDClient(address, timeout_s=10, max_retries=2) as client, pytest.raises(Overloaded, match="saturated"):
+        client.chat("Hi")  # out of retries: the third refusal reaches the caller
+    core.refusals = [ServerOverloaded("saturated", retry_after_s=30)]
+    with EPDClient(address, timeout_s=5) as client, pytest.raises(Overloaded):
+        client.chat("Hi")  # a hint past the deadline is not waited for
+
+
+def test_the_async_client_retries_an_overloaded_router_too(address, core):
+    import asyncio
+
+    from epd.client import AsyncEPDClient
+    from epd.errors import Overloaded as ServerOverloaded
+    core.refusals = [ServerOverloaded("saturated", retry_after_s=0.2)]
+
+    async def run() -> str:
+        async with AsyncEPDClient(address, timeout_s=10) as client:
+            return (await client.chat("Hi")).text
+    assert asyncio.run(run()) == "Hello world"

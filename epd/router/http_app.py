@@ -315,6 +315,7 @@ class _Completion:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.header_id = request_id
         self.return_token_ids, self.include_usage = bool(body.return_token_ids), body.include_usage
+        self.continuous_usage = body.continuous_usage
         self.num_logprobs = chat.sampling.logprobs
         self.token_text = token_text
         self.prompt_token_ids: list[int] = []
@@ -353,7 +354,8 @@ class _Completion:
                               logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
                               token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
         return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                   prompt_token_ids=prompt_token_ids)
+                                   prompt_token_ids=prompt_token_ids,
+                                   usage=self.usage() if self.continuous_usage else None)
 
 
 def _message(text: str, calls: list[ToolCall]) -> ResponseMessage:

@@ -69,7 +69,8 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _works("seed", "a 64-bit integer; the same seed draws the same tokens on any tier and batch"),
     _works("stop", "a string or up to any number of strings, cut from the answer"),
     _works("stream", "server-sent events, OpenAI's chunk shape"),
-    _works("stream_options", "include_usage"),
+    _works("stream_options", "include_usage; vLLM's continuous_usage_stats (usage on every chunk); another key "
+                             "is a 400"),
     _works("logprobs", "log-probabilities of the model's own distribution"),
     _works("top_logprobs", "[0, 20]"),
     _refused("n", "one choice per request for now", _one_of(1)),

@@ -84,8 +84,10 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None  # a tool message: which call it answers
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a stream option we do not know is a 400, not a silent drop
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (guidellm asks for it)
 
 
 class GenerationFields(_Lenient):
@@ -124,6 +126,10 @@ class GenerationFields(_Lenient):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ChatCompletionRequest(GenerationFields):

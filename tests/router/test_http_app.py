@@ -239,3 +239,15 @@ def test_a_model_the_server_does_not_serve_is_a_404_and_a_served_one_is_echoed()
         assert [m["id"] for m in listed] == ["fake-qwen2-vl", "alias"]
         assert httpx.get(f"{base}/v1/models/alias", timeout=10).status_code == 200
         assert httpx.get(f"{base}/v1/models/gpt-4o", timeout=10).status_code == 404
+
+
+def test_continuous_usage_stats_put_usage_on_every_chunk_and_unknown_stream_options_are_a_400():
+    with served() as (_, base, client):
+        chunks = list(create(client, stream=True, stream_options={"include_usage": True},
+                             extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+        with pytest.raises(openai.BadRequestError, match="stream_options.frobnicate"):
+            create(client, stream=True, extra_body={"stream_options": {"frobnicate": True}})
+    with_choices = [c for c in chunks if c.choices]
+    assert all(c.usage is not None for c in with_choices)
+    completions = [c.usage.completion_tokens for c in with_choices]
+    assert completions == sorted(completions) and completions[-1] == 4 and chunks[-1].usage.completion_tokens == 4

@@ -133,6 +133,7 @@ class ChatRequest:
     tools: list[dict] | None = None  # rendered by the chat template (None: no tools in the prompt)
     prompt: str | list[int] | None = None  # a raw prompt (/v1/completions): no chat template, no images
     chat_template_kwargs: dict | None = None  # the chat template's own variables (vLLM's chat_template_kwargs)
+    n: int = 1  # choices of this one prompt
     parse_tool_calls: bool = False  # turn <tool_call> blocks of the output into tool calls
     # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt
     # (vLLM's default), once the prompt is tokenized; until then sampling.max_tokens is a placeholder
@@ -152,6 +153,7 @@ class StreamEvent:
     # last event, finish "stop": the stop string or stop token id that ended it (None: EOS), vLLM's
     stop_reason: str | int | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed with this event
+    index: int = 0  # which choice (a request with n > 1)
 
 
 @dataclass

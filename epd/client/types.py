@@ -1,6 +1,7 @@
 """What the SDK returns: typed results built from the wire responses."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from epd.v1 import router_pb2
@@ -51,6 +52,7 @@ class ChatDelta:
     num_cached_tokens: int = 0  # first delta only
     stop_reason: str | int | None = None  # last delta: the stop string or stop token id that ended it
     tool_calls: list[ToolCall] = field(default_factory=list)  # calls completed with this delta
+    index: int = 0  # which choice (a request with n > 1)
 
     @classmethod
     def from_proto(cls, msg: router_pb2.ChatGenerateResponse, *, is_first: bool) -> ChatDelta:
@@ -61,7 +63,7 @@ class ChatDelta:
                    prompt_token_ids=list(msg.prompt_token_ids) if is_first else None,
                    num_cached_tokens=msg.num_cached_tokens if is_first else 0,
                    stop_reason=msg.stop_string or (msg.stop_token_id if msg.HasField("stop_token_id") else None),
-                   tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls])
+                   tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls], index=msg.index)
 
 
 @dataclass(frozen=True)
@@ -78,39 +80,58 @@ class ChatResult:
     usage: Usage
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: EOS, length)
     tool_calls: list[ToolCall] = field(default_factory=list)  # with finish_reason "tool_calls"
+    index: int = 0
+    choices: list[ChatResult] = field(default_factory=list)  # every choice (n > 1), this one first
 
 
-class ResultBuilder:
-    """Folds a stream of deltas into one ChatResult."""
-
+class _ChoiceBuilder:
     def __init__(self) -> None:
-        self.request_id, self.finish_reason, self.stop_reason = "", None, None
         self.texts: list[str] = []
         self.token_ids: list[int] = []
-        self.prompt_token_ids: list[int] = []
         self.logprobs: list[TokenLogprob] = []
         self.tool_calls: list[ToolCall] = []
-        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
 
     def add(self, delta: ChatDelta) -> None:
-        self.request_id = delta.request_id or self.request_id
         self.texts.append(delta.text)
         self.token_ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
         self.tool_calls += delta.tool_calls
+
+
+class ResultBuilder:
+    """Folds a stream of deltas (of one choice, or of several by ``index``) into one ChatResult."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.prompt_token_ids: list[int] = []
+        self.num_cached_tokens = 0
+        self._choices: dict[int, _ChoiceBuilder] = {}
+
+    def add(self, delta: ChatDelta) -> None:
+        self.request_id = delta.request_id or self.request_id
+        self._choices.setdefault(delta.index, _ChoiceBuilder()).add(delta)
         if delta.prompt_token_ids is not None:
             self.prompt_token_ids = delta.prompt_token_ids
             self.num_cached_tokens = delta.num_cached_tokens
 
     def result(self) -> ChatResult:
-        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(self.token_ids),
+        choices = [self._result(i, c) for i, c in sorted(self._choices.items())] or [self._result(0, _ChoiceBuilder())]
+        completion = sum(len(c.token_ids) for c in choices)
+        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=completion,
                       cached_tokens=self.num_cached_tokens)
-        return ChatResult(request_id=self.request_id, text="".join(self.texts), token_ids=self.token_ids,
-                          prompt_token_ids=self.prompt_token_ids, finish_reason=self.finish_reason,
-                          logprobs=self.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage,
-                          stop_reason=self.stop_reason, tool_calls=self.tool_calls)
+        return dataclasses.replace(choices[0], usage=usage, choices=choices)
+
+    def _result(self, index: int, choice: _ChoiceBuilder) -> ChatResult:
+        usage = Usage(prompt_tokens=len(self.prompt_token_ids), completion_tokens=len(choice.token_ids),
+                      cached_tokens=self.num_cached_tokens)
+        return ChatResult(request_id=self.request_id, text="".join(choice.texts), token_ids=choice.token_ids,
+                          prompt_token_ids=self.prompt_token_ids, finish_reason=choice.finish_reason,
+                          logprobs=choice.logprobs, num_cached_tokens=self.num_cached_tokens, usage=usage,
+                          stop_reason=choice.stop_reason, tool_calls=choice.tool_calls, index=index)
 
 
 @dataclass(frozen=True)

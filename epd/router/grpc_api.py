@@ -20,6 +20,7 @@ from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
+from epd.router.openai_protocol import MAX_CHOICES
 from epd.router.openai_protocol import arguments_for_template as _arguments
 from epd.router.rate_limit import KeyRateLimiter
 from epd.router.tool_calls import plan_tools
@@ -99,7 +100,13 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
                            timeout_s=min(timeouts_s) if timeouts_s else None,
                            include_stop_str_in_output=request.include_stop_str_in_output,
                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
-                           tools=tools.render, parse_tool_calls=tools.parse)
+                           tools=tools.render, parse_tool_calls=tools.parse, n=self._choices(request.n))
+
+    @staticmethod
+    def _choices(n: int) -> int:
+        if n > MAX_CHOICES:
+            raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
+        return max(1, n)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
         if not message.role:
@@ -199,7 +206,7 @@ def _response(event: StreamEvent, request_id: str) -> router_pb2.ChatGenerateRes
     msg = router_pb2.ChatGenerateResponse(
         request_id=request_id, token_ids=event.token_ids, text=event.text,
         logprobs=[logprobs_to_proto(lp) for lp in event.logprobs], finish_reason=event.finish_reason or "",
-        prompt_token_ids=event.prompt_token_ids or [], num_cached_tokens=event.num_cached_tokens)
+        prompt_token_ids=event.prompt_token_ids or [], num_cached_tokens=event.num_cached_tokens, index=event.index)
     msg.tool_calls.extend(router_pb2.ChatToolCall(id=c.id, name=c.name, arguments=c.arguments)
                           for c in event.tool_calls)
     if isinstance(event.stop_reason, str):

@@ -246,27 +246,22 @@ class _ChatCompletions:
                 pump.close()
 
     async def _complete(self, request: Request, pump: _CorePump, event: StreamEvent, out: _Completion) -> Response:
-        text, token_ids, logprobs, calls = [], [], [], []
         while True:
-            calls += event.tool_calls
-            delta_text, delta_ids, delta_logprobs = out.add(event)
-            text.append(delta_text)
-            token_ids += delta_ids
-            logprobs += delta_logprobs or []
-            if out.finish_reason:
+            out.add(event)
+            if out.is_finished:
                 break
             event = await pump.next(request)
             if event is None:  # the core's stream ended with no finish reason
-                out.finish_reason = "stop"
+                out.finish_unfinished()
                 break
         pump.close(cancel=False)
         response = ChatCompletionResponse(
             id=out.request_id, created=out.created, model=out.model, usage=out.usage(),
             prompt_token_ids=out.prompt_token_ids if out.return_token_ids else None,
-            choices=[Choice(message=_message("".join(text), calls), finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                            logprobs=ChoiceLogprobs(content=logprobs) if out.num_logprobs is not None else None,
-                            token_ids=token_ids if out.return_token_ids else None)])
+            choices=[Choice(index=c.index, message=_message("".join(c.texts), c.calls), finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            logprobs=ChoiceLogprobs(content=c.logprobs) if out.num_logprobs is not None else None,
+                            token_ids=c.token_ids if out.return_token_ids else None) for c in out.choices])
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": out.header_id})
 
     async def _stream(self, request: Request, pump: _CorePump, event: StreamEvent | None,
@@ -274,21 +269,24 @@ class _ChatCompletions:
         cancel = True  # unless the core's stream ends on its own
         try:
             prompt_token_ids = list(event.prompt_token_ids or []) if out.return_token_ids else None
-            yield _sse(out.chunk(DeltaMessage(role="assistant", content=""), prompt_token_ids=prompt_token_ids))
+            for choice in out.choices:  # each choice opens with its role, as OpenAI's streams do
+                yield _sse(out.chunk(choice, DeltaMessage(role="assistant", content=""),
+                                     prompt_token_ids=prompt_token_ids if choice.index == 0 else None))
             while event is not None:
-                calls = event.tool_calls
-                text, token_ids, logprobs = out.add(event)
+                choice, text, token_ids, logprobs = out.add(event)
                 if text or (token_ids and (out.return_token_ids or logprobs is not None)):
-                    yield _sse(out.chunk(DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
-                if calls:
-                    yield _sse(out.chunk(DeltaMessage(tool_calls=out.delta_calls(calls))))
-                if out.finish_reason:
+                    yield _sse(out.chunk(choice, DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
+                if event.tool_calls:
+                    yield _sse(out.chunk(choice, DeltaMessage(tool_calls=choice.delta_calls(event.tool_calls))))
+                if choice.finish_reason:
+                    yield _sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason,
+                                         stop_reason=choice.stop_reason))
+                if out.is_finished:
                     break
                 event = await pump.next(None)  # Starlette cancels this stream when the client leaves
-            if event is None:  # the core's stream ended with no finish reason
-                out.finish_reason = "stop"
+            for choice in out.finish_unfinished():  # the core's stream ended with no finish reason
+                yield _sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason))
             cancel = False
-            yield _sse(out.chunk(DeltaMessage(), finish_reason=out.finish_reason, stop_reason=out.stop_reason))
             if out.include_usage:
                 yield _sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
                                                usage=out.usage()))
@@ -306,9 +304,30 @@ class _ChatCompletions:
             pump.close(cancel=cancel)
 
 
+class _ChoiceState:
+    """One choice's output as it accumulates."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.calls: list[ToolCall] = []
+        self.num_completion_tokens = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+    def delta_calls(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
+        """Calls as stream deltas, each whole in one (OpenAI's clients join a call's pieces by index)."""
+        out = [DeltaToolCall(index=len(self.calls) - len(calls) + k, id=call.id,
+                             function=DeltaFunction(name=call.name, arguments=call.arguments))
+               for k, call in enumerate(calls)]
+        return out
+
+
 class _Completion:
-    """One request's output as it accumulates: counts, and the per-event pieces that go into
-    chunks or the final response."""
+    """One request's output as it accumulates: the prompt's counts, and each choice's pieces that go
+    into chunks or the final response."""
 
     def __init__(self, request_id: str, model: str, body: ChatCompletionRequest, chat: ChatRequest,
                  token_text: Callable[[int], str]) -> None:
@@ -319,41 +338,48 @@ class _Completion:
         self.num_logprobs = chat.sampling.logprobs
         self.token_text = token_text
         self.prompt_token_ids: list[int] = []
-        self.num_cached_tokens = self.num_completion_tokens = 0
-        self.finish_reason: str | None = None
-        self.stop_reason: str | int | None = None
-        self.num_calls = 0
+        self.num_cached_tokens = 0
+        self.choices = [_ChoiceState(i) for i in range(chat.n)]
 
-    def add(self, event: StreamEvent) -> tuple[str, list[int], list[TokenLogprob] | None]:
-        """(text to send, token ids, logprobs entries or None when not asked for)."""
-        if event.prompt_token_ids is not None:
+    def add(self, event: StreamEvent) -> tuple[_ChoiceState, str, list[int], list[TokenLogprob] | None]:
+        """(its choice, text to send, token ids, logprobs entries or None when not asked for)."""
+        choice = self.choices[event.index]
+        if event.prompt_token_ids is not None and event.index == 0:
             self.prompt_token_ids = list(event.prompt_token_ids)
             self.num_cached_tokens = event.num_cached_tokens
-        self.num_completion_tokens += len(event.token_ids)
-        self.finish_reason = event.finish_reason or self.finish_reason
-        self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
+        choice.num_completion_tokens += len(event.token_ids)
+        choice.finish_reason = event.finish_reason or choice.finish_reason
+        choice.stop_reason = event.stop_reason if event.stop_reason is not None else choice.stop_reason
+        choice.calls += event.tool_calls
+        choice.texts.append(event.text)
+        choice.token_ids += event.token_ids
         logprobs = (logprobs_content(event.logprobs, self.token_text, self.num_logprobs)
                     if self.num_logprobs is not None else None)
-        return event.text, list(event.token_ids), logprobs
+        choice.logprobs += logprobs or []
+        return choice, event.text, list(event.token_ids), logprobs
+
+    @property
+    def is_finished(self) -> bool:
+        return all(c.finish_reason for c in self.choices)
+
+    def finish_unfinished(self) -> list[_ChoiceState]:
+        """The choices the core's stream left without a finish reason: they end with "stop"."""
+        left = [c for c in self.choices if not c.finish_reason]
+        for choice in left:
+            choice.finish_reason = "stop"
+        return left
 
     def usage(self) -> Usage:
-        return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
+        return Usage.of(len(self.prompt_token_ids), sum(c.num_completion_tokens for c in self.choices),
+                        self.num_cached_tokens)
 
-    def delta_calls(self, calls: list[ToolCall]) -> list[DeltaToolCall]:
-        """Calls as stream deltas, each whole in one (OpenAI's clients join a call's pieces by index)."""
-        out = [DeltaToolCall(index=self.num_calls + k, id=call.id,
-                             function=DeltaFunction(name=call.name, arguments=call.arguments))
-               for k, call in enumerate(calls)]
-        self.num_calls += len(calls)
-        return out
-
-    def chunk(self, delta: DeltaMessage, *, finish_reason: str | None = None, token_ids: list[int] | None = None,
-              logprobs: list[TokenLogprob] | None = None, prompt_token_ids: list[int] | None = None,
-              stop_reason: str | int | None = None) -> ChatCompletionChunk:
-        choice = StreamChoice(delta=delta, finish_reason=finish_reason, stop_reason=stop_reason,
-                              logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
-                              token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice],
+    def chunk(self, choice: _ChoiceState, delta: DeltaMessage, *, finish_reason: str | None = None,
+              token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,
+              prompt_token_ids: list[int] | None = None, stop_reason: str | int | None = None) -> ChatCompletionChunk:
+        streamed = StreamChoice(index=choice.index, delta=delta, finish_reason=finish_reason, stop_reason=stop_reason,
+                                logprobs=ChoiceLogprobs(content=logprobs) if logprobs is not None else None,
+                                token_ids=token_ids if self.return_token_ids and token_ids is not None else None)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[streamed],
                                    prompt_token_ids=prompt_token_ids,
                                    usage=self.usage() if self.continuous_usage else None)
 

@@ -73,7 +73,8 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
                              "is a 400"),
     _works("logprobs", "log-probabilities of the model's own distribution"),
     _works("top_logprobs", "[0, 20]"),
-    _refused("n", "one choice per request for now", _one_of(1)),
+    _works("n", "[1, 16] choices; the others start once the first has its first token, so they share its prefill "
+                "(prefix cache) and its images' encoding; with a seed, choice i draws with seed + i"),
     _info("user", "an end-user id for abuse monitoring; not used for generation"),
     _info("metadata", "stored nowhere (there is no store); not used for generation"),
     _info("safety_identifier", "as user"),

@@ -24,6 +24,7 @@ from epd.router.tool_calls import plan_tools
 from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StructuredOutput, TokenLogprobs
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 16  # n: choices of one request (each is a sequence on the tiers)
 MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -228,7 +229,9 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
             raise InvalidRequest("tool_choice required or a named function already constrains the output; give no "
                                  "response_format or structured_outputs with it", param="tool_choice")
         sampling = dataclasses.replace(sampling, structured=tools.grammar)
-    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=sampling,
+    n = 1 if body.n is None else body.n
+    _require(1 <= n <= MAX_CHOICES, "n", f"in [1, {MAX_CHOICES}]", body.n)
+    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=sampling, n=n,
                        request_id=request_id, stop_strings=stop_strings(body.stop),
                        fill_max_tokens=not given and default_max_tokens is None,
                        include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,

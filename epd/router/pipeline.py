@@ -10,6 +10,7 @@ is the one place that owns a request from arrival to its last byte.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -29,7 +30,7 @@ from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.metrics import RouterMetrics
 from epd.router.stop_strings import StopStrings
 from epd.router.tool_calls import ToolCallStream
-from epd.types import ChatRequest, StreamEvent
+from epd.types import ChatRequest, SamplingParams, StreamEvent
 
 log = logging.getLogger("epd.router")
 
@@ -80,18 +81,59 @@ class RequestPipeline:
         try:
             self.limits.check_num_items(count_media_parts(request.messages))
             async with self.gate.slot():
-                async for event in self._run(request, start, deadline):
+                prompt = await self._prepare(request)
+                runs = self._run(request, prompt, start, deadline) if request.n == 1 else \
+                    self._run_choices(request, prompt, start, deadline)
+                async for event in runs:
                     yield event
         except EPDError as err:
             self.metrics.observe_error(err)
             raise
 
     # ---- the request path -----------------------------------------------------------------------
-    async def _run(self, request: ChatRequest, start: float, deadline: float) -> AsyncIterator[StreamEvent]:
-        prompt = await self._prepare(request)
+    async def _run_choices(self, request: ChatRequest, prompt: ProcessedPrompt, start: float,
+                           deadline: float) -> AsyncIterator[StreamEvent]:
+        """``n`` choices of one prompt, their events merged (each with its ``index``). Choice 0 runs
+        first; the others start once its first token is out, so the prompt's KV is in prefill's
+        prefix cache and the images' rows in the encoders' cache: they share the prefill and the
+        encoding. A seeded request's choice i draws with seed + i (else the choices would be equal)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            params = request.sampling
+            if params.seed is not None and index:
+                params = dataclasses.replace(params, seed=params.seed + index)
+            try:
+                async for event in self._run(request, prompt, start, deadline, sampling=params, tag=f"c{index}"):
+                    event.index = index
+                    await queue.put(event)
+                await queue.put((index, None))
+            except BaseException as err:  # noqa: BLE001 - handed to the reader, which raises it
+                await queue.put((index, err))
+
+        tasks = [asyncio.create_task(pump(0))]
+        try:
+            finished = 0
+            while finished < request.n:
+                item = await queue.get()
+                if isinstance(item, tuple):
+                    if item[1] is not None:
+                        raise item[1]
+                    finished += 1
+                    continue
+                if len(tasks) == 1:  # choice 0's first output: its prefix is cached now
+                    tasks += [asyncio.create_task(pump(i)) for i in range(1, request.n)]
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, request: ChatRequest, prompt: ProcessedPrompt, start: float, deadline: float, *,
+                   sampling: SamplingParams | None = None, tag: str = "") -> AsyncIterator[StreamEvent]:
         # the client's id, made unique for the workers: two requests with one id never meet there
-        job = Job(f"{request.request_id}#{uuid.uuid4().hex[:8]}", prompt, request.sampling, self.eos_token_ids,
-                  deadline)
+        job = Job(f"{request.request_id}#{tag}{uuid.uuid4().hex[:8]}", prompt, sampling or request.sampling,
+                  self.eos_token_ids, deadline)
         text = _TextStream(self.tokenizer, request.stop_strings, request.include_stop_str_in_output,
                            request.sampling.stop_token_ids, request.parse_tool_calls)
         outputs = self.backend.run(job)

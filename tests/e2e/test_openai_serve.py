@@ -298,3 +298,13 @@ def test_completions_and_tokenize_against_the_real_cluster(client, server):
         headers={"Content-Type": "application/json"}), timeout=60).read())
     answer = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
     assert counted["count"] == answer.usage.prompt_tokens
+
+
+def test_n_choices_across_the_split_share_the_prefill(client, server):
+    image = make_image_bytes(72, 56, seed=45)
+    messages = chat("Describe it.", [data_url(image)])
+    out = client.chat.completions.create(model="m", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=11)
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 24
+    assert len({c.message.content for c in out.choices}) > 1  # seed + i: three different draws
+    again = client.chat.completions.create(model="m", messages=messages, n=3, max_tokens=8, temperature=1.0, seed=11)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]

@@ -106,11 +106,11 @@ def test_logprob_tokens_are_ids_without_a_tokenizer():
     assert entry.token == str(FIRST_TOKEN_ID) and entry.top_logprobs == []
 
 
-def test_n_other_than_one_is_a_bad_request():
+def test_n_out_of_range_is_a_bad_request():
     with served() as (core, _, client):
         with pytest.raises(openai.BadRequestError) as info:
-            create(client, n=2)
-    assert "n is not supported by this server: one choice per request for now (got 2)" in info.value.message
+            create(client, n=17)
+    assert "n must be in [1, 16], got 17" in info.value.message
     assert info.value.body["param"] == "n" and info.value.body["type"] == "invalid_request_error"
     assert core.requests == []
 

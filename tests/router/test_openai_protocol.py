@@ -65,7 +65,7 @@ def test_logprobs_without_top_is_zero():
 
 
 @pytest.mark.parametrize("fields, param, fragment", [
-    ({"n": 2}, "n", "n is not supported by this server: one choice per request for now (got 2)"),
+    ({"n": 0}, "n", "n must be in [1, 16], got 0"),
     ({"temperature": 2.5}, "temperature", "temperature must be in [0, 2], got 2.5"),
     ({"top_p": 0}, "top_p", "top_p must be in (0, 1], got 0"),
     ({"top_k": -2}, "top_k", "got -2"),

@@ -374,3 +374,38 @@ def test_the_sdk_calls_tools_and_sends_the_round_trip_back(model_dir, tokenizer)
     prompt = tokenizer.decode(backend.jobs[1].prompt.prompt_token_ids)
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt and "<tool_response>\ncold" in prompt
     assert backend.jobs[2].sampling.structured.kind == "lark"
+
+
+def test_n_choices_share_one_prompt_and_come_back_indexed_whole_and_streamed(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["Hello", " there"]), finish_reason="length")
+    user = [{"role": "user", "content": "Hi"}]
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, _):
+        out = http.chat.completions.create(model="tiny", messages=user, n=3, seed=7)
+        streamed = list(http.chat.completions.create(model="tiny", messages=user, n=2, stream=True,
+                                                     stream_options={"include_usage": True}))
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert all(c.message.content == "Hello there" and c.finish_reason == "length" for c in out.choices)
+    assert out.usage.completion_tokens == 3 * 2
+    assert out.usage.prompt_tokens == len(backend.jobs[0].prompt.prompt_token_ids)
+    first_three = backend.jobs[:3]
+    assert [job.sampling.seed for job in first_three] == [7, 8, 9]  # choice i draws with seed + i
+    assert len({job.request_id for job in first_three}) == 3 and first_three[0].prompt is first_three[2].prompt
+    by_index: dict[int, str] = {}
+    finishes = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            by_index[choice.index] = by_index.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert by_index == {0: "Hello there", 1: "Hello there"} and finishes == {0: "length", 1: "length"}
+    assert streamed[-1].usage.completion_tokens == 4
+
+
+def test_the_sdk_asks_for_n_choices_and_gets_them_all(model_dir, tokenizer):
+    backend = ScriptedBackend(pieces(tokenizer, ["A", "B"]), finish_reason="length")
+    with both_front_ends(make_pipeline(model_dir, backend)) as (_, sdk):
+        result = sdk.chat("Hi", n=3, seed=1, temperature=1.0)
+        deltas = list(sdk.stream("Hi", n=2))
+    assert [c.index for c in result.choices] == [0, 1, 2] and all(c.text == "AB" for c in result.choices)
+    assert result.usage.completion_tokens == 6 and result.text == "AB"
+    assert sorted({d.index for d in deltas}) == [0, 1]

@@ -169,7 +169,8 @@ class GrpcDriver:
         from epd.client import AsyncEPDClient
 
         self.address, self.timeout_s = address, timeout_s
-        self._client = AsyncEPDClient(address, timeout_s=timeout_s)
+        # no retries: a load generator reports an overloaded answer, it does not hide it
+        self._client = AsyncEPDClient(address, timeout_s=timeout_s, max_retries=0)
         self.model: str | None = None
 
     async def resolve_model(self) -> str:
@@ -179,14 +180,8 @@ class GrpcDriver:
         return self.model
 
     def _stream(self, spec: RequestSpec):
-        from epd.client import AsyncChatStream
-        from epd.client.request import build_request
-
-        request = build_request(spec.prompt, images=list(spec.image_bytes), max_tokens=spec.output_len,
-                                timeout_s=self.timeout_s)
-        request.sampling.ignore_eos = True  # the wire has it; the SDK's keyword arguments do not (yet)
-        call = self._client._stub.Generate(request, timeout=self.timeout_s)
-        return AsyncChatStream(call, self.address)
+        return self._client.stream(spec.prompt, images=list(spec.image_bytes), max_tokens=spec.output_len,
+                                   ignore_eos=True, timeout_s=self.timeout_s)
 
     async def send(self, spec: RequestSpec, record: RequestRecord, run_t0: float) -> None:
         timer = _Timer(record, run_t0)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import threading
 import time
 import urllib.request
@@ -17,6 +16,7 @@ from epd.models.presets import write_preset_checkpoint
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import ServeProcess, wait_until
 from tests.fidelity.reference import ReferenceModel, user_message
+from tests.prom import convention_problems, sample_sum, scrape
 from tests.router.fake_core import send_bytes, serve_files
 
 pytestmark = pytest.mark.slow
@@ -64,10 +64,8 @@ def chat(text: str, urls: list[str]) -> list[dict]:
     return [{"role": "user", "content": parts}]
 
 
-def metric(server, name: str, labels: str = "") -> float:
-    body = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10).read().decode()
-    pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else r"(\{[^}]*\})?") + r" ([0-9.e+-]+)"
-    return sum(float(m.group(m.lastindex)) for m in re.finditer(pattern, body))
+def metric(server, name: str, **labels: str) -> float:
+    return sample_sum(scrape(f"{server.base_url}/metrics"), name, **labels)
 
 
 def test_models_and_health(client, server):
@@ -112,16 +110,27 @@ def test_same_image_twice_is_an_encoder_cache_hit(client, server):
     image = data_url(make_image_bytes(100, 80, seed=9))
     client.chat.completions.create(model="m", messages=chat("First.", [image]), max_tokens=4)
     time.sleep(1.5)  # the cluster view refreshes from health checks every second
-    encoded = metric(server, "epd_encoder_encoded_items")
+    encoded = metric(server, "epd_encoder_encoded_items_total")
     client.chat.completions.create(model="m", messages=chat("Second.", [image]), max_tokens=4)
     time.sleep(1.5)  # the cluster view refreshes from health checks every second
-    assert metric(server, "epd_encoder_encoded_items") == encoded
-    assert metric(server, "epd_requests_total", 'outcome="ok"') >= 2
+    assert metric(server, "epd_encoder_encoded_items_total") == encoded
+    assert metric(server, "epd_requests_total", outcome="ok") >= 2
+
+
+def test_every_process_serves_metrics_by_prometheus_conventions(client, server):
+    """The router's and each worker's own /metrics: counters _total, base units, process metrics,
+    and one model_name label (the served name, on the workers too)."""
+    client.chat.completions.create(model="m", messages=chat("Hi.", []), max_tokens=2)
+    assert len(server.worker_metrics_urls) == 3, server.lines[-12:]
+    for url in [f"{server.base_url}/metrics", *server.worker_metrics_urls]:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert convention_problems(resp.read().decode(), model_name="m") == [], url
+    assert metric(server, "epd_requests_total", model_name="m") >= 1
 
 
 @pytest.mark.parametrize("case,expected", [
     ("too_many_items", "max_items_per_request"), ("too_long", "exceeds the model length"),
-    ("too_many_rows", "encoder output budget"), ("n2", "n"),
+    ("too_many_rows", "encoder output budget"), ("n17", "n must be in [1, 16]"),
 ])
 def test_requests_that_can_never_fit_get_400_naming_the_limit(client, case, expected):
     small = data_url(make_image_bytes(30, 30, seed=4))
@@ -133,7 +142,7 @@ def test_requests_that_can_never_fit_get_400_naming_the_limit(client, case, expe
     elif case == "too_many_rows":
         kwargs["messages"] = chat("x", [data_url(make_image_bytes(448, 448, seed=5))])
     else:
-        kwargs["n"] = 2
+        kwargs["n"] = 17  # past MAX_CHOICES (n itself works: test_n_choices_across_the_split_share_the_prefill)
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(**kwargs)
     assert expected in str(err.value)
@@ -157,7 +166,7 @@ def test_saturation_gives_429_with_retry_after(client, server):
         t.join(300)
     rejected = [s for s in statuses if s != 200]
     assert rejected and all(s[1] and int(s[1]) >= 1 for s in rejected)
-    assert metric(server, "epd_admission_rejections_total", 'reason="saturated"') >= len(rejected)
+    assert metric(server, "epd_admission_rejections_total", reason="saturated") >= len(rejected)
 
 
 def test_client_disconnect_mid_stream_frees_the_request_everywhere(client, server):

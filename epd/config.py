@@ -214,6 +214,8 @@ class WorkerConfig(_Config):
     """One tier process: what it serves, where, and how it hands tensors on."""
 
     model: str = Field("tiny-qwen2-vl", description="preset name or Hugging Face checkpoint directory")
+    served_model_name: tuple[str, ...] = Field((), description="the name(s) clients send as `model` (default: "
+                                                               "--model); any other is a 404")
     host: str = Field("127.0.0.1", description="address the worker binds and advertises")
     port: Port = Field(0, description="gRPC port (0: a free one, printed in the ready line)")
     engine: EngineConfig = EngineConfig()
@@ -234,9 +236,19 @@ class WorkerConfig(_Config):
                                               json_schema_extra={"flag": "overlap"})
     tls: TlsConfig = TlsConfig()
 
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _names(cls, value: Any) -> Any:
+        return [a for a in value.split(",") if a] if isinstance(value, str) else value
+
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def public_model_name(self) -> str:
+        """The name its metrics carry as ``model_name``: the router's, so one label joins both."""
+        return self.served_model_name[0] if self.served_model_name else self.model
 
 
 class RouterConfig(_Config):
@@ -401,6 +413,15 @@ class ServeConfig(_Config):
         if tls.enabled:
             object.__setattr__(self, "router", self.router.model_copy(update={"tls": tls}))
             object.__setattr__(self, "worker", self.worker.model_copy(update={"tls": tls}))
+        return self
+
+    @model_validator(mode="after")
+    def _one_public_name(self) -> "ServeConfig":
+        """The served names are the router's; the workers carry the first as their metrics'
+        ``model_name`` label, so they follow it wherever it was given (a flag sets both)."""
+        names = self.router.served_model_name
+        if names and self.worker.served_model_name != names:
+            object.__setattr__(self, "worker", self.worker.model_copy(update={"served_model_name": names}))
         return self
 
     def devices(self, tier: str) -> list[str]:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from epd.bench.metrics import metric_by_label, parse_prometheus
 from epd.bench.workload import ImageSpec, data_url, render_image
 
-_BANNER_LINE = re.compile(r"\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)$")
+_BANNER_LINE = re.compile(r"\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)(?: metrics \S+)?$")
 
 
 @dataclass(frozen=True)
@@ -260,8 +261,7 @@ def in_rotation(base_url: str, tier: str, address: str) -> bool:
 
 
 def moves(base_url: str) -> dict[str, float]:
-    """The router's ``epd_request_moves`` by stage."""
+    """The router's ``epd_request_moves_total`` by stage."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^epd_request_moves\{stage="(\w+)"\} (\S+)$',
-                                                                text, re.MULTILINE)}
+    return metric_by_label(parse_prometheus(text), "epd_request_moves_total", "stage")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-import re
 import time
 from collections.abc import Iterable, Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
 
 PERCENTILES = (50, 90, 99)
 
@@ -102,45 +103,18 @@ def _error_counts(failed: Sequence) -> dict[str, int]:
 
 # ---- Prometheus text format ---------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(?:\s+\S+)?\s*$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
 Labels = tuple[tuple[str, str], ...]
 
 
 def parse_prometheus(text: str) -> dict[str, dict[Labels, float]]:
-    """Prometheus text exposition -> {sample name: {sorted (label, value) pairs: value}}.
-    Comments, blank lines and malformed lines are skipped; ``+Inf``/``NaN`` parse as floats."""
+    """Prometheus text exposition -> {sample name: {sorted (label, value) pairs: value}}, parsed by
+    ``prometheus_client``'s own parser (so escapes, timestamps, ``+Inf``/``NaN`` are read as
+    Prometheus reads them). A malformed exposition raises ``ValueError`` naming the problem."""
     out: dict[str, dict[Labels, float]] = {}
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, label_text, value_text = m.groups()
-        try:
-            value = float(value_text)
-        except ValueError:
-            continue
-        labels: Labels = ()
-        if label_text:
-            body = label_text[1:-1]
-            pairs, pos = [], 0
-            while pos < len(body):
-                lm = _LABEL.match(body, pos)
-                if not lm:
-                    break
-                pairs.append((lm.group(1), _unescape(lm.group(2))))
-                pos = lm.end()
-            labels = tuple(sorted(pairs))
-        out.setdefault(name, {})[labels] = value
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = float(sample.value)
     return out
-
-
-def _unescape(value: str) -> str:
-    return value.replace("\\\\", "\x00").replace('\\"', '"').replace("\\n", "\n").replace("\x00", "\\")
 
 
 def metric_sum(parsed: dict | None, name: str, **match: str) -> float | None:
@@ -185,17 +159,17 @@ def server_summary(before: dict | None, after: dict | None, samples: Sequence[di
         rejections[reason] = _delta(before, after, "epd_admission_rejections_total", reason=reason)
     out["admission_rejections"] = rejections
     for key, name in (("prompt_tokens", "epd_prompt_tokens_total"), ("output_tokens", "epd_output_tokens_total"),
-                      ("prefix_cache_hit_tokens", "epd_prefix_cache_hit_tokens_total"),
-                      ("encoder_forwards", "epd_encoder_forwards"),
-                      ("encoder_encoded_items", "epd_encoder_encoded_items")):
+                      ("prefix_cache_hit_tokens", "epd_prompt_cached_tokens_total"),
+                      ("encoder_forwards", "epd_encoder_forwards_total"),
+                      ("encoder_encoded_items", "epd_encoder_encoded_items_total")):
         out[key] = _delta(before, after, name)
     if out["prefix_cache_hit_tokens"] is not None and out["prompt_tokens"]:
         out["prefix_cache_hit_rate"] = out["prefix_cache_hit_tokens"] / out["prompt_tokens"]
     else:
         out["prefix_cache_hit_rate"] = None
     # encoder cache: the workers' own hit/miss counters when scraped, else items sent vs encoded
-    hits = _delta(before, after, "epd_encoder_cache_hits")
-    misses = _delta(before, after, "epd_encoder_cache_misses")
+    hits = _delta(before, after, "epd_encoder_cache_hits_total")
+    misses = _delta(before, after, "epd_encoder_cache_misses_total")
     if hits is not None and misses is not None and hits + misses > 0:
         out["encoder_cache_hit_rate"], out["encoder_cache_hit_rate_source"] = hits / (hits + misses), "worker"
     elif out["encoder_encoded_items"] is not None and images_sent > 0:
@@ -264,12 +238,13 @@ class MetricsSampler:
                 try:
                     resp = await client.get(url)
                     resp.raise_for_status()
-                except Exception as exc:  # a metrics endpoint that is down must not stop the bench
+                    parsed = parse_prometheus(resp.text)
+                except Exception as exc:  # a metrics endpoint down or malformed must not stop the bench
                     if len(self.errors) < 20:
                         self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
                     continue
                 got = True
-                for name, series in parse_prometheus(resp.text).items():
+                for name, series in parsed.items():
                     target = merged.setdefault(name, {})
                     for labels, v in series.items():
                         # the same series from two endpoints (e.g. two workers without a worker

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from epd.prometheus import LiveCounters, exposition, render
 
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ADMISSION_REASONS = {400: "never_fits", 429: "saturated", 503: "no_workers"}
@@ -11,8 +13,9 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
+    def __init__(self, model_name: str) -> None:
+        self.own = r = CollectorRegistry()
+        self.registry = exposition(r, model_name)  # what /metrics serves
         self.requests = Counter("epd_requests", "Requests finished, by outcome", ["outcome"], registry=r)
         self.rejections = Counter("epd_admission_rejections", "Requests refused at admission, by reason",
                                   ["reason"], registry=r)
@@ -25,20 +28,26 @@ class RouterMetrics:
         self.in_flight = Gauge("epd_router_in_flight", "Requests on the tiers", registry=r)
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.output_tokens = Counter("epd_output_tokens", "Output tokens streamed", registry=r)
-        self.cached_tokens = Counter("epd_prefix_cache_hit_tokens", "Prompt tokens served from prefill's prefix cache",
-                                     registry=r)
+        self.cached_tokens = Counter("epd_prompt_cached_tokens", "Prompt tokens of the requests admitted that "
+                                     "prefill served from its prefix cache", registry=r)
         # the cluster view, refreshed from the health checks
         labels = ["tier", "worker"]
         self.worker_healthy = Gauge("epd_worker_healthy", "1 if the worker is in rotation", labels, registry=r)
         self.worker_running = Gauge("epd_worker_running", "Requests running on the worker", labels, registry=r)
         self.worker_waiting = Gauge("epd_worker_queue_depth", "Requests waiting on the worker", labels, registry=r)
         self.worker_kv_usage = Gauge("epd_worker_kv_usage_ratio", "KV blocks in use / all", labels, registry=r)
-        self.encoder_forwards = Gauge("epd_encoder_forwards", "Encoder batches run (worker's count)", labels,
-                                      registry=r)
-        self.moves = Gauge("epd_request_moves", "Requests moved off a lost worker since start, by stage "
-                           "(redispatched: before the first token; migrated: mid-stream)", ["stage"], registry=r)
-        self.encoder_items = Gauge("epd_encoder_encoded_items", "Items encoded, i.e. cache misses (worker's count)",
-                                   labels, registry=r)
+        # counts kept elsewhere (a worker's, in its last health reply; the backend's moves), read at scrape
+        self._encoder_counts: dict[tuple[str, str], tuple[int, int]] = {}
+        self._moves: dict[str, int] = {}
+        counts = LiveCounters()
+        counts.add_labelled("epd_encoder_forwards", "Encoder batches run (the worker's count)", labels,
+                            lambda: ((k, v[0]) for k, v in self._encoder_counts.items()))
+        counts.add_labelled("epd_encoder_encoded_items", "Items encoded, i.e. cache misses (the worker's count)",
+                            labels, lambda: ((k, v[1]) for k, v in self._encoder_counts.items()))
+        counts.add_labelled("epd_request_moves", "Requests moved off a lost worker since start, by stage "
+                            "(redispatched: before the first token; migrated: mid-stream)", ["stage"],
+                            lambda: (((stage,), self._moves.get(stage, 0)) for stage in ("redispatched", "migrated")))
+        r.register(counts)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.ttft.observe(ttft_s)
@@ -69,13 +78,12 @@ class RouterMetrics:
                 self.worker_running.labels(*key).set(w.last_health.num_running)
                 self.worker_waiting.labels(*key).set(w.last_health.num_waiting)
                 self.worker_kv_usage.labels(*key).set(w.last_health.kv_usage)
-                if w.tier == "encoder":
-                    self.encoder_forwards.labels(*key).set(w.last_health.num_encoder_forwards)
-                    self.encoder_items.labels(*key).set(w.last_health.num_encoded_items)
+        self._encoder_counts = {(w.tier, w.address): (w.last_health.num_encoder_forwards,
+                                                     w.last_health.num_encoded_items)
+                                for states in workers.values() for w in states if w.tier == "encoder"}
 
     def refresh_moves(self, moves) -> None:
-        for stage in ("redispatched", "migrated"):
-            self.moves.labels(stage).set(moves.get(stage, 0))
+        self._moves = dict(moves)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)

@@ -54,7 +54,7 @@ class RequestPipeline:
         self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
         self.limits = RequestLimits.from_config(config, backend.embedding_row_bytes)
         self.gate = AdmissionGate(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.model_name)
 
     async def start(self) -> None:
         await self.backend.start()

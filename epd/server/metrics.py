@@ -8,13 +8,18 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from epd.prometheus import LiveCounters, exposition
+
 _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
 class TierMetrics:
-    def __init__(self, tier: str) -> None:
+    def __init__(self, tier: str, model_name: str) -> None:
         self.tier = tier
-        self.registry = r = CollectorRegistry()
+        self.own = r = CollectorRegistry()
+        self.counts = LiveCounters()
+        r.register(self.counts)
+        self.registry = exposition(r, model_name)  # what /metrics serves
         self.requests = Counter("epd_tier_requests", "Requests handled by this worker, by outcome", ["outcome"],
                                 registry=r)
         self.transfer_bytes = Counter("epd_transfer_bytes", "Tensor bytes handed over, by transport and direction",
@@ -31,8 +36,8 @@ class TierMetrics:
         self.requests.labels("overloaded" if status == 429 else "invalid" if status < 500 else "error").inc()
 
     def live(self, name: str, doc: str, fn: Callable[[], float]) -> None:
-        """A gauge read at scrape time (queue depth, KV usage, open leases, cache counters)."""
-        Gauge(name, doc, registry=self.registry).set_function(fn)
+        """A gauge read at scrape time (queue depth, KV usage, open leases)."""
+        Gauge(name, doc, registry=self.own).set_function(fn)
 
     @contextlib.contextmanager
     def time_transfer(self, transport: str, direction: str, nbytes: int) -> Iterator[None]:
@@ -55,22 +60,23 @@ class TierMetrics:
                   lambda: len(sched.waiting) + len(sched.importing))
         self.live("epd_running_requests", "Requests running in the engine", lambda: len(sched.running))
         self.live("epd_kv_block_usage_ratio", "KV blocks in use / all", lambda: bm.usage)
-        self.live("epd_kv_blocks_total", "KV blocks in the paged cache", lambda: bm.num_total_blocks)
-        self.live("epd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                  lambda: bm.num_prefix_hit_tokens)
-        self.live("epd_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
-                  lambda: bm.num_prefix_query_tokens)
+        self.live("epd_kv_blocks", "KV blocks in the paged cache", lambda: bm.num_total_blocks)
+        self.counts.add("epd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                        lambda: bm.num_prefix_hit_tokens)
+        self.counts.add("epd_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                        lambda: bm.num_prefix_query_tokens)
 
     def watch_encoder(self, engine) -> None:
         cache = engine.cache
-        self.live("epd_encoder_cache_hits", "Encoder cache lookups that found the item", lambda: cache.metrics.hits)
-        self.live("epd_encoder_cache_misses", "Encoder cache lookups that had to encode", lambda: cache.metrics.misses)
+        count = self.counts.add
+        count("epd_encoder_cache_hits", "Encoder cache lookups that found the item", lambda: cache.metrics.hits)
+        count("epd_encoder_cache_misses", "Encoder cache lookups that had to encode", lambda: cache.metrics.misses)
+        count("epd_encoder_cache_evictions", "Encoder cache evictions", lambda: cache.metrics.evictions)
+        count("epd_encoder_batches", "Encoder forwards (batches) run", lambda: engine.num_forwards)
+        count("epd_encoder_batch_items", "Items encoded in all batches", lambda: engine.num_encoded_items)
         self.live("epd_encoder_cache_bytes", "Bytes in the encoder cache", lambda: cache.metrics.bytes)
-        self.live("epd_encoder_cache_evictions", "Encoder cache evictions", lambda: cache.metrics.evictions)
-        self.live("epd_encoder_batches", "Encoder forwards (batches) run", lambda: engine.num_forwards)
-        self.live("epd_encoder_batch_items", "Items encoded in all batches", lambda: engine.num_encoded_items)
         self.encoded_tokens = Counter("epd_encoder_tokens", "Encoder attention tokens of the items encoded "
-                                      "(cache misses)", registry=self.registry)
+                                      "(cache misses)", registry=self.own)
         self.live("epd_encoder_queue_depth", "Requests waiting for the encoder",
                   lambda: engine.scheduler.num_waiting_requests)
 

@@ -116,7 +116,9 @@ class RayEPDCluster:
         spec = self.d.tiers[tier]
         host = self._host()
         config = spec.config.model_copy(update={"model": self.d.model, "host": host, "port": _free_port(host),
-                                                 "transport": self.d.transport})
+                                                 "transport": self.d.transport,
+                                                 "served_model_name": spec.config.served_model_name
+                                                 or self.d.router.served_model_name})
         options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
                        max_restarts=spec.max_restarts, max_task_retries=spec.max_restarts)
         if self._group is not None and tier in ("prefill", "decode") and self._group_next < self._group_size:

@@ -110,8 +110,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
                         for field in process.ready_fields[2:] if field.startswith("admin="))
         wait_healthy(url, config.timeout_s)
-        workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid})\n" for p in cluster.processes
-                          if p.tier != "router")
+        workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid}){_metrics_of(p)}\n"
+                          for p in cluster.processes if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
               f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
               f"  router      {url} (pid {process.proc.pid})\n{workers}(Ctrl-C stops everything)", flush=True)
@@ -120,6 +120,11 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
+
+
+def _metrics_of(process) -> str:
+    """`` metrics URL`` for a worker's banner line: each worker serves its own /metrics."""
+    return "".join(f" metrics {f.removeprefix('metrics=')}" for f in process.ready_fields if f.startswith("metrics="))
 
 
 def supervise(cluster, router, max_restarts: int, stop: threading.Event) -> bool:

@@ -99,7 +99,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
         # bound before the model loads: a taken port fails fast, and the store knows its address
         port = server.bind(f"{config.host}:{config.port}", migration_pool=io, tls=tls)
         address = f"{config.host}:{port}"
-        metrics = TierMetrics(tier)
+        metrics = TierMetrics(tier, config.public_model_name)
         if exports:
             store = TensorStore(address=address)
             store.start_sweeper()

@@ -95,16 +95,18 @@ class DelayCore:
                       f"epd_ttft_seconds_sum {self.ttft_sum}", f"epd_ttft_seconds_count {float(self.ttft_count)}",
                       "# TYPE epd_router_queue_depth gauge", "epd_router_queue_depth 0.0",
                       "# TYPE epd_router_in_flight gauge", f"epd_router_in_flight {float(self.active)}",
-                      "# TYPE epd_encoder_encoded_items gauge",
-                      'epd_encoder_encoded_items{tier="encoder",worker="127.0.0.1:1"} '
+                      "# TYPE epd_encoder_encoded_items counter",
+                      'epd_encoder_encoded_items_total{tier="encoder",worker="127.0.0.1:1"} '
                       f"{float(len(self.images_seen))}",
                       "# TYPE epd_worker_queue_depth gauge",
                       'epd_worker_queue_depth{tier="encoder",worker="127.0.0.1:1"} 0.0',
                       f'epd_worker_queue_depth{{tier="decode",worker="127.0.0.1:3"}} {float(self.active)}',
                       "# TYPE epd_worker_running gauge",
                       f'epd_worker_running{{tier="decode",worker="127.0.0.1:3"}} {float(self.active)}',
+                      "# TYPE epd_prompt_tokens counter",
                       f"epd_prompt_tokens_total {float(self.prompt_len * self.ttft_count)}",
-                      f"epd_prefix_cache_hit_tokens_total {float(4 * self.ttft_count)}"]
+                      "# TYPE epd_prompt_cached_tokens counter",
+                      f"epd_prompt_cached_tokens_total {float(4 * self.ttft_count)}"]
         return ("\n".join(lines) + "\n").encode()
 
 

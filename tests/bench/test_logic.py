@@ -197,12 +197,15 @@ epd_ttft_seconds_bucket{le="+Inf"} 5.0
 epd_ttft_seconds_sum 1.0
 epd_ttft_seconds_count 5.0
 epd_router_queue_depth 0.0
-epd_encoder_encoded_items{tier="encoder",worker="127.0.0.1:1"} 10.0
-epd_encoder_encoded_items{tier="encoder",worker="127.0.0.1:2"} 4.0
+# TYPE epd_encoder_encoded_items counter
+epd_encoder_encoded_items_total{tier="encoder",worker="127.0.0.1:1"} 10.0
+epd_encoder_encoded_items_total{tier="encoder",worker="127.0.0.1:2"} 4.0
 epd_worker_queue_depth{tier="encoder",worker="127.0.0.1:1"} 0.0
 epd_worker_queue_depth{tier="prefill",worker="127.0.0.1:5"} 1.0
+# TYPE epd_prompt_tokens counter
 epd_prompt_tokens_total 100.0
-epd_prefix_cache_hit_tokens_total 10.0
+# TYPE epd_prompt_cached_tokens counter
+epd_prompt_cached_tokens_total 10.0
 weird_metric{msg="a \\"quoted\\" \\\\ value, with comma",x="y"} NaN 1700000000
 """
 
@@ -211,7 +214,7 @@ PROM_AFTER = PROM_BEFORE.replace('outcome="ok"} 5.0', 'outcome="ok"} 25.0').repl
     "epd_ttft_seconds_count 5.0", "epd_ttft_seconds_count 25.0").replace(
     'worker="127.0.0.1:1"} 10.0', 'worker="127.0.0.1:1"} 22.0').replace(
     "epd_prompt_tokens_total 100.0", "epd_prompt_tokens_total 300.0").replace(
-    "epd_prefix_cache_hit_tokens_total 10.0", "epd_prefix_cache_hit_tokens_total 60.0").replace(
+    "epd_prompt_cached_tokens_total 10.0", "epd_prompt_cached_tokens_total 60.0").replace(
     'tier="prefill",worker="127.0.0.1:5"} 1.0', 'tier="prefill",worker="127.0.0.1:5"} 3.0')
 
 
@@ -219,8 +222,8 @@ def test_parse_prometheus():
     p = parse_prometheus(PROM_BEFORE)
     assert p["epd_requests_total"] == {(("outcome", "ok"),): 5.0}
     assert p["epd_ttft_seconds_bucket"][(("le", "+Inf"),)] == 5.0
-    assert metric_sum(p, "epd_encoder_encoded_items") == 14.0
-    assert metric_sum(p, "epd_encoder_encoded_items", worker="127.0.0.1:2") == 4.0
+    assert metric_sum(p, "epd_encoder_encoded_items_total") == 14.0
+    assert metric_sum(p, "epd_encoder_encoded_items_total", worker="127.0.0.1:2") == 4.0
     assert metric_sum(p, "nope") is None
     (labels, value), = p["weird_metric"].items()
     assert dict(labels) == {"msg": 'a "quoted" \\ value, with comma', "x": "y"} and math.isnan(value)
@@ -239,7 +242,8 @@ def test_server_summary_deltas():
     q = s["queues"]["prefill_queue"]
     assert (q["before"], q["after"], q["delta"], q["mean"], q["max"]) == (1.0, 3.0, 2.0, 3.0, 4.0)
     # the workers' own cache counters win when they were scraped too
-    with_hits = parse_prometheus(PROM_AFTER + "epd_encoder_cache_hits 30\nepd_encoder_cache_misses 10\n")
+    with_hits = parse_prometheus(PROM_AFTER + "# TYPE epd_encoder_cache_hits counter\nepd_encoder_cache_hits_total 30\n"
+                                 "# TYPE epd_encoder_cache_misses counter\nepd_encoder_cache_misses_total 10\n")
     s2 = server_summary(before, with_hits, images_sent=20)
     assert s2["encoder_cache_hit_rate"] == pytest.approx(0.75) and s2["encoder_cache_hit_rate_source"] == "worker"
     assert server_summary(None, None) == {"available": False}

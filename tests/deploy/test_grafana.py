@@ -1,21 +1,19 @@
 """The Grafana dashboard (deploy/grafana/epd-dashboard.json) queries only metrics the code exports.
 
-The exported names come from the real metric objects: RouterMetrics() and one TierMetrics per tier
-watching fakes with the attributes the tiers read, rendered to the Prometheus text format and parsed
-back (so `_total`, `_bucket`, `_sum`, `_count`, `_created` are exactly what a scrape shows)."""
+The exported names come from the real metric objects: RouterMetrics and one TierMetrics per tier
+watching fakes with the attributes the tiers read (tests.prom.every_registry), rendered to the
+Prometheus text format and parsed back (so `_total`, `_bucket`, `_sum`, `_count` are exactly what a scrape shows)."""
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from epd.router.metrics import RouterMetrics
-from epd.server.metrics import TierMetrics
+from tests.prom import every_registry
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "epd-dashboard.json"
 # labels Prometheus attaches to every target (the chart's ServiceMonitor adds epd_tier / epd_release)
@@ -27,40 +25,15 @@ PROMQL_WORDS = {
     "rate", "irate", "increase", "delta", "histogram_quantile", "clamp_min", "clamp_max", "abs", "label_values",
     "sum_over_time", "avg_over_time", "max_over_time", "min_over_time", "vector", "scalar", "time",
 }
+# ours, and the process / Python collectors every process serves too
+METRIC_PREFIXES = ("epd_", "process_", "python_")
 _TOKEN = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?:ms|[smhdwy]\b)?|[a-zA-Z_:][a-zA-Z0-9_:]*|\S")
-
-
-def _touch_labels(*owners) -> None:
-    """Create one child of every labelled metric so that it appears in the exposition."""
-    for owner in owners:
-        for metric in vars(owner).values():
-            labelnames = getattr(metric, "_labelnames", ())
-            if labelnames and hasattr(metric, "labels"):
-                metric.labels(*(["x"] * len(labelnames)))
 
 
 def exported() -> dict[str, set[str]]:
     """Every series name a scrape of the router or any worker shows -> its label names."""
-    engine = SimpleNamespace(
-        scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
-        block_manager=SimpleNamespace(usage=0.0, num_total_blocks=1, num_prefix_hit_tokens=0,
-                                      num_prefix_query_tokens=0))
-    encoder = SimpleNamespace(
-        cache=SimpleNamespace(metrics=SimpleNamespace(hits=0, misses=0, bytes=0, evictions=0)),
-        num_forwards=0, num_encoded_items=0, scheduler=SimpleNamespace(num_waiting_requests=0))
-    store = SimpleNamespace(num_open_leases=0, open_bytes=0)
-
-    router = RouterMetrics()
-    tiers = {name: TierMetrics(name) for name in ("encoder", "prefill", "decode")}
-    tiers["encoder"].watch_encoder(encoder)
-    tiers["encoder"].watch_store(store)
-    tiers["prefill"].watch_engine(engine)
-    tiers["prefill"].watch_store(store)
-    tiers["decode"].watch_engine(engine)
-    _touch_labels(router, *tiers.values())
-
     names: dict[str, set[str]] = {}
-    for registry in [router.registry, *(t.registry for t in tiers.values())]:
+    for registry in every_registry().values():
         for family in text_string_to_metric_families(generate_latest(registry).decode()):
             for sample in family.samples:
                 names.setdefault(sample.name, set()).update(sample.labels)
@@ -96,7 +69,7 @@ def parse(expr: str) -> tuple[set[str], set[str], set[str]]:
     metrics, words = set(), set()
     for token in _TOKEN.findall(text):
         if re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", token):
-            (metrics if token.startswith("epd_") else words).add(token)
+            (metrics if token.startswith(METRIC_PREFIXES) else words).add(token)
     return metrics, labels, words
 
 
@@ -127,7 +100,7 @@ def test_expressions_use_only_promql_words_and_known_labels():
         metrics, labels, words = parse(expr)
         assert metrics, expr
         stray = words - PROMQL_WORDS
-        assert not stray, f"not a PromQL word nor an epd_ metric: {stray} in {expr}"
+        assert not stray, f"not a PromQL word nor an exported metric: {stray} in {expr}"
         available = set().union(*(names.get(m, set()) for m in metrics)) | TARGET_LABELS | {"le"}
         assert labels <= available, f"labels {labels - available} exist on none of {metrics}: {expr}"
         for m in metrics:
@@ -141,7 +114,7 @@ def test_dashboard_covers_the_issue():
         "epd_requests_total", "epd_tier_requests_total", "epd_output_tokens_total",      # throughput
         "epd_ttft_seconds_bucket", "epd_tpot_seconds_bucket", "epd_e2e_seconds_bucket",   # latency percentiles
         "epd_router_queue_depth", "epd_queue_depth", "epd_encoder_queue_depth",           # queues
-        "epd_encoder_cache_hits", "epd_encoder_cache_misses", "epd_encoder_cache_bytes",  # encoder cache
+        "epd_encoder_cache_hits_total", "epd_encoder_cache_misses_total", "epd_encoder_cache_bytes",  # encoder cache
         "epd_transfer_bytes_total",                                                       # bandwidth by transport
         "epd_kv_block_usage_ratio",                                                       # KV usage
         "epd_admission_rejections_total",                                                 # admission
@@ -178,10 +151,11 @@ def test_dashboard_is_importable():
     assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize("suffix", ["_bucket", "_sum", "_count", "_created"])
+@pytest.mark.parametrize("suffix", ["_bucket", "_sum", "_count"])
 def test_histogram_series_are_what_a_scrape_shows(suffix):
-    """Guards the name collection itself: a histogram exports these, a counter _total/_created."""
+    """Guards the name collection itself: a histogram exports these, a counter _total (no _created:
+    epd.prometheus turns those off)."""
     names = exported()
-    assert f"epd_ttft_seconds{suffix}" in names
+    assert f"epd_ttft_seconds{suffix}" in names and "epd_ttft_seconds_created" not in names
     assert "epd_requests_total" in names and "epd_requests" not in names
     assert "epd_kv_block_usage_ratio" in names  # a live gauge, as is

@@ -52,7 +52,8 @@ CASES: dict[str, dict] = {
                        "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "encoder"}}}}]}}},
                "prefill": {"replicas": 2}, "decode": {"replicas": 2},
                "router": {"replicas": 2, "service": {"type": "NodePort", "nodePorts": {"http": 30800}},
-                          "config": {"max_concurrent_requests": 8, "queue_timeout_s": 2.5}},
+                          "config": {"max_concurrent_requests": 8, "queue_timeout_s": 2.5,
+                                     "served_model_name": ["qwen-vl", "qwen"]}},
                "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Exists"}]},
     "secured": {"tls": {"enabled": True, "secretName": "epd-tls", "serverName": "epd.serving.internal"},
                 "apiKeys": {"secretName": "epd-api-keys", "key": "keys"},
@@ -238,7 +239,7 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
         assert getattr(rc, f"{tier}s") == tuple(
             f"epd-{tier}-{i}.epd-{tier}-headless.{NAMESPACE}.svc.cluster.local:50051" for i in range(slots))
     for key, value in values.get("router", {}).get("config", {}).items():
-        assert getattr(rc, key) == value
+        assert getattr(rc, key) == (tuple(value) if isinstance(value, list) else value)
 
     for tier in TIERS:
         sts = by_kind(docs, "StatefulSet")[f"epd-{tier}"]
@@ -253,6 +254,8 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
         wc = worker_config_from_args(tier, argv)
         assert (wc.host, wc.port, wc.metrics_port) == ("10.1.2.3", 50051, 9090)
         assert wc.model == rc.model
+        # one model_name label on every process's metrics: the router's first public name
+        assert wc.public_model_name == (rc.served_model_name or (rc.model,))[0]
         assert wc.transport == rc.transport
         if tier == "encoder":
             assert wc.encoder.device.startswith("cuda") == gpu
@@ -447,7 +450,7 @@ def test_schema_knows_every_config_field():
     assert set(defs["engineConfig"]["properties"]) == fields(EngineConfig)
     assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
     assert set(defs["workerConfig"]["properties"]) == fields(
-        WorkerConfig, minus=("model", "host", "port", "metrics_port", "transport", "tls"))
+        WorkerConfig, minus=("model", "served_model_name", "host", "port", "metrics_port", "transport", "tls"))
     # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all;
     # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file; tls comes
     # from the chart's own tls block (a mounted Secret)

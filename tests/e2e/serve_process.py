@@ -17,6 +17,7 @@ class ServeProcess:
                                      text=True, start_new_session=True, env={**os.environ, **(env or {})})
         self.lines: list[str] = []
         self.base_url = self.grpc_address = None
+        self.worker_metrics_urls: list[str] = []  # each worker's own /metrics, from the banner
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
         if not ready.wait(timeout_s) or self.base_url is None:
@@ -30,6 +31,8 @@ class ServeProcess:
                 self.base_url = m.group(1)
             if m := re.search(r"gRPC API\s+(\S+)", line):
                 self.grpc_address = m.group(1)
+            if m := re.search(r"\(pid \d+\) metrics (http://\S+)$", line):
+                self.worker_metrics_urls.append(m.group(1))
             if "(Ctrl-C stops everything)" in line:  # the banner's last line: every worker is listed
                 ready.set()
         ready.set()

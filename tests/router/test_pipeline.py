@@ -24,6 +24,7 @@ from epd.router.pipeline import RequestPipeline
 from epd.types import ChatRequest, SamplingParams
 from tests.client.fakes import RouterServerThread
 from tests.conftest import make_image_bytes
+from tests.prom import sample_sum
 from tests.router.fake_backend import ScriptedBackend
 from tests.router.fake_core import send_bytes, serve_app, serve_files
 
@@ -183,7 +184,7 @@ def test_a_backend_failure_mid_stream_ends_the_request_with_its_error(model_dir,
     pipeline = make_pipeline(model_dir, backend)
     with pytest.raises(UpstreamError, match="decode 127.0.0.1:9"):
         run(pipeline, [{"role": "user", "content": "Hi"}])
-    assert 'epd_requests_total{outcome="error_502"} 1.0' in pipeline.metrics_text().decode()
+    assert sample_sum(pipeline.metrics_text(), "epd_requests_total", outcome="error_502") == 1.0
 
 
 def run(pipeline: RequestPipeline, messages: list[dict], params: SamplingParams = SamplingParams(),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.request
 
 import pytest
 
@@ -20,6 +19,7 @@ from epd.types import SamplingParams
 from epd.v1 import common_pb2, encoder_pb2_grpc
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import ReferenceModel, user_message
+from tests.prom import sample_sum, scrape
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(max_tokens=24)
@@ -200,6 +200,5 @@ def _open_leases(cluster, tier: str) -> float:
     for process in cluster.processes:
         if process.tier == tier:
             url = next(f.removeprefix("metrics=") for f in process.ready_fields if f.startswith("metrics="))
-            text = urllib.request.urlopen(url, timeout=10).read().decode()
-            total += sum(float(line.split()[1]) for line in text.splitlines() if line.startswith("epd_open_leases "))
+            total += sample_sum(scrape(url), "epd_open_leases")
     return total

@@ -5,9 +5,7 @@ with Retry-After, never a 5xx."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import urllib.request
 
 import pytest
 
@@ -17,6 +15,7 @@ from epd.server.local import LocalCluster
 from epd.types import ChatRequest, SamplingParams
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
+from tests.prom import sample_sum, scrape
 
 pytestmark = pytest.mark.slow
 NUM_REQUESTS = 8
@@ -51,9 +50,7 @@ def _overloaded_answers(cluster) -> int:
     total = 0
     for process in cluster.processes:
         url = next(f.split("=", 1)[1] for f in process.ready_fields if f.startswith("metrics="))
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        total += sum(int(float(v)) for v in re.findall(r'^epd_tier_requests_total\{outcome="overloaded"\} (\S+)$',
-                                                       text, re.M))
+        total += int(sample_sum(scrape(url, timeout_s=5), "epd_tier_requests_total", outcome="overloaded"))
     return total
 
 

@@ -307,6 +307,10 @@ class RouterConfig(_Config):
     limit_mm_per_prompt: dict[str, int] = Field(
         default_factory=dict, description="vLLM's per-modality item limit, JSON or image=N: image sets "
                                           "max_items_per_request; video is not supported yet (0 only)")
+    mm_processor_kwargs: dict[str, int] = Field(
+        default_factory=dict, description="the image processor's min_pixels / max_pixels for every request, JSON or "
+                                          "k=v (vLLM's; a request's own mm_processor_kwargs win); within the "
+                                          "checkpoint's max_pixels")
     api_keys: tuple[str, ...] = Field((), description="API keys a client must send as 'Authorization: Bearer "
                                                       "<key>' (repeatable; a flag shows in ps: prefer "
                                                       "--api-key-file or the EPD_API_KEY variable)",
@@ -333,7 +337,7 @@ class RouterConfig(_Config):
     def _comma_separated(cls, value: Any) -> Any:
         return [a for a in value.split(",") if a] if isinstance(value, str) else value
 
-    @field_validator("limit_mm_per_prompt", mode="before")
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
     @classmethod
     def _mm_limits(cls, value: Any) -> Any:
         return parse_mapping(value)

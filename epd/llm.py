@@ -57,28 +57,35 @@ class LLM:
 
     # ---- public API ----------------------------------------------------------------------------
     def chat(self, conversations: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a batch of them, run concurrently."""
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a batch of them, run concurrently.
+        ``mm_processor_kwargs``: the image processor's ``min_pixels`` / ``max_pixels`` for every
+        image (vLLM's name), within the checkpoint's own ``max_pixels``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         params = _per_request(sampling_params, len(conversations))
-        seqs = [self.add_conversation(conv, p) for conv, p in zip(conversations, params)]
+        seqs = [self.add_conversation(conv, p, mm_processor_kwargs) for conv, p in zip(conversations, params)]
         self.engine.run_until_done(seqs)
         return [self._output(s) for s in seqs]
 
     def generate(self, prompt_token_ids: list[list[int]], sampling_params=None,
-                 images: list[list[bytes]] | None = None) -> list[RequestOutput]:
+                 images: list[list[bytes]] | None = None, *, mm_processor_kwargs: dict | None = None
+                 ) -> list[RequestOutput]:
         """Token-level entry: each prompt holds one ``<|image_pad|>`` per image (expanded here)."""
         params = _per_request(sampling_params, len(prompt_token_ids))
         images = images or [[] for _ in prompt_token_ids]
-        seqs = [self.add_processed(self.processor.process_token_ids(ids, imgs), p)
+        seqs = [self.add_processed(self._processed(self.processor.process_token_ids, ids, imgs,
+                                                   processor_kwargs=mm_processor_kwargs), p)
                 for ids, imgs, p in zip(prompt_token_ids, images, params)]
         self.engine.run_until_done(seqs)
         return [self._output(s) for s in seqs]
 
-    def add_conversation(self, messages: list[dict], params: SamplingParams) -> Sequence:
+    def add_conversation(self, messages: list[dict], params: SamplingParams,
+                         mm_processor_kwargs: dict | None = None) -> Sequence:
         messages, images = self.extract_images(messages)
-        return self.add_processed(self.processor.process_messages(messages, images), params)
+        return self.add_processed(self._processed(self.processor.process_messages, messages, images,
+                                                  processor_kwargs=mm_processor_kwargs), params)
 
     def add_processed(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
         """Encode the prompt's images (here, on the caller's thread) and add it to the engine."""
@@ -87,6 +94,15 @@ class LLM:
                                        mm_items=[item.span for item in prompt.items])
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _processed(self, process, *args, processor_kwargs: dict | None) -> ProcessedPrompt:
+        if not processor_kwargs:
+            return process(*args)
+        try:
+            self.processor.geometry_for(processor_kwargs)
+        except ValueError as err:
+            raise InvalidRequest(f"mm_processor_kwargs: {err}", param="mm_processor_kwargs") from None
+        return process(*args, processor_kwargs=processor_kwargs)
+
     def extract_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:
         return extract_images(messages, allowed_local_root=self.allowed_local_media_path)
 
@@ -98,7 +114,9 @@ class LLM:
                                               rebuild=lambda: self._multimodal(prompt))
 
     def _encode(self, prompt: ProcessedPrompt) -> list[torch.Tensor]:
-        rows = self.vision.encode_images([item.data for item in prompt.items])
+        kwargs = [item.processor_kwargs for item in prompt.items]
+        images = [item.data for item in prompt.items]
+        rows = self.vision.encode_images(images, kwargs) if any(kwargs) else self.vision.encode_images(images)
         for i, (item, r) in enumerate(zip(prompt.items, rows)):
             if r.shape[0] != item.num_rows:
                 raise InvalidRequest(f"image {i}: the encoder produced {r.shape[0]} rows but the prompt has "

@@ -3,6 +3,8 @@ type (``PrefillJob``, ``DecodeJob``); a servicer converts the proto into it once
 see proto and proto never leaks inward."""
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass
 
 from epd.errors import InvalidRequest
@@ -99,7 +101,8 @@ def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.Multimo
     return common_pb2.MultimodalItem(
         item_index=index, modality=item.modality, data=item.data if with_media else b"",
         content_hash=item.mm_hash, offset=item.offset, expected_rows=geo.num_embedding_rows,
-        encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw))
+        encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw),
+        processor_kwargs_json=json.dumps(item.processor_kwargs, sort_keys=True) if item.processor_kwargs else "")
 
 
 def prefill_job_from_proto(meta: common_pb2.RequestMetadata) -> PrefillJob:

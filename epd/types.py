@@ -133,6 +133,8 @@ class ChatRequest:
     tools: list[dict] | None = None  # rendered by the chat template (None: no tools in the prompt)
     prompt: str | list[int] | None = None  # a raw prompt (/v1/completions): no chat template, no images
     chat_template_kwargs: dict | None = None  # the chat template's own variables (vLLM's chat_template_kwargs)
+    # the image processor's min_pixels / max_pixels for this request's images (vLLM's mm_processor_kwargs)
+    mm_processor_kwargs: dict | None = None
     n: int = 1  # choices of this one prompt
     parse_tool_calls: bool = False  # turn <tool_call> blocks of the output into tool calls
     # no max_tokens was given: the pipeline sets it to what the model length leaves after the prompt

@@ -31,6 +31,7 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
                   response_format: Mapping | type | None = None, structured_outputs: Mapping | None = None,
                   tools: Sequence[Mapping] | None = None, tool_choice: str | Mapping | None = None,
                   parallel_tool_calls: bool | None = None, n: int = 1,
+                  mm_processor_kwargs: Mapping[str, int] | None = None,
                   timeout_s: float | None = None, request_id: str | None = None) -> router_pb2.ChatGenerateRequest:
     """The request ``EPDClient.chat`` / ``stream`` send; their keyword options are these, named as in
     the OpenAI API and vLLM's extensions (penalties, ``min_p``, ``logit_bias`` keyed by token id,
@@ -39,7 +40,8 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
     ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``), and
     ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's (calls come back in
     ``ChatResult.tool_calls``; messages may carry ``tool_calls`` and ``tool_call_id`` as OpenAI's do), and
-    ``n`` choices (deltas carry their ``index``; ``ChatResult.choices`` holds them all))."""
+    ``n`` choices (deltas carry their ``index``; ``ChatResult.choices`` holds them all)), and
+    ``mm_processor_kwargs`` (the image processor's ``min_pixels`` / ``max_pixels``, vLLM's name)."""
     try:
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
         sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
@@ -57,7 +59,8 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
             stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0,
             include_stop_str_in_output=include_stop_str_in_output,
             tools_json=json.dumps(list(tools)) if tools else "",
-            tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "", n=n)
+            tool_choice_json=json.dumps(tool_choice) if tool_choice is not None else "", n=n,
+            mm_processor_kwargs=dict(mm_processor_kwargs or {}))
         if parallel_tool_calls is not None:
             request.parallel_tool_calls = parallel_tool_calls
         return request

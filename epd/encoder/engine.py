@@ -314,7 +314,7 @@ def output_budgets_for(model_dir: str | Path, config: EncoderConfig) -> tuple[in
 def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_id: str,
                           processor_kwargs: dict | None = None) -> EncoderItem:
     """Hashes and geometry of one encoded image, from its header (pixels are not decoded)."""
-    image = image_geometry_from_bytes(data, geometry)
+    image = image_geometry_from_bytes(data, geometry.with_pixel_kwargs(processor_kwargs))
     return EncoderItem(
         data=bytes(data),
         content_hash=hash_encoded_media(data, modality="image", processor_kwargs=processor_kwargs,
@@ -322,4 +322,5 @@ def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_
         processor_kwargs_hash=hash_processor_kwargs(processor_kwargs),
         expected_rows=image.num_embedding_rows,
         encoder_tokens=image.num_patches,
+        processor_kwargs=processor_kwargs or None,
     )

@@ -43,6 +43,9 @@ class EncoderItem:
     expected_rows: int  # output embedding rows (= placeholder span)
     encoder_tokens: int  # encoder attention tokens (pre-merge patches)
     label: str = ""  # how the caller names the item in errors (its own content hash); default content_hash
+    # the image processor kwargs to preprocess with (None: the checkpoint's); part of the cache key
+    # through processor_kwargs_hash
+    processor_kwargs: Mapping[str, int] | None = None
 
     @property
     def name(self) -> str:

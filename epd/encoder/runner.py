@@ -7,7 +7,7 @@ whose items are all encoded drops its raw media at once.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -34,7 +34,9 @@ class EncoderModel(Protocol):
     embedding_dim: int
     embedding_dtype: torch.dtype
 
-    def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def preprocess(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``processor_kwargs``: one per image (None: the checkpoint's), given only when one is set."""
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]: ...
 
 
@@ -79,7 +81,7 @@ class MultimodalEncoderRunner:
         targets = [_OutputTarget(s.request_id, s.item_index, s.cache_key, s.item.expected_rows, s.item.name)
                    for s in batch.items]
         try:
-            outputs = self._encode([s.item.data for s in batch.items])
+            outputs = self._encode([s.item for s in batch.items])
             if not isinstance(outputs, (list, tuple)) or len(outputs) != len(targets):
                 count = len(outputs) if isinstance(outputs, (list, tuple)) else type(outputs).__name__
                 raise ValueError(f"encoder returned {count} outputs for {len(targets)} items")
@@ -103,8 +105,14 @@ class MultimodalEncoderRunner:
             state.strip_encoder_inputs()
         return ready
 
-    def _encode(self, images: list[bytes]) -> list[torch.Tensor]:
-        pixel_values, grid_thw = self.model.preprocess(images)
+    def _preprocess(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
+        images, kwargs = [item.data for item in items], [item.processor_kwargs for item in items]
+        if any(kwargs):
+            return self.model.preprocess(images, processor_kwargs=kwargs)
+        return self.model.preprocess(images)
+
+    def _encode(self, items: list) -> list[torch.Tensor]:
+        pixel_values, grid_thw = self._preprocess(items)
         inputs = {"pixel_values": pixel_values, "grid_thw": grid_thw}
         for name in self.device_inputs:
             inputs[name] = _to_device(inputs[name], self.device)
@@ -138,7 +146,7 @@ class MultimodalEncoderRunner:
         found = {}
         for s in batch.items:
             try:
-                self.model.preprocess([s.item.data])
+                self._preprocess([s.item])
             except InvalidRequest as err:
                 found[s.cache_key] = f"{UNDECODABLE_MARKER} {s.item.name}): {err.message}"
             except Exception:  # noqa: BLE001 - not a bad input: the batch-level failure stands

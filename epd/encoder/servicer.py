@@ -53,7 +53,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # nobody can store one image's embeddings under another image's key)
         await self.pusher.check_destination(request.prefill_address, timeout_s)
         try:
-            items = await self.ctx.blocking(lambda: [_item(msg, self.engine.model_id) for msg in request.items])
+            items = await self.ctx.blocking(lambda: [_item(msg, self.engine.model_id, self.engine.geometry)
+                                                     for msg in request.items])
             future = self.engine.submit(key, items)
         except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
             raise InvalidRequest(f"request {request_id}: {err}") from None
@@ -221,14 +222,17 @@ class PushBatcher:
         return self._channels[address]
 
 
-def _item(msg: common_pb2.MultimodalItem, model_id: str) -> EncoderItem:
-    """On an io thread (hashing reads every byte)."""
+def _item(msg: common_pb2.MultimodalItem, model_id: str, geometry) -> EncoderItem:
+    """On an io thread (hashing reads every byte). Processor kwargs are checked as the router
+    checks them (``VisionGeometryConfig.with_pixel_kwargs``) before they reach the image processor."""
     try:
         kwargs = json.loads(msg.processor_kwargs_json) if msg.processor_kwargs_json else None
+        if kwargs and geometry is not None:  # both bounds, as the router sends them
+            kwargs = geometry.with_pixel_kwargs(kwargs).pixel_kwargs
         return EncoderItem(data=msg.data, content_hash=hash_encoded_media(
                                msg.data, modality=msg.modality or "image", processor_kwargs=kwargs, model_id=model_id),
                            processor_kwargs_hash=hash_processor_kwargs(kwargs), expected_rows=msg.expected_rows,
-                           encoder_tokens=msg.encoder_tokens, label=msg.content_hash)
+                           encoder_tokens=msg.encoder_tokens, label=msg.content_hash, processor_kwargs=kwargs or None)
     except (ValueError, TypeError) as err:
         raise ValueError(f"item {msg.item_index}: {err}") from None
 

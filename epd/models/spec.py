@@ -39,6 +39,9 @@ class ProcessedItem:
     mm_hash: str
     offset: int  # first placeholder position in the prompt
     geometry: ImageGeometry
+    # the image processor kwargs it was sized with, where they differ from the checkpoint's (None:
+    # its own); the encoder preprocesses with them, so its rows match ``geometry``
+    processor_kwargs: dict[str, int] | None = None
 
     @property
     def num_rows(self) -> int:

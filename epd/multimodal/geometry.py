@@ -37,6 +37,8 @@ _DEFAULT_TEMPORAL_PATCH_SIZE = 2
 _DEFAULT_MERGE_SIZE = 2
 _DEFAULT_MIN_PIXELS = 56 * 56
 _DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+# The image processor kwargs a request may set (vLLM's mm_processor_kwargs for Qwen-VL images).
+PIXEL_KWARGS = ("min_pixels", "max_pixels")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,35 @@ class VisionGeometryConfig:
     def factor_px(self) -> int:
         """Resized sides are multiples of this: one merged cell."""
         return self.patch_size * self.merge_size
+
+    @property
+    def pixel_kwargs(self) -> dict[str, int]:
+        """The processor kwargs this geometry resizes by (what a per-request override may change)."""
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+
+    def with_pixel_kwargs(self, overrides: Mapping[str, Any] | None) -> VisionGeometryConfig:
+        """This geometry with a request's (or a server's) ``mm_processor_kwargs`` applied:
+        ``min_pixels`` / ``max_pixels``, each a whole number of pixels with
+        ``factor_px**2 <= min_pixels <= max_pixels <= `` the checkpoint's ``max_pixels`` (the
+        encoder's attention-token and output budgets are sized by the checkpoint's own bound, so a
+        larger one could never be scheduled). Raises ``ValueError`` naming what is wrong."""
+        if not overrides:
+            return self
+        if not isinstance(overrides, Mapping):
+            raise ValueError(f"expected an object of processor kwargs, got {type(overrides).__name__}")
+        unknown = sorted(set(overrides) - set(PIXEL_KWARGS))
+        if unknown:
+            raise ValueError(f"unsupported processor kwargs {unknown}; this model takes {list(PIXEL_KWARGS)}")
+        bounds = self.pixel_kwargs
+        for name, value in overrides.items():
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be a whole number of pixels, got {value!r}")
+            bounds[name] = value
+        low, high, ceiling = bounds["min_pixels"], bounds["max_pixels"], self.max_pixels
+        if not self.factor_px ** 2 <= low <= high <= ceiling:
+            raise ValueError(f"expected {self.factor_px ** 2} <= min_pixels <= max_pixels <= {ceiling} (the "
+                             f"checkpoint's max_pixels), got min_pixels={low}, max_pixels={high}")
+        return VisionGeometryConfig(self.patch_size, self.temporal_patch_size, self.merge_size, low, high)
 
     @classmethod
     def from_preprocessor_config(cls, config: Mapping[str, Any]) -> VisionGeometryConfig:

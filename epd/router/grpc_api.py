@@ -100,7 +100,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
                            timeout_s=min(timeouts_s) if timeouts_s else None,
                            include_stop_str_in_output=request.include_stop_str_in_output,
                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
-                           tools=tools.render, parse_tool_calls=tools.parse, n=self._choices(request.n))
+                           tools=tools.render, parse_tool_calls=tools.parse, n=self._choices(request.n),
+                           mm_processor_kwargs=dict(request.mm_processor_kwargs) or None)
 
     @staticmethod
     def _choices(n: int) -> int:

@@ -46,7 +46,9 @@ class CompletionRequest(GenerationFields):
 
 
 _OWN_FIELDS = {"prompt", "echo", "suffix", "logprobs", "best_of"}
-_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+# no chat template and no images here: these would change nothing, so they are refused by name
+_CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+              "chat_template_kwargs", "mm_processor_kwargs")
 
 
 def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, ChatRequest]:

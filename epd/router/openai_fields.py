@@ -123,7 +123,9 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
                               "is --chat-template", origin="vLLM"),
     _works("chat_template_kwargs", "the template's own variables (add_vision_id for Qwen-VL's); the server's "
                                    "arguments (messages, tools, add_generation_prompt, ...) are a 400", "vLLM"),
-    _refused("mm_processor_kwargs", "not implemented yet", _falsy, "vLLM"),
+    _works("mm_processor_kwargs", "min_pixels / max_pixels of this request's images (the encoder resizes by them; "
+                                  "another value is another encoder-cache entry); within the checkpoint's "
+                                  "max_pixels; other keys a 400", "vLLM"),
     _works("structured_outputs", "one of json (a schema), regex, choice, grammar (EBNF or Lark), json_object", "vLLM"),
     _works("guided_json", "as structured_outputs.json", "vLLM"),
     _works("guided_regex", "as structured_outputs.regex", "vLLM"),

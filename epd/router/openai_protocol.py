@@ -142,6 +142,7 @@ class ChatCompletionRequest(GenerationFields):
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict | None = None
+    mm_processor_kwargs: dict | None = None  # vLLM's: min_pixels / max_pixels (checked against the checkpoint)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -235,7 +236,8 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
                        request_id=request_id, stop_strings=stop_strings(body.stop),
                        fill_max_tokens=not given and default_max_tokens is None,
                        include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,
-                       parse_tool_calls=tools.parse, chat_template_kwargs=body.chat_template_kwargs or None)
+                       parse_tool_calls=tools.parse, chat_template_kwargs=body.chat_template_kwargs or None,
+                       mm_processor_kwargs=body.mm_processor_kwargs or None)
 
 
 def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None

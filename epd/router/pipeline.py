@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from epd.config import RouterConfig
+from epd.config import ConfigError, RouterConfig
 from epd.errors import UNDECODABLE_MARKER, DeadlineExceeded, EPDError, InvalidRequest
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
@@ -50,6 +50,10 @@ class RequestPipeline:
             path = Path(config.chat_template).expanduser()
             self.tokenizer.chat_template = path.read_text() if path.is_file() else config.chat_template
         self.processor = family_for(model_dir).input_processor(model_dir, self.tokenizer)
+        try:  # the server's own kwargs are checked once, against the checkpoint, before any request
+            self.processor.geometry_for(config.mm_processor_kwargs)
+        except ValueError as err:
+            raise ConfigError(f"mm_processor_kwargs: {err}") from None
         self.eos_token_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
         self.limits = RequestLimits.from_config(config, backend.embedding_row_bytes)
@@ -165,9 +169,20 @@ class RequestPipeline:
         self.limits.check_num_items(count_media_parts(request.messages))
         if request.prompt is not None:
             return await asyncio.to_thread(self._raw_prompt, request.prompt)
+        processor_kwargs = self._processor_kwargs(request)  # before any media is fetched
         messages = await self.media.resolve(request.messages)
         return await asyncio.to_thread(self._preprocess, messages, request.tools, add_generation_prompt,
-                                       request.chat_template_kwargs)
+                                       request.chat_template_kwargs, processor_kwargs)
+
+    def _processor_kwargs(self, request: ChatRequest) -> dict | None:
+        """The server's ``mm_processor_kwargs`` with the request's on top, checked against the
+        checkpoint (a 400 naming the field)."""
+        merged = {**self.config.mm_processor_kwargs, **(request.mm_processor_kwargs or {})}
+        try:
+            self.processor.geometry_for(merged)
+        except ValueError as err:
+            raise InvalidRequest(f"mm_processor_kwargs: {err}", param="mm_processor_kwargs") from None
+        return merged or None
 
     @property
     def max_model_len(self) -> int:
@@ -203,13 +218,14 @@ class RequestPipeline:
             raise InvalidRequest(str(err), param="prompt") from None
 
     def _preprocess(self, messages: list[dict], tools: list[dict] | None = None,
-                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> ProcessedPrompt:
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                    processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
         conversation, images = extract_images(messages)
         try:
             return self.processor.process_messages(conversation, images, tools=tools,
                                                    add_generation_prompt=add_generation_prompt,
-                                                   template_kwargs=template_kwargs)
+                                                   template_kwargs=template_kwargs, processor_kwargs=processor_kwargs)
         except EPDError:
             raise
         except ValueError as err:

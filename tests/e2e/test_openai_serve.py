@@ -93,6 +93,32 @@ def test_greedy_output_equals_transformers_by_data_url_and_stream(client, model_
     assert text == out.choices[0].message.content
 
 
+def test_mm_processor_kwargs_across_the_split_equal_transformers_and_key_the_encoder_cache(client, server, model_dir):
+    image = make_image_bytes(160, 120, seed=12)
+    kwargs = {"max_pixels": 56 * 56 * 2}
+    ref = ReferenceModel(model_dir).generate(user_message("What is this?", [image]), [image], max_new_tokens=16,
+                                             processor_kwargs=kwargs)
+
+    def ask(extra: dict):
+        return client.chat.completions.create(model="m", messages=chat("What is this?", [data_url(image)]),
+                                              max_tokens=16, temperature=0, extra_body={"return_token_ids": True,
+                                                                                        **extra})
+
+    def encoded_after_refresh() -> float:
+        time.sleep(1.5)  # the cluster view refreshes from health checks every second
+        return metric(server, "epd_encoder_encoded_items_total")
+
+    out = ask({"mm_processor_kwargs": kwargs})
+    assert out.choices[0].model_extra.get("token_ids") == ref.token_ids
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    encoded = encoded_after_refresh()
+    ask({"mm_processor_kwargs": kwargs})
+    assert encoded_after_refresh() == encoded  # the same image and kwargs: an encoder-cache hit
+    plain = ask({})
+    assert encoded_after_refresh() == encoded + 1  # other kwargs, other rows: a miss
+    assert plain.usage.prompt_tokens > out.usage.prompt_tokens
+
+
 def test_image_by_file_path_and_outside_root_refused(client, media_dir, tmp_path):
     image = make_image_bytes(90, 70, seed=3)
     (media_dir / "pic.png").write_bytes(image)

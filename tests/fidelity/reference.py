@@ -25,13 +25,20 @@ class ReferenceModel:
         self.eos_token_id = self.processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @torch.inference_mode()
-    def generate(self, messages: list[dict], images: list[bytes], max_new_tokens: int = 32, **generate_kwargs
-                 ) -> Reference:
-        """Greedy ``generate``; ``generate_kwargs``: its logits processors (repetition_penalty, ...)."""
+    def generate(self, messages: list[dict], images: list[bytes], max_new_tokens: int = 32, *,
+                 processor_kwargs: dict | None = None, **generate_kwargs) -> Reference:
+        """Greedy ``generate``; ``generate_kwargs``: its logits processors (repetition_penalty, ...);
+        ``processor_kwargs``: ``min_pixels`` / ``max_pixels`` for the image processor (as its
+        ``size`` bounds, transformers 5's form)."""
         text = self.processor.apply_chat_template(_markers_only(messages), tokenize=False,
                                                   add_generation_prompt=True)
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-        inputs = self.processor(text=[text], images=pil or None, return_tensors="pt")
+        size = {}
+        if processor_kwargs:
+            own = self.processor.image_processor.size
+            size = {"size": {"shortest_edge": processor_kwargs.get("min_pixels", own.shortest_edge),
+                             "longest_edge": processor_kwargs.get("max_pixels", own.longest_edge)}}
+        inputs = self.processor(text=[text], images=pil or None, return_tensors="pt", **size)
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True,
                                   eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id, **generate_kwargs)

@@ -55,6 +55,28 @@ def test_greedy_matches_transformers(llm, reference, images):
     assert len(set(out.token_ids)) > 4, "degenerate model output makes the comparison meaningless"
 
 
+@pytest.mark.parametrize("kwargs", [{"max_pixels": 224 * 224}, {"min_pixels": 320 * 320, "max_pixels": 400 * 400}],
+                         ids=["smaller", "larger-min"])
+def test_processor_kwargs_give_transformers_tokens_with_the_same_kwargs(llm, reference, kwargs):
+    """vLLM's mm_processor_kwargs: the image processor's pixel bounds for this request only."""
+    images = [IMG_A, IMG_TINY]
+    messages = user_message("Describe what you see in detail.", images)
+    out = llm.chat(messages, GREEDY, mm_processor_kwargs=kwargs)[0]
+    assert len(out.prompt_token_ids) != len(llm.chat(messages, GREEDY)[0].prompt_token_ids)  # other geometry
+    check_same(reference.generate(messages, images, processor_kwargs=kwargs), out)
+
+
+def test_processor_kwargs_outside_the_checkpoint_bounds_are_refused(llm):
+    from epd.errors import InvalidRequest
+
+    messages = user_message("Hi.", [IMG_B])
+    for bad, said in [({"max_pixels": 10**9}, "checkpoint's max_pixels"), ({"fps": 2}, "unsupported"),
+                      ({"min_pixels": 40_000, "max_pixels": 30_000}, "min_pixels <= max_pixels"),
+                      ({"max_pixels": 5e4}, "whole number")]:
+        with pytest.raises(InvalidRequest, match=said):
+            llm.chat(messages, GREEDY, mm_processor_kwargs=bad)
+
+
 @pytest.mark.parametrize("chunk_tokens", [7, 13])
 def test_chunked_prefill_cutting_through_images(model_dir, reference, chunk_tokens):
     images = [IMG_B, IMG_A]

@@ -66,6 +66,8 @@ def test_streaming_echo_and_legacy_logprobs(served):
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo must be false with logprobs"),
     ({"prompt": "x", "logprobs": 9}, r"logprobs must be in \[0, 5\]"),
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools is a chat completions field"),
+    ({"prompt": "x", "chat_template_kwargs": {"add_vision_id": True}}, "chat_template_kwargs is a chat completions"),
+    ({"prompt": "x", "mm_processor_kwargs": {"max_pixels": 50176}}, "mm_processor_kwargs is a chat completions"),
     ({"prompt": "x", "store": True}, "store is not supported"),
     ({"prompt": [10**9]}, r"prompt token ids must be in \[0, \d+\)"),
     ({"prompt": "x", "temperature": 5}, r"temperature must be in \[0, 2\]"),

@@ -26,7 +26,7 @@ ASKING = {"store": True, "service_tier": "flex",
           "spaces_between_special_tokens": False, "truncate_prompt_tokens": 10, "prompt_logprobs": 1, "echo": True,
           "add_generation_prompt": False, "continue_final_message": True, "add_special_tokens": True,
           "documents": [{"text": "d"}], "chat_template": "{{ 1 }}",
-          "mm_processor_kwargs": {"max_pixels": 1000}, "guided_whitespace_pattern": " ", "priority": 5,
+          "guided_whitespace_pattern": " ", "priority": 5,
           "return_tokens_as_token_ids": True, "cache_salt": "s",
           "kv_transfer_params": {"a": 1}, "vllm_xargs": {"a": 1}, "bad_words": ["x"], "allowed_token_ids": [1],
           "logits_processors": ["x"]}

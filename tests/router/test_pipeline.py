@@ -118,6 +118,61 @@ def test_a_data_url_image_reaches_the_backend_as_its_bytes(model_dir, tokenizer)
     assert len({tuple(job.prompt.prompt_token_ids) for job in backend.jobs}) == 1
 
 
+def test_mm_processor_kwargs_size_the_images_from_both_front_ends_and_the_servers_own(model_dir, tokenizer):
+    """vLLM's mm_processor_kwargs: the item carries them to the encoder, the placeholder span is
+    what they make of the image (the same geometry the encoder's rows must have), and the prefix
+    cache's item hash changes with them; the server's --mm-processor-kwargs are the default."""
+    from epd.multimodal.geometry import VisionGeometryConfig, image_geometry_from_bytes
+
+    big = make_image_bytes(400, 300, seed=8)
+    small = {"min_pixels": 3136, "max_pixels": 112 * 112}
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        http.chat.completions.create(model="tiny", messages=image_chat(data_url(big)))
+        http.chat.completions.create(model="tiny", messages=image_chat(data_url(big)),
+                                     extra_body={"mm_processor_kwargs": {"max_pixels": 112 * 112}})
+        sdk.chat("What is this?", images=[big], mm_processor_kwargs={"max_pixels": 112 * 112})
+    plain, *sized = [job.prompt.items[0] for job in backend.jobs]
+    expected = image_geometry_from_bytes(big, VisionGeometryConfig(min_pixels=3136, max_pixels=112 * 112))
+    assert plain.processor_kwargs is None and plain.num_rows > expected.num_embedding_rows
+    for item in sized:
+        assert item.processor_kwargs == small and item.num_rows == expected.num_embedding_rows
+        assert item.mm_hash != plain.mm_hash  # other rows: other prefix-cache blocks
+    assert sized[0].mm_hash == sized[1].mm_hash
+
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with both_front_ends(make_pipeline(model_dir, backend, mm_processor_kwargs={"max_pixels": 112 * 112})) as (http, _):
+        http.chat.completions.create(model="tiny", messages=image_chat(data_url(big)))
+        http.chat.completions.create(model="tiny", messages=image_chat(data_url(big)),
+                                     extra_body={"mm_processor_kwargs": {"max_pixels": 200704}})
+    server_default, request_own = [job.prompt.items[0] for job in backend.jobs]
+    assert server_default.processor_kwargs == small and server_default.num_rows == expected.num_embedding_rows
+    assert request_own.processor_kwargs is None and request_own.num_rows == plain.num_rows  # the checkpoint's own
+
+
+@pytest.mark.parametrize("kwargs,said", [({"max_pixels": 10**8}, "checkpoint's max_pixels"),
+                                         ({"fps": 2.0}, "unsupported processor kwargs ['fps']"),
+                                         ({"max_pixels": "big"}, "whole number of pixels")])
+def test_bad_mm_processor_kwargs_are_a_400_naming_the_field_before_the_backend(model_dir, tokenizer, kwargs, said):
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    with both_front_ends(make_pipeline(model_dir, backend)) as (http, sdk):
+        with pytest.raises(openai.BadRequestError) as err:
+            http.chat.completions.create(model="tiny", messages=image_chat(data_url(PNG)),
+                                         extra_body={"mm_processor_kwargs": kwargs})
+        assert said in err.value.message and err.value.body["param"] == "mm_processor_kwargs"
+        if all(isinstance(v, int) for v in kwargs.values()):  # the proto's map holds integers only
+            with pytest.raises(SdkInvalidRequest, match="mm_processor_kwargs"):
+                sdk.chat("What is this?", images=[PNG], mm_processor_kwargs=kwargs)
+    assert backend.jobs == []
+
+
+def test_a_servers_mm_processor_kwargs_beyond_the_checkpoint_stop_it_at_start(model_dir):
+    from epd.config import ConfigError
+
+    with pytest.raises(ConfigError, match="mm_processor_kwargs: .*checkpoint's max_pixels"):
+        make_pipeline(model_dir, ScriptedBackend([]), mm_processor_kwargs={"max_pixels": 10**8})
+
+
 def test_local_files_only_under_the_allowed_root(model_dir, tokenizer, tmp_path):
     root = tmp_path / "media"
     root.mkdir()

@@ -25,8 +25,6 @@ class QwenVLInputProcessor:
         self.model_id = model_id
         self.processor_config = read_preprocessor_config(Path(model_dir))
         self.geometry_config = VisionGeometryConfig.from_preprocessor_config(self.processor_config)
-        self.processor_kwargs = {"min_pixels": self.geometry_config.min_pixels,
-                                 "max_pixels": self.geometry_config.max_pixels}
 
     def render(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True,
                template_kwargs: dict | None = None) -> str:
@@ -35,28 +33,40 @@ class QwenVLInputProcessor:
                                                   **(template_kwargs or {}))
 
     def process_messages(self, messages: list[dict], images: list[bytes], tools: list[dict] | None = None,
-                         add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> ProcessedPrompt:
+                         add_generation_prompt: bool = True, template_kwargs: dict | None = None,
+                         processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """``images`` are the encoded images in the order their parts appear in ``messages``;
         ``tools``: rendered by the chat template (OpenAI's tool definitions); ``template_kwargs``:
-        the template's own variables (``add_vision_id`` for Qwen-VL's)."""
+        the template's own variables (``add_vision_id`` for Qwen-VL's); ``processor_kwargs``: the
+        image processor's (``min_pixels`` / ``max_pixels``) for every image of this prompt."""
         token_ids = self.tokenizer.encode(self.render(messages, tools, add_generation_prompt, template_kwargs),
                                           add_special_tokens=False)
-        return self.process_token_ids(token_ids, images)
+        return self.process_token_ids(token_ids, images, processor_kwargs)
 
-    def process_token_ids(self, token_ids: list[int], images: list[bytes]) -> ProcessedPrompt:
+    def process_token_ids(self, token_ids: list[int], images: list[bytes],
+                          processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """Expand the single ``<|image_pad|>`` of each image to its row count and build metadata."""
         pad = self.spec.image_token_id
         num_pads = sum(1 for t in token_ids if t == pad)
         if num_pads != len(images):
             raise ValueError(f"prompt has {num_pads} image placeholders but {len(images)} images were given")
-        geometries = [image_geometry_from_bytes(data, self.geometry_config) for data in images]
+        geometry, overrides = self.geometry_for(processor_kwargs)
+        geometries = [image_geometry_from_bytes(data, geometry) for data in images]
         expanded, offsets = _expand_placeholders(token_ids, pad, [g.num_embedding_rows for g in geometries])
-        items = [ProcessedItem("image", data, self._hash(data), offset, geo)
+        items = [ProcessedItem("image", data, self._hash(data, geometry), offset, geo, overrides)
                  for data, offset, geo in zip(images, offsets, geometries)]
         return self._build(expanded, items)
 
-    def _hash(self, data: bytes) -> str:
-        return hash_encoded_media(data, modality="image", processor_kwargs=self.processor_kwargs,
+    def geometry_for(self, processor_kwargs: dict | None) -> tuple[VisionGeometryConfig, dict[str, int] | None]:
+        """The geometry images are sized by under ``processor_kwargs`` (checked: ``ValueError``), and
+        the kwargs the encoder must be given for it: None when they change nothing, so an image
+        sent with and without the checkpoint's own values is one encoder-cache entry."""
+        geometry = self.geometry_config.with_pixel_kwargs(processor_kwargs)
+        return geometry, (None if geometry == self.geometry_config else geometry.pixel_kwargs)
+
+    def _hash(self, data: bytes, geometry: VisionGeometryConfig) -> str:
+        # the prefix cache's block keys include it: other pixel bounds are other rows
+        return hash_encoded_media(data, modality="image", processor_kwargs=geometry.pixel_kwargs,
                                   model_id=self.model_id)
 
     def _build(self, token_ids: list[int], items: list[ProcessedItem]) -> ProcessedPrompt:

@@ -2,6 +2,7 @@
 loaded with the checkpoint's weights. The encoder tier runs this and nothing else of the model."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -66,11 +67,23 @@ class QwenVisionEncoder:
             raise ValueError(f"vision weights in {model_dir} do not match the tower: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> pixel_values [sum patches, C*T*P*P], grid_thw [N, 3] (CPU)."""
+    def preprocess(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> pixel_values [sum patches, C*T*P*P], grid_thw [N, 3] (CPU). ``processor_kwargs``: per
+        image, its ``min_pixels`` / ``max_pixels`` (None: the checkpoint's); images that share them
+        are processed in one call, in order."""
         pil = [decode_image(data) for data in images]  # size/bomb limits before any pixels decode
-        out = self.image_processor(images=pil, return_tensors="pt")
-        return out["pixel_values"], out["image_grid_thw"]
+        kwargs = list(processor_kwargs) if processor_kwargs is not None else [None] * len(pil)
+        if len(kwargs) != len(pil):
+            raise ValueError(f"{len(kwargs)} processor kwargs for {len(pil)} images")
+        pixels, grids, start = [], [], 0
+        for end in range(1, len(pil) + 1):  # runs of equal kwargs
+            if end == len(pil) or kwargs[end] != kwargs[start]:
+                out = self.image_processor(images=pil[start:end], return_tensors="pt", **_size_of(kwargs[start]))
+                pixels.append(out["pixel_values"])
+                grids.append(out["image_grid_thw"])
+                start = end
+        return torch.cat(pixels), torch.cat(grids)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -89,5 +102,14 @@ class QwenVisionEncoder:
         """Merged rows of a batch -> rows per item, in order."""
         return list(torch.split(merged, (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()))
 
-    def encode_images(self, images: list[bytes]) -> list[torch.Tensor]:
-        return self.encode(*self.preprocess(images)) if images else []
+    def encode_images(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
+                      ) -> list[torch.Tensor]:
+        return self.encode(*self.preprocess(images, processor_kwargs)) if images else []
+
+
+def _size_of(kwargs: Mapping | None) -> dict:
+    """A request's min/max_pixels as the image processor's ``size`` (transformers 5 names them
+    shortest_edge / longest_edge); nothing when the checkpoint's own apply."""
+    if not kwargs:
+        return {}
+    return {"size": {"shortest_edge": kwargs["min_pixels"], "longest_edge": kwargs["max_pixels"]}}

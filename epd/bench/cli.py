@@ -1,7 +1,7 @@
 """``epd bench``: a load generator for an EPD router (or any OpenAI-compatible server).
 
-Sends synthetic multimodal chats (local images, word prompts) at Poisson / gamma arrivals, streams
-every answer to measure TTFT, TPOT, inter-token and end-to-end latency, and reports throughput,
+Sends multimodal chats (synthetic images and word prompts, or a JSONL dataset's) at Poisson / gamma
+arrivals, streams every answer to measure TTFT, TPOT, inter-token and end-to-end latency, and reports throughput,
 goodput under an SLO, and the router's own figures (encoder-cache hit rate, queues) from /metrics.
 Prompts and images are a function of --seed: rerunning with the same seed against a warm server
 hits its caches (change the seed, or use --repeat-ratio to measure cache hits on purpose)."""
@@ -13,14 +13,20 @@ import math
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from epd.bench import report
 from epd.bench.client import GrpcDriver, OpenAIDriver, RequestRecord, normalize_base_url
 from epd.bench.metrics import MetricsSampler, server_summary, summarize
 from epd.bench.runner import rate_label, run_once
+from epd.bench.datasets import load_jsonl, take, with_arrivals
+from epd.bench.report import report_choice
 from epd.bench.workload import (
     RequestSpec,
     WorkloadConfig,
+    arrival_times,
     build_workload,
+    parse_bucket_config,
     parse_image_sizes,
     parse_rates,
     render_images,
@@ -46,29 +52,49 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=100, help="requests per run")
+    w.add_argument("--dataset-name", choices=("random-mm", "jsonl"), default="random-mm",
+                   help="random-mm: synthetic prompts and images (vLLM's name; the options below); jsonl: "
+                        "requests from --dataset-path (epd/bench/datasets.py: one {prompt, images, output_len} "
+                        "object per line)")
+    w.add_argument("--dataset-path", help="the JSONL file (--dataset-name jsonl)")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run (default: 100; with a dataset, all of its lines)")
     w.add_argument("--request-rate", default="inf",
                    help="requests/s, 'inf' (all at once), or a comma list for one run per rate, e.g. 1,2,4,8")
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier, >1 more regular")
     w.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    w.add_argument("--images-per-request", type=int, default=1)
+    w.add_argument("--images-per-request", "--random-mm-base-items-per-request", type=int, default=1)
+    w.add_argument("--random-mm-num-mm-items-range-ratio", dest="items_range_ratio", type=float, default=0.0,
+                   help="images per request drawn uniformly from base * [1 - r, 1 + r]")
     w.add_argument("--image-size", default="448x448",
                    help="WxH[:weight][,WxH[:weight]...]: image sizes and their relative probabilities")
+    w.add_argument("--random-mm-bucket-config", default=None,
+                   help="vLLM's form of --image-size: \"{(height, width, 1): probability, ...}\" (images only)")
     w.add_argument("--image-kind", choices=("gradient", "noise"), default="gradient",
                    help="synthetic image content (noise makes large PNGs)")
     w.add_argument("--repeat-ratio", type=float, default=0.0,
                    help="probability that an image re-sends an earlier one (exercises the encoder cache)")
-    w.add_argument("--input-len", type=int, default=128, help="text prompt length in (about) tokens")
+    w.add_argument("--input-len", "--random-input-len", type=int, default=128,
+                   help="text prompt length in (about) tokens")
     w.add_argument("--text-first", action="store_true",
                    help="put the text before the images (a long context ahead of an image: what EPD's "
                         "encode/prefill overlap speeds up); openai backend")
-    w.add_argument("--output-len", type=int, default=64, help="output tokens per request (EOS ignored)")
+    w.add_argument("--output-len", "--random-output-len", type=int, default=64,
+                   help="output tokens per request (EOS ignored)")
+    w.add_argument("--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="input and output lengths drawn uniformly from len * [1 - r, 1 + r] (vLLM's)")
     w.add_argument("--seed", type=int, default=0, help="seeds prompts, images and arrivals")
     w.add_argument("--warmup-requests", type=int, default=1,
                    help="requests sent (and checked) before measuring, not counted")
 
     r = p.add_argument_group("run and report")
+    r.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
+                   help="which latencies the table gives percentiles of: a comma list of ttft, tpot, itl, e2el "
+                        "(vLLM's names)")
+    r.add_argument("--metric-percentiles", default="50,90,99",
+                   help="which percentiles, a comma list of numbers in (0, 100] (summary.json always has 50 and "
+                        "99 as well)")
     r.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT SLO for goodput / attainment")
     r.add_argument("--slo-tpot-ms", type=float, default=None, help="TPOT SLO for goodput / attainment")
     r.add_argument("--max-duration-s", type=float, default=None,
@@ -107,15 +133,32 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[W
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if (args.dataset_name == "jsonl") != (args.dataset_path is not None):
+        parser.error("--dataset-path goes with --dataset-name jsonl, and jsonl needs --dataset-path")
     try:
         rates = parse_rates(args.request_rate)
-        cfg = WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                             images_per_request=args.images_per_request,
-                             image_sizes=tuple(parse_image_sizes(args.image_size)), image_kind=args.image_kind,
-                             repeat_ratio=args.repeat_ratio, seed=args.seed)
+        sizes = parse_bucket_config(args.random_mm_bucket_config) if args.random_mm_bucket_config else \
+            parse_image_sizes(args.image_size)
+        cfg = WorkloadConfig(num_prompts=args.num_prompts or 100, input_len=args.input_len,
+                             output_len=args.output_len, images_per_request=args.images_per_request,
+                             image_sizes=tuple(sizes), image_kind=args.image_kind, repeat_ratio=args.repeat_ratio,
+                             seed=args.seed, range_ratio=args.range_ratio, items_range_ratio=args.items_range_ratio)
+        args.report = report_choice(args.percentile_metrics, args.metric_percentiles)
+        args.dataset = load_jsonl(args.dataset_path, default_output_len=args.output_len) if args.dataset_path \
+            else None
     except ValueError as err:
         parser.error(str(err))
     return cfg, rates
+
+
+def _requests(args: argparse.Namespace, cfg: WorkloadConfig, rate: float, run_index: int) -> list[RequestSpec]:
+    """One run's requests: the synthetic workload (fresh prompts and images per run), or the
+    dataset's (the same each run: a later run meets caches the earlier ones warmed)."""
+    if args.dataset is None:
+        return build_workload(cfg, rate, args.burstiness, run_index=run_index)
+    requests = take(args.dataset, args.num_prompts)
+    rng = np.random.default_rng([cfg.seed, run_index, 1])
+    return with_arrivals(requests, arrival_times(len(requests), rate, args.burstiness, rng))
 
 
 def _make_driver(args: argparse.Namespace):
@@ -166,11 +209,12 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
         if args.warmup_requests:
             await _warmup(driver, cfg, args.warmup_requests)
         for k, rate in enumerate(rates):
-            requests: list[RequestSpec] = build_workload(cfg, rate, args.burstiness, run_index=k)
+            requests = _requests(args, cfg, rate, k)
             nbytes = await asyncio.to_thread(render_images, requests)
+            source = f"from {args.dataset_path}" if args.dataset is not None else \
+                f"{cfg.images_per_request} image(s) each"
             _log(f"run {k + 1}/{len(rates)}: {len(requests)} requests at rate {rate_label(rate)} req/s "
-                 f"(burstiness {args.burstiness:g}), {cfg.images_per_request} image(s) each, "
-                 f"{nbytes / 2**20:.1f} MiB of distinct images")
+                 f"(burstiness {args.burstiness:g}), {source}, {nbytes / 2**20:.1f} MiB of distinct images")
             urls = _metrics_urls(args)
             sampler = MetricsSampler(urls, interval_s=args.scrape_interval_s) if urls else None
             result = await run_once(driver, requests, rate=rate, max_concurrency=args.max_concurrency,
@@ -178,7 +222,8 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
                                     settle_s=args.settle_s,
                                     progress=not args.no_progress, label=f"rate {rate_label(rate)} ")
             client = summarize(result.records, result.duration_s, slo_ttft_ms=args.slo_ttft_ms,
-                               slo_tpot_ms=args.slo_tpot_ms, num_not_sent=result.num_not_sent)
+                               slo_tpot_ms=args.slo_tpot_ms, num_not_sent=result.num_not_sent,
+                               percentiles=args.report.percentiles)
             server = None
             if sampler is not None:
                 server = server_summary(result.metrics_before, result.metrics_after, result.metrics_samples,
@@ -186,7 +231,7 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
                 if sampler.errors:
                     server["scrape_errors"] = sampler.errors[:5]
             run = {"rate": rate, "backend": args.backend, "model": model, "client": client, "server": server}
-            print(report.format_table(run), flush=True)
+            print(report.format_table(run, args.report), flush=True)
             runs.append(run)
             records_by_run.append(result.records)
     finally:
@@ -195,12 +240,13 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
         print(report.format_sweep(runs), flush=True)
     if args.out:
         out = Path(args.out)
-        config = {k: v for k, v in vars(args).items() if k != "api_key"}
+        config = {k: v for k, v in vars(args).items() if k not in ("api_key", "dataset", "report")}
         files = report.write_json(out, config, runs, [r for recs in records_by_run for r in recs])
         if not args.no_plots:
             plots = report.write_plots(out, runs, records_by_run)
             if not plots:
-                _log("epd bench: matplotlib is not installed; no plots (pip install 'epd[bench]')")
+                _log("epd bench: matplotlib does not import, so no plots; it is one of epd's dependencies: "
+                     "run scripts/setup.sh again")
             files += plots
         _log("epd bench: wrote " + ", ".join(str(f) for f in files))
     return runs

@@ -107,7 +107,8 @@ class OpenAIDriver:
         return self.model
 
     def body(self, spec: RequestSpec) -> dict:
-        images = [{"type": "image_url", "image_url": {"url": data_url(b)}} for b in spec.image_bytes]
+        images = [{"type": "image_url", "image_url": {"url": data_url(x) if isinstance(x, bytes) else x}}
+                  for x in spec.image_inputs]
         text = [{"type": "text", "text": spec.prompt}]
         content = text + images if self.text_first else images + text
         return {"model": self.model or "default", "messages": [{"role": "user", "content": content}],
@@ -180,7 +181,7 @@ class GrpcDriver:
         return self.model
 
     def _stream(self, spec: RequestSpec):
-        return self._client.stream(spec.prompt, images=list(spec.image_bytes), max_tokens=spec.output_len,
+        return self._client.stream(spec.prompt, images=list(spec.image_inputs), max_tokens=spec.output_len,
                                    ignore_eos=True, timeout_s=self.timeout_s)
 
     async def send(self, spec: RequestSpec, record: RequestRecord, run_t0: float) -> None:

@@ -29,14 +29,19 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return data[lo] + (data[hi] - data[lo]) * frac
 
 
-def distribution_ms(values_s: Iterable[float | None]) -> dict:
-    """mean / p50 / p90 / p99 / max in milliseconds of the values given in seconds (None skipped)."""
+def distribution_ms(values_s: Iterable[float | None], percentiles: Sequence[float] = PERCENTILES) -> dict:
+    """mean / the percentiles (keys ``p50``, ``p99.9``) / max in milliseconds of the values given in
+    seconds (None skipped)."""
     data = [v * 1000.0 for v in values_s if v is not None]
     out: dict = {"count": len(data), "mean": (sum(data) / len(data)) if data else None}
-    for q in PERCENTILES:
-        out[f"p{q}"] = percentile(data, q)
+    for q in percentiles:
+        out[percentile_key(q)] = percentile(data, q)
     out["max"] = max(data) if data else None
     return out
+
+
+def percentile_key(q: float) -> str:
+    return f"p{q:g}"
 
 
 def meets_slo(record, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
@@ -53,9 +58,12 @@ def meets_slo(record, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> b
 
 
 def summarize(records: Sequence, duration_s: float, *, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, num_not_sent: int = 0) -> dict:
+              slo_tpot_ms: float | None = None, num_not_sent: int = 0,
+              percentiles: Sequence[float] = PERCENTILES) -> dict:
     """The client-side summary of one run. Goodput counts completed requests meeting every SLO
-    given, per second of run; attainment is their share of the requests sent."""
+    given, per second of run; attainment is their share of the requests sent. Latencies get
+    ``percentiles`` and always p50 and p99 (the sweep table's)."""
+    qs = sorted({*percentiles, 50, 99})
     ok = [r for r in records if r.ok]
     failed = [r for r in records if r.status == "failed"]
     cancelled = [r for r in records if r.status in ("cancelled", "not_started")]
@@ -75,10 +83,10 @@ def summarize(records: Sequence, duration_s: float, *, slo_ttft_ms: float | None
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
         "images_sent": sum(r.num_images for r in records if r.start_s is not None),
         "repeated_images_sent": sum(r.num_repeated_images for r in records if r.start_s is not None),
-        "ttft_ms": distribution_ms(r.ttft_s for r in ok),
-        "tpot_ms": distribution_ms(r.tpot_s for r in ok if r.output_tokens > 1),
-        "itl_ms": distribution_ms(v for r in ok for v in r.itl_s),
-        "e2e_ms": distribution_ms(r.e2e_s for r in ok),
+        "ttft_ms": distribution_ms((r.ttft_s for r in ok), qs),
+        "tpot_ms": distribution_ms((r.tpot_s for r in ok if r.output_tokens > 1), qs),
+        "itl_ms": distribution_ms((v for r in ok for v in r.itl_s), qs),
+        "e2e_ms": distribution_ms((r.e2e_s for r in ok), qs),
         "slo_ttft_ms": slo_ttft_ms,
         "slo_tpot_ms": slo_tpot_ms,
         "errors": _error_counts(failed),

@@ -1,12 +1,44 @@
 """Output of ``epd bench``: the summary table, the JSON files (per-request records, summary) and
-PNG plots (TTFT / TPOT CDFs, latency over time, SLO attainment vs rate). Plots need matplotlib
-(the optional ``bench`` extra); without it they are skipped with a note."""
+PNG plots (TTFT / TPOT CDFs, latency over time, SLO attainment vs rate), drawn with matplotlib (a
+dependency of the package, so the README's setup draws them)."""
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from epd.bench.metrics import PERCENTILES, percentile_key
+
+
+# --percentile-metrics names (vLLM's) -> (summary key, table title)
+LATENCIES = {"ttft": ("ttft_ms", "Time to First Token"), "tpot": ("tpot_ms", "Time per Output Token (excl. 1st)"),
+             "itl": ("itl_ms", "Inter-token Latency"), "e2el": ("e2e_ms", "End-to-end Latency")}
+
+
+@dataclass(frozen=True)
+class ReportChoice:
+    """Which latencies the table shows percentiles of, and which percentiles."""
+
+    metrics: tuple[str, ...] = tuple(LATENCIES)
+    percentiles: tuple[float, ...] = PERCENTILES
+
+
+def report_choice(metrics: str, percentiles: str) -> ReportChoice:
+    """``--percentile-metrics`` and ``--metric-percentiles`` -> a ReportChoice (ValueError naming
+    what is wrong)."""
+    names = [m.strip() for m in metrics.split(",") if m.strip()]
+    unknown = [m for m in names if m not in LATENCIES]
+    if not names or unknown:
+        raise ValueError(f"--percentile-metrics: expected a comma list of {list(LATENCIES)}, got {metrics!r}")
+    try:
+        qs = [float(q) for q in percentiles.split(",") if q.strip()]
+    except ValueError:
+        qs = []
+    if not qs or not all(0 < q <= 100 for q in qs):
+        raise ValueError(f"--metric-percentiles: expected a comma list of numbers in (0, 100], got {percentiles!r}")
+    return ReportChoice(tuple(dict.fromkeys(names)), tuple(sorted(set(qs))))
 
 
 def _fmt(value, digits: int = 2) -> str:
@@ -19,8 +51,9 @@ def _fmt(value, digits: int = 2) -> str:
     return str(value)
 
 
-def format_table(run: dict) -> str:
-    """One run (``{"rate", "client", "server"}``) as a fixed-width text table."""
+def format_table(run: dict, choice: ReportChoice = ReportChoice()) -> str:
+    """One run (``{"rate", "client", "server"}``) as a fixed-width text table; ``choice``: the
+    latencies and percentiles to show."""
     c, s = run["client"], run.get("server") or {}
     w = 44
     lines = []
@@ -48,13 +81,13 @@ def format_table(run: dict) -> str:
             f"TPOT<={_fmt(c['slo_tpot_ms'], 0)}ms" if c["slo_tpot_ms"] is not None else "") if x)
         row(f"Goodput (req/s, {slo})", c["goodput"])
         row("SLO attainment (%)", c["slo_attainment_pct"], 1)
-    for key, title in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st)"),
-                       ("itl_ms", "Inter-token Latency"), ("e2e_ms", "End-to-end Latency")):
+    for name in choice.metrics:
+        key, title = LATENCIES[name]
         d = c[key]
         rule(f" {title} ")
         row("Mean (ms)", d["mean"])
-        for q in (50, 90, 99):
-            row(f"P{q} (ms)", d[f"p{q}"])
+        for q in choice.percentiles:
+            row(f"P{q:g} (ms)", d.get(percentile_key(q)))
     if s.get("available"):
         rule(" Server (/metrics, after - before) ")
         rate = s.get("encoder_cache_hit_rate")

@@ -9,6 +9,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from epd.bench.client import RequestRecord
 from epd.bench.metrics import MetricsSampler
 from epd.bench.workload import RequestSpec
@@ -26,8 +28,8 @@ class RunResult:
 
 
 class Progress:
-    """A one-line progress display on stderr: rewritten in place on a terminal, a line every ~10%
-    otherwise (logs stay readable). No dependency."""
+    """Progress on stderr through tqdm: a live bar on a terminal; otherwise (CI, a log file) tqdm's
+    own line printed every ~10% of the requests, so logs stay readable."""
 
     def __init__(self, total: int, label: str = "", *, stream=None, enabled: bool = True) -> None:
         self.total, self.label, self.enabled = total, label, enabled
@@ -35,47 +37,47 @@ class Progress:
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
         self.done = self.failed = self.in_flight = 0
-        self._last_draw = 0.0
         self._last_decile = -1
         self._last_state: tuple | None = None
+        self._bar = tqdm(total=total, desc=label.strip() or None, file=self.stream, unit="req", leave=True,
+                         dynamic_ncols=True, mininterval=0.1) if enabled and self.tty else None
 
     def update(self, *, done: int = 0, failed: int = 0, started: int = 0) -> None:
         self.done += done
         self.failed += failed
         self.in_flight += started - done
-        self.draw()
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(done)
+        else:
+            self.draw()
+
+    def _postfix(self) -> str:
+        return f"{self.failed} failed, {self.in_flight} in flight"
 
     def line(self) -> str:
-        elapsed = time.perf_counter() - self.t0
-        width = 24
-        filled = int(width * self.done / max(self.total, 1))
-        bar = "#" * filled + "." * (width - filled)
-        return (f"{self.label}[{bar}] {self.done}/{self.total} done, {self.failed} failed, "
-                f"{self.in_flight} in flight, {elapsed:6.1f} s")
+        """tqdm's meter for the current state (what a terminal shows, as one line)."""
+        return tqdm.format_meter(self.done, max(self.total, 1), time.perf_counter() - self.t0, ncols=100, ascii=True,
+                                 prefix=self.label.strip(), unit="req", postfix=self._postfix())
 
     def draw(self, *, force: bool = False) -> None:
-        if not self.enabled:
+        if not self.enabled or self._bar is not None:
             return
-        now = time.perf_counter()
-        if self.tty:
-            if force or now - self._last_draw >= 0.1 or self.done == self.total:
-                self.stream.write("\r" + self.line() + "\x1b[K")
-                self.stream.flush()
-                self._last_draw = now
-        else:
-            decile = int(10 * self.done / max(self.total, 1))
-            state = (self.done, self.failed, self.total)
-            if (force and state != self._last_state) or decile > self._last_decile:
-                self.stream.write(self.line() + "\n")
-                self.stream.flush()
-                self._last_decile, self._last_state = decile, state
+        decile = int(10 * self.done / max(self.total, 1))
+        state = (self.done, self.failed, self.total)
+        if (force and state != self._last_state) or decile > self._last_decile:
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+            self._last_decile, self._last_state = decile, state
 
     def close(self) -> None:
-        if self.enabled:
+        if self._bar is not None:
+            self._bar.total = self.total
+            self._bar.set_postfix_str(self._postfix())
+            self._bar.close()
+        elif self.enabled:
             self.draw(force=True)
-            if self.tty:
-                self.stream.write("\n")
-                self.stream.flush()
 
 
 async def run_once(driver, requests: list[RequestSpec], *, rate: float, max_concurrency: int | None = None,
@@ -124,7 +126,7 @@ async def run_once(driver, requests: list[RequestSpec], *, rate: float, max_conc
             if spec.arrival_s > now:
                 await asyncio.sleep(spec.arrival_s - now)
             record = RequestRecord(index=spec.index, rate=rate, scheduled_s=spec.arrival_s,
-                                   num_images=len(spec.images), num_repeated_images=spec.num_repeated_images)
+                                   num_images=spec.num_images, num_repeated_images=spec.num_repeated_images)
             records.append(record)
             tasks.append(asyncio.create_task(one(spec, record)))
         bar.total = len(tasks)

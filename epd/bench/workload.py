@@ -3,6 +3,7 @@
 Poisson / gamma arrival times. Everything is a function of the seed."""
 from __future__ import annotations
 
+import ast
 import base64
 import io
 import math
@@ -67,14 +68,20 @@ class ImageSpec:
 class RequestSpec:
     index: int
     prompt: str
-    images: list[ImageSpec]
+    images: list[ImageSpec]  # synthetic images, rendered into image_inputs; a dataset's come as inputs
     output_len: int
     arrival_s: float  # when to send, seconds after the run starts
-    image_bytes: list[bytes] = field(default_factory=list, repr=False)  # filled by render_images()
+    # what is sent, in order: encoded image bytes, or a URL the server fetches (http(s), data:)
+    image_inputs: list[bytes | str] = field(default_factory=list, repr=False)  # render_images() fills synthetic
+    repeated_inputs: int = 0  # a dataset's images that an earlier request of it sent too
+
+    @property
+    def num_images(self) -> int:
+        return len(self.images) or len(self.image_inputs)
 
     @property
     def num_repeated_images(self) -> int:
-        return sum(1 for im in self.images if im.repeated)
+        return sum(1 for im in self.images if im.repeated) + self.repeated_inputs
 
 
 # ---- parsing ------------------------------------------------------------------------------------
@@ -96,6 +103,32 @@ def parse_image_sizes(spec: str) -> list[ImageSize]:
         sizes.append(ImageSize(w, h, wt))
     if not sizes:
         raise ValueError(f"no image size in {spec!r}")
+    return sizes
+
+
+def parse_bucket_config(spec: str) -> list[ImageSize]:
+    """vLLM's ``--random-mm-bucket-config``: ``"{(256, 256, 1): 0.5, (720, 1280, 1): 0.5}"``, a
+    mapping of (height, width, frames) to probability, read as a Python literal (never evaluated)
+    -> image sizes with those weights. Frames other than 1 are videos, which EPD does not serve."""
+    try:
+        buckets = ast.literal_eval(spec.strip())
+    except (ValueError, SyntaxError):
+        raise ValueError(f"bad bucket config {spec!r}: expected {{(height, width, frames): probability, ...}}") \
+            from None
+    if not isinstance(buckets, dict) or not buckets:
+        raise ValueError(f"bad bucket config {spec!r}: expected a non-empty {{(height, width, frames): probability}}")
+    sizes = []
+    for key, weight in buckets.items():
+        if not (isinstance(key, tuple) and len(key) == 3 and all(isinstance(v, int) and v > 0 for v in key)):
+            raise ValueError(f"bad bucket {key!r}: expected (height, width, frames) of positive ints")
+        if key[2] != 1:
+            raise ValueError(f"bucket {key!r} has {key[2]} frames: a video; only images (frames 1) are served")
+        if not (isinstance(weight, (int, float)) and weight >= 0 and math.isfinite(weight)):
+            raise ValueError(f"bucket {key!r}: probability must be a number >= 0, got {weight!r}")
+        if weight > 0:
+            sizes.append(ImageSize(width=key[1], height=key[0], weight=float(weight)))
+    if not sizes:
+        raise ValueError(f"bad bucket config {spec!r}: every probability is 0")
     return sizes
 
 
@@ -146,19 +179,30 @@ def make_prompt(num_words: int, rng: np.random.Generator) -> str:
     return " ".join(WORDS[i] for i in idx)
 
 
-def choose_images(num_requests: int, per_request: int, sizes: list[ImageSize], repeat_ratio: float,
+def spread(base: int, range_ratio: float, n: int, rng: np.random.Generator, *, low: int = 1) -> list[int]:
+    """``n`` integers drawn uniformly from [base * (1 - r), base * (1 + r)] (rounded inwards, at
+    least ``low``), vLLM's ``--random-range-ratio`` rule; ``r`` 0: all ``base``."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    lo, hi = max(low, math.ceil(base * (1 - range_ratio))), max(low, math.floor(base * (1 + range_ratio)))
+    return [base] * n if range_ratio == 0 else [int(v) for v in rng.integers(lo, hi + 1, size=n)]
+
+
+def choose_images(num_requests: int, per_request: int | list[int], sizes: list[ImageSize], repeat_ratio: float,
                   rng: np.random.Generator, *, seed_base: int = 0, kind: str = "gradient") -> list[list[ImageSpec]]:
     """Each slot re-sends an earlier image with probability ``repeat_ratio`` (when there is one),
-    else draws a new one whose size is picked by weight."""
+    else draws a new one whose size is picked by weight. ``per_request``: images per request, one
+    count for all or one per request."""
     if not 0.0 <= repeat_ratio <= 1.0:
         raise ValueError(f"repeat ratio must be in [0, 1], got {repeat_ratio}")
+    counts = [per_request] * num_requests if isinstance(per_request, int) else list(per_request)
     probs = np.array([s.weight for s in sizes], dtype=float)
     probs /= probs.sum()
     seen: list[ImageSpec] = []
     out = []
-    for _ in range(num_requests):
+    for count in counts:
         images = []
-        for _ in range(per_request):
+        for _ in range(count):
             if seen and rng.random() < repeat_ratio:
                 old = seen[int(rng.integers(0, len(seen)))]
                 images.append(ImageSpec(old.width, old.height, old.seed, old.kind, repeated=True))
@@ -215,6 +259,8 @@ class WorkloadConfig:
     image_kind: str = "gradient"
     repeat_ratio: float = 0.0
     seed: int = 0
+    range_ratio: float = 0.0  # input and output lengths spread by this ratio (vLLM's --random-range-ratio)
+    items_range_ratio: float = 0.0  # images per request spread by this ratio (--random-mm-num-mm-items-range-ratio)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -227,6 +273,9 @@ class WorkloadConfig:
             raise ValueError(f"image kind must be gradient or noise, got {self.image_kind!r}")
         if not 0.0 <= self.repeat_ratio <= 1.0:
             raise ValueError(f"repeat ratio must be in [0, 1], got {self.repeat_ratio}")
+        for name in ("range_ratio", "items_range_ratio"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 def build_workload(cfg: WorkloadConfig, rate: float, burstiness: float, *, run_index: int = 0) -> list[RequestSpec]:
@@ -234,22 +283,30 @@ def build_workload(cfg: WorkloadConfig, rate: float, burstiness: float, *, run_i
     images, so a later run does not hit caches warmed by an earlier one."""
     rng = np.random.default_rng([cfg.seed, run_index])
     arrivals = arrival_times(cfg.num_prompts, rate, burstiness, np.random.default_rng([cfg.seed, run_index, 1]))
-    images = choose_images(cfg.num_prompts, cfg.images_per_request, list(cfg.image_sizes), cfg.repeat_ratio,
+    lengths = np.random.default_rng([cfg.seed, run_index, 3])
+    input_lens = spread(cfg.input_len, cfg.range_ratio, cfg.num_prompts, lengths)
+    output_lens = spread(cfg.output_len, cfg.range_ratio, cfg.num_prompts, lengths)
+    counts = spread(cfg.images_per_request, cfg.items_range_ratio, cfg.num_prompts, lengths, low=0)
+    images = choose_images(cfg.num_prompts, counts, list(cfg.image_sizes), cfg.repeat_ratio,
                            np.random.default_rng([cfg.seed, run_index, 2]),
                            seed_base=(cfg.seed * 1000 + run_index) * 1_000_000, kind=cfg.image_kind)
-    return [RequestSpec(index=i, prompt=make_prompt(cfg.input_len, rng), images=images[i],
-                        output_len=cfg.output_len, arrival_s=float(arrivals[i])) for i in range(cfg.num_prompts)]
+    return [RequestSpec(index=i, prompt=make_prompt(input_lens[i], rng), images=images[i],
+                        output_len=output_lens[i], arrival_s=float(arrivals[i])) for i in range(cfg.num_prompts)]
 
 
 def render_images(requests: list[RequestSpec]) -> int:
-    """Fill each request's ``image_bytes``; a repeated image shares the bytes rendered once.
-    Returns the number of distinct bytes held."""
+    """Fill each synthetic request's ``image_inputs``; a repeated image shares the bytes rendered
+    once. Returns the number of distinct bytes held (a dataset's inputs counted as they are)."""
     cache: dict[tuple, bytes] = {}
+    given: dict[int, int] = {}
     for req in requests:
-        req.image_bytes = []
+        if not req.images:  # a dataset's request: its inputs are already there
+            given.update((id(x), len(x)) for x in req.image_inputs if isinstance(x, bytes))
+            continue
+        req.image_inputs = []
         for im in req.images:
             data = cache.get(im.key)
             if data is None:
                 data = cache[im.key] = render_image(im)
-            req.image_bytes.append(data)
-    return sum(len(b) for b in cache.values())
+            req.image_inputs.append(data)
+    return sum(len(b) for b in cache.values()) + sum(given.values())

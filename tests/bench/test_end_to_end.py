@@ -36,7 +36,7 @@ def test_openai_backend_numbers_and_files(fake, tmp_path, capsys):
     assert rc == 0
     printed = capsys.readouterr()
     assert "Time to First Token" in printed.out and "Encoder cache hit rate" in printed.out
-    assert "16/16 done" in printed.err  # the progress line
+    assert "16/16" in printed.err and "0 failed, 0 in flight" in printed.err  # the progress line
 
     # every request asked for exactly O tokens with EOS ignored, and got them
     sent = core.requests[before_requests:]
@@ -134,3 +134,57 @@ def test_max_duration_stops_issuing_and_cancels_at_the_grace_deadline(tmp_path):
     assert 0.7 <= c["duration_s"] <= 1.5
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert all(r["status"] == "cancelled" and r["ttft_s"] is not None for r in records)
+
+
+def test_a_jsonl_dataset_over_both_backends_with_chosen_percentiles(fake, tmp_path, capsys):
+    """--dataset-name jsonl: local files (read once, sent as bytes; one sent twice), a data: URL,
+    each line's output length; --percentile-metrics / --metric-percentiles pick the table's rows."""
+    import base64
+    import hashlib
+
+    from tests.conftest import make_image_bytes
+
+    core, url, address = fake
+    (tmp_path / "img").mkdir()
+    a, b, c = (make_image_bytes(40 + 8 * i, 32, seed=70 + i) for i in range(3))
+    (tmp_path / "img" / "a.png").write_bytes(a)
+    (tmp_path / "b.png").write_bytes(b)
+    lines = [{"prompt": "First.", "images": ["img/a.png"], "output_len": 3},
+             {"prompt": "Second.", "images": [f"file://{tmp_path}/b.png", "img/a.png"], "max_tokens": 5},
+             {"prompt": "Third.", "images": ["data:image/png;base64," + base64.b64encode(c).decode()]},
+             {"prompt": "Text only."}]
+    dataset = tmp_path / "chats.jsonl"
+    dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    for backend in ("openai", "grpc"):
+        before = len(core.requests)
+        out = tmp_path / backend
+        rc = main(["--backend", backend, "--grpc-address", address, "--base-url", url, "--dataset-name", "jsonl",
+                   "--dataset-path", str(dataset), "--output-len", "4", "--warmup-requests", "0", "--out", str(out),
+                   "--no-plots", "--no-progress", "--settle-s", "0", "--max-concurrency", "1",
+                   "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "95,99.9"])
+        assert rc == 0
+        sent = core.requests[before:]
+        assert [r.sampling.max_tokens for r in sent] == [3, 5, 4, 4]
+        images = [[hashlib.sha256(p["image"]).digest() for m in r.messages for p in m["content"]
+                   if isinstance(m["content"], list) and p.get("type") == "image"] for r in sent]
+        digest = {k: hashlib.sha256(v).digest() for k, v in (("a", a), ("b", b), ("c", c))}
+        assert images == [[digest["a"]], [digest["b"], digest["a"]], [digest["c"]], []]
+        client = _summary(out)["runs"][0]["client"]
+        assert (client["completed"], client["images_sent"], client["repeated_images_sent"]) == (4, 4, 1)
+        assert client["ttft_ms"]["p95"] is not None and client["ttft_ms"]["p99.9"] is not None
+        table = capsys.readouterr().out
+        assert "Time to First Token" in table and "End-to-end Latency" in table and "P99.9 (ms)" in table
+        assert "Time per Output Token" not in table and "P50 (ms)" not in table
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--dataset-name", "jsonl"], "--dataset-path goes with --dataset-name jsonl"),
+    (["--percentile-metrics", "ttft,latency"], "--percentile-metrics: expected a comma list"),
+    (["--metric-percentiles", "0,50"], "--metric-percentiles: expected"),
+    (["--random-mm-bucket-config", "{(64, 64, 4): 1.0}"], "a video"),
+    (["--random-range-ratio", "1.5"], "range_ratio must be in [0, 1)"),
+])
+def test_bad_workload_options_are_one_line_naming_them(args, said, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--base-url", "http://127.0.0.1:9", *args])
+    assert exit_.value.code == 2 and said in capsys.readouterr().err

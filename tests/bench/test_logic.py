@@ -133,7 +133,7 @@ def test_build_workload_is_seeded_and_runs_differ():
     assert {im.key for r in a for im in r.images}.isdisjoint({im.key for r in other for im in r.images})
     assert all(len(r.images) == 2 and r.output_len == 5 for r in a)
     render_images(a)
-    assert all(len(r.image_bytes) == 2 for r in a)
+    assert all(len(r.image_inputs) == 2 for r in a)
     assert a[0].arrival_s == 0 and a[-1].arrival_s > 0
     with pytest.raises(ValueError):
         WorkloadConfig(repeat_ratio=1.5)
@@ -355,14 +355,30 @@ def test_progress_lines_without_a_terminal():
         bar.update(done=1)
     bar.close()
     lines = out.getvalue().splitlines()
-    assert 10 <= len(lines) <= 12 and lines[-1].startswith("r [####") and "20/20 done" in lines[-1]
+    assert 10 <= len(lines) <= 12 and lines[-1].startswith("r: 100%|#####") and "20/20" in lines[-1]
+    assert "0 failed, 0 in flight" in lines[-1] and "\r" not in out.getvalue()
+
+
+def test_progress_on_a_terminal_is_a_tqdm_bar():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    out = Terminal()
+    bar = Progress(4, "r ", stream=out)
+    for _ in range(4):
+        bar.update(started=1)
+        bar.update(done=1, failed=1)
+    bar.close()
+    text = out.getvalue()
+    assert "\r" in text and "4/4" in text and "4 failed, 0 in flight" in text
 
 
 def test_text_first_puts_the_prompt_ahead_of_the_images():
     from epd.bench.workload import RequestSpec
 
     spec = RequestSpec(index=0, prompt="a long context", images=[], output_len=4, arrival_s=0.0,
-                       image_bytes=[b"\x89PNG1", b"\x89PNG2"])
+                       image_inputs=[b"\x89PNG1", b"\x89PNG2"])
     default = OpenAIDriver("http://test/v1", model="m").body(spec)["messages"][0]["content"]
     first = OpenAIDriver("http://test/v1", model="m", text_first=True).body(spec)["messages"][0]["content"]
     assert [p["type"] for p in default] == ["image_url", "image_url", "text"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 from pathlib import Path
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--grpc-address", default="127.0.0.1:50051", help="the router's gRPC address (--backend grpc)")
     t.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
     t.add_argument("--api-key", help="sent as a Bearer token (openai backend)")
+    t.add_argument("--extra-body", default=None,
+                   help="a JSON object merged into every request body (openai backend), e.g. "
+                        "'{\"mm_processor_kwargs\": {\"max_pixels\": 50176}}'")
     t.add_argument("--metrics-url", action="append", default=[],
                    help="another Prometheus endpoint to scrape as well, e.g. a worker's (repeatable)")
     t.add_argument("--no-metrics", action="store_true", help="do not scrape any /metrics")
@@ -114,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[WorkloadConfig, list[float]]:
     if args.backend == "openai" and not args.base_url:
         parser.error("--base-url is required with --backend openai")
+    if args.extra_body is not None:
+        try:
+            args.extra_body = json.loads(args.extra_body)
+        except ValueError as err:
+            parser.error(f"--extra-body: not JSON ({err})")
+        if not isinstance(args.extra_body, dict):
+            parser.error(f"--extra-body: expected a JSON object, got {type(args.extra_body).__name__}")
+        if args.backend != "openai":
+            parser.error("--extra-body needs --backend openai (the gRPC API has no free-form body)")
     if args.text_first and args.backend != "openai":
         parser.error("--text-first needs --backend openai (the SDK puts images first)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -165,7 +178,7 @@ def _make_driver(args: argparse.Namespace):
     if args.backend == "grpc":
         return GrpcDriver(args.grpc_address, timeout_s=args.request_timeout_s)
     return OpenAIDriver(args.base_url, model=args.model, api_key=args.api_key, timeout_s=args.request_timeout_s,
-                        text_first=args.text_first)
+                        text_first=args.text_first, extra_body=args.extra_body)
 
 
 def _metrics_urls(args: argparse.Namespace) -> list[str]:

@@ -177,12 +177,25 @@ def test_a_jsonl_dataset_over_both_backends_with_chosen_percentiles(fake, tmp_pa
         assert "Time per Output Token" not in table and "P50 (ms)" not in table
 
 
+def test_extra_body_reaches_every_request(fake, tmp_path):
+    core, url, _ = fake
+    before = len(core.requests)
+    rc = main(["--base-url", url, "--num-prompts", "3", "--output-len", "2", "--images-per-request", "0",
+               "--warmup-requests", "0", "--no-progress", "--settle-s", "0",
+               "--extra-body", '{"stop": ["zzz"], "seed": 5}'])
+    assert rc == 0
+    sent = core.requests[before:]
+    assert len(sent) == 3 and all(r.stop_strings == ["zzz"] and r.sampling.seed == 5 for r in sent)
+
+
 @pytest.mark.parametrize("args,said", [
     (["--dataset-name", "jsonl"], "--dataset-path goes with --dataset-name jsonl"),
     (["--percentile-metrics", "ttft,latency"], "--percentile-metrics: expected a comma list"),
     (["--metric-percentiles", "0,50"], "--metric-percentiles: expected"),
     (["--random-mm-bucket-config", "{(64, 64, 4): 1.0}"], "a video"),
     (["--random-range-ratio", "1.5"], "range_ratio must be in [0, 1)"),
+    (["--extra-body", "[1]"], "--extra-body: expected a JSON object"),
+    (["--extra-body", "{}", "--backend", "grpc"], "--extra-body needs --backend openai"),
 ])
 def test_bad_workload_options_are_one_line_naming_them(args, said, capsys):
     with pytest.raises(SystemExit) as exit_:

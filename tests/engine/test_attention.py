@@ -136,3 +136,20 @@ def test_flex_compiles_long_prefills_and_then_any_shape_without_failing():
             attention.plan(meta)
             outs.append(attention.forward(0, q, k, v, cache, meta, dim ** -0.5))
         torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5, msg=str(qlens[:3]))
+
+
+def test_flex_past_the_recompile_limit_fails_loudly_instead_of_running_unfused(monkeypatch):
+    """Unfused flex ignores the block lists that keep queries to their own sequence's pages: past the
+    recompile limit it must raise, never return other sequences' attention."""
+    import torch._dynamo
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from epd.engine.attention.flex import _compiled_flex
+
+    _compiled_flex()
+    assert torch._dynamo.config.fail_on_recompile_limit_hit and torch._dynamo.config.recompile_limit >= 64
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    with pytest.raises(FailOnRecompileLimitHit):
+        test_flex_compiles_long_prefills_and_then_any_shape_without_failing()
+    torch._dynamo.reset()  # the next test compiles afresh under the real limit

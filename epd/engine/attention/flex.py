@@ -26,9 +26,22 @@ from epd.engine.attention.base import ATTENTION_BACKENDS
 from epd.engine.attention.metadata import AttentionMetadata, KVCache
 
 
+# Past torch.compile's recompile limit dynamo runs a function unfused, and unfused flex applies the
+# mask_mods to every key of the cache, ignoring the block lists that keep each query to its own
+# sequence's pages: silently wrong attention. A process compiles flex once per new head size, grad
+# mode or static-to-dynamic shape, a handful in a server; so the limit is raised well above that,
+# and hitting it anyway is an error the request reports instead of wrong tokens. (Exact mask_mods
+# would make the unfused path right too, but torch 2.13's CPU flex template fails to compile them.)
+_FLEX_RECOMPILE_LIMIT = 64
+
+
 @cache
 def _compiled_flex():
+    import torch._dynamo.config as dynamo_config
     from torch.nn.attention.flex_attention import flex_attention
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, _FLEX_RECOMPILE_LIMIT)
+    dynamo_config.fail_on_recompile_limit_hit = True
 
     # dynamic=None (torch's automatic dynamic: the first call compiles static, a second shape
     # recompiles once with dynamic sizes) rather than dynamic=True: on the CPU, torch 2.13's C++

@@ -17,10 +17,11 @@ def _generate(args: argparse.Namespace) -> int:
     except ConfigError as err:
         raise ValueError(str(err)) from None
     llm = LLM(args.model, engine_config=engine_config)
-    content = [{"type": "image", "image": str(Path(p).resolve())} for p in args.image]
+    content = [{"type": kind, kind: str(Path(p).resolve())} for kind, p in args.media]
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    out = llm.chat([{"role": "user", "content": content}], params)[0]
+    kwargs = json.loads(args.mm_processor_kwargs) if args.mm_processor_kwargs else None
+    out = llm.chat([{"role": "user", "content": content}], params, mm_processor_kwargs=kwargs)[0]
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
                           "text": out.text, "finish_reason": out.finish_reason}))
@@ -37,6 +38,15 @@ def _export_preset(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Media(argparse.Action):
+    """--image and --video append (kind, path) to one list, keeping their order on the command line."""
+
+    def __call__(self, parser, namespace, value, option_string=None) -> None:
+        items = list(getattr(namespace, self.dest) or [])  # a copy: the default list is the parser's
+        items.append((option_string.removeprefix("--"), value))
+        setattr(namespace, self.dest, items)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description="Encode/Prefill/Decode serving for VLMs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -44,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="one-shot offline generation on the in-process engine")
     gen.add_argument("--model", default="tiny-qwen2-vl", help="preset name or HF checkpoint directory")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--image", action="append", default=[], help="image path (repeatable, in order)")
+    gen.add_argument("--image", dest="media", action=_Media, default=[], help="image path (repeatable; images and "
+                     "videos go before the prompt in the order given)")
+    gen.add_argument("--video", dest="media", action=_Media, default=[], help="video path (repeatable)")
+    gen.add_argument("--mm-processor-kwargs", default=None,
+                     help='JSON: min_pixels / max_pixels, and fps / min_frames / max_frames for videos')
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)

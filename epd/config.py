@@ -305,12 +305,12 @@ class RouterConfig(_Config):
     chat_template: str | None = Field(None, description="a chat template (a file, or the Jinja text itself) instead "
                                                         "of the model's")
     limit_mm_per_prompt: dict[str, int] = Field(
-        default_factory=dict, description="vLLM's per-modality item limit, JSON or image=N: image sets "
-                                          "max_items_per_request; video is not supported yet (0 only)")
-    mm_processor_kwargs: dict[str, int] = Field(
-        default_factory=dict, description="the image processor's min_pixels / max_pixels for every request, JSON or "
-                                          "k=v (vLLM's; a request's own mm_processor_kwargs win); within the "
-                                          "checkpoint's max_pixels")
+        default_factory=dict, description="vLLM's per-modality item limit, JSON or image=N,video=M (0 refuses the "
+                                          "modality); max_items_per_request caps them together")
+    mm_processor_kwargs: dict[str, int | float] = Field(
+        default_factory=dict, description="how every request's images are resized and videos sampled, JSON or k=v "
+                                          "(vLLM's; a request's own mm_processor_kwargs win): min_pixels / max_pixels "
+                                          "(within the checkpoint's), fps, min_frames, max_frames")
     api_keys: tuple[str, ...] = Field((), description="API keys a client must send as 'Authorization: Bearer "
                                                       "<key>' (repeatable; a flag shows in ps: prefer "
                                                       "--api-key-file or the EPD_API_KEY variable)",
@@ -347,13 +347,9 @@ class RouterConfig(_Config):
         unknown = set(self.limit_mm_per_prompt) - {"image", "video"}
         if unknown:
             raise ValueError(f"limit_mm_per_prompt knows image and video, got {sorted(unknown)}")
-        if self.limit_mm_per_prompt.get("video", 0):
-            raise ValueError("limit_mm_per_prompt: video input is not supported yet; give video=0 or leave it out")
-        if "image" in self.limit_mm_per_prompt:
-            images = self.limit_mm_per_prompt["image"]
-            if images < 1:
-                raise ValueError(f"limit_mm_per_prompt: image must be >= 1, got {images}")
-            object.__setattr__(self, "max_items_per_request", images)
+        negative = {k: v for k, v in self.limit_mm_per_prompt.items() if v < 0}
+        if negative:
+            raise ValueError(f"limit_mm_per_prompt: counts must be >= 0 (0 refuses the modality), got {negative}")
         return self
 
     @field_validator("api_key_file", "admin_token_file")
@@ -496,9 +492,12 @@ def parse_mapping(value: Any) -> Any:
     out = {}
     for pair in filter(None, (p.strip() for p in text.split(","))):
         key, sep, number = pair.partition("=")
-        if not sep or not number.strip().lstrip("-").isdigit():
-            raise ValueError(f"expected a JSON object or key=value pairs, got {value!r}")
-        out[key.strip()] = int(number)
+        try:
+            out[key.strip()] = json.loads(number.strip()) if sep else None
+        except ValueError:
+            out[key.strip()] = None
+        if not isinstance(out[key.strip()], (int, float)) or isinstance(out[key.strip()], bool):
+            raise ValueError(f"expected a JSON object or key=value pairs of numbers, got {value!r}")
     return out
 
 

@@ -14,7 +14,8 @@ from epd.errors import InvalidRequest
 from epd.models.registry import family_for, load_llm_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
-from epd.multimodal.messages import extract_images
+from epd.multimodal.media import MediaInput
+from epd.multimodal.messages import extract_media
 from epd.threads import apply_thread_policy
 from epd.types import RequestOutput, SamplingParams
 
@@ -83,8 +84,8 @@ class LLM:
 
     def add_conversation(self, messages: list[dict], params: SamplingParams,
                          mm_processor_kwargs: dict | None = None) -> Sequence:
-        messages, images = self.extract_images(messages)
-        return self.add_processed(self._processed(self.processor.process_messages, messages, images,
+        messages, media = self.extract_media(messages)
+        return self.add_processed(self._processed(self.processor.process_messages, messages, media,
                                                   processor_kwargs=mm_processor_kwargs), params)
 
     def add_processed(self, prompt: ProcessedPrompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
@@ -98,13 +99,13 @@ class LLM:
         if not processor_kwargs:
             return process(*args)
         try:
-            self.processor.geometry_for(processor_kwargs)
+            self.processor.media_settings(processor_kwargs)
         except ValueError as err:
             raise InvalidRequest(f"mm_processor_kwargs: {err}", param="mm_processor_kwargs") from None
         return process(*args, processor_kwargs=processor_kwargs)
 
-    def extract_images(self, messages: list[dict]) -> tuple[list[dict], list[bytes]]:
-        return extract_images(messages, allowed_local_root=self.allowed_local_media_path)
+    def extract_media(self, messages: list[dict]) -> tuple[list[dict], list[MediaInput]]:
+        return extract_media(messages, allowed_local_root=self.allowed_local_media_path)
 
     def _multimodal(self, prompt: ProcessedPrompt) -> SequenceMultimodal:
         # a preempted sequence recomputes its prompt from a fresh encode: stripped rows are gone
@@ -114,13 +115,12 @@ class LLM:
                                               rebuild=lambda: self._multimodal(prompt))
 
     def _encode(self, prompt: ProcessedPrompt) -> list[torch.Tensor]:
-        kwargs = [item.processor_kwargs for item in prompt.items]
-        images = [item.data for item in prompt.items]
-        rows = self.vision.encode_images(images, kwargs) if any(kwargs) else self.vision.encode_images(images)
+        rows = self.vision.encode_images([MediaInput(item.data, item.modality, item.processor_kwargs)
+                                          for item in prompt.items])
         for i, (item, r) in enumerate(zip(prompt.items, rows)):
             if r.shape[0] != item.num_rows:
-                raise InvalidRequest(f"image {i}: the encoder produced {r.shape[0]} rows but the prompt has "
-                                     f"{item.num_rows} placeholders (grid {item.geometry.grid_thw})")
+                raise InvalidRequest(f"{item.modality} {i}: the encoder produced {r.shape[0]} rows but the prompt "
+                                     f"has {item.num_rows} placeholders (grid {item.geometry.grid_thw})")
         return rows
 
     def _output(self, seq: Sequence) -> RequestOutput:

@@ -101,13 +101,13 @@ def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.Multimo
     return common_pb2.MultimodalItem(
         item_index=index, modality=item.modality, data=item.data if with_media else b"",
         content_hash=item.mm_hash, offset=item.offset, expected_rows=geo.num_embedding_rows,
-        encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw),
+        encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw), second_per_grid_t=item.second_per_grid_t,
         processor_kwargs_json=json.dumps(item.processor_kwargs, sort_keys=True) if item.processor_kwargs else "")
 
 
 def prefill_job_from_proto(meta: common_pb2.RequestMetadata) -> PrefillJob:
-    items = [MultimodalItemSpan(item.offset, item.expected_rows, item.content_hash, tuple(item.grid_thw))
-             for item in meta.items]
+    items = [MultimodalItemSpan(item.offset, item.expected_rows, item.content_hash, tuple(item.grid_thw),
+                                item.second_per_grid_t) for item in meta.items]
     for index, (item, msg) in enumerate(zip(items, meta.items)):
         if msg.item_index != index or len(item.grid_thw) != 3:
             raise InvalidRequest(f"request {meta.request_id}: item {index} is malformed (index {msg.item_index}, "

@@ -94,6 +94,8 @@ class MultimodalItemSpan:
     length: int  # placeholder span == embedding rows (Qwen-VL has no special tokens inside a span)
     mm_hash: str = ""  # content hash of the item (bytes + processor kwargs + model id)
     grid_thw: tuple[int, ...] = ()  # the item's patch grid (temporal, height, width)
+    # a video's seconds per temporal patch (Qwen2.5-VL spaces temporal M-RoPE positions by it); 0: an image
+    second_per_grid_t: float = 0.0
 
 
 @dataclass

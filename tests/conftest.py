@@ -31,6 +31,15 @@ def make_image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -
     return buf.getvalue()
 
 
+def make_video_bytes(num_frames: int = 12, fps: int = 4, width: int = 96, height: int = 64, seed: int = 0,
+                     frames: list[np.ndarray] | None = None) -> bytes:
+    """A lossless video (epd bench's ``render_video``): a bright square moving over noise, or the
+    ``frames`` given ([H, W, 3] uint8)."""
+    from epd.bench.workload import render_video
+
+    return render_video(num_frames, fps, width, height, seed=seed, frames=frames)
+
+
 def _epd_segments() -> set[str]:
     try:
         return {name for name in os.listdir("/dev/shm") if name.startswith("epd_")}

@@ -34,6 +34,31 @@ def test_generate_json_on_an_exported_checkpoint_gives_transformers_greedy_ids(t
     assert isinstance(out["text"], str) and out["text"]
 
 
+@pytest.mark.slow
+def test_generate_takes_images_and_videos_in_command_line_order(tmp_path):
+    """--image and --video in the order given; a video alone equals epd.LLM with the same part."""
+    from epd.llm import LLM
+    from epd.types import SamplingParams
+    from tests.conftest import make_video_bytes
+
+    video, image = make_video_bytes(num_frames=8, fps=4, seed=9), make_image_bytes(60, 40, seed=9)
+    (tmp_path / "clip.mkv").write_bytes(video)
+    (tmp_path / "img.png").write_bytes(image)
+    done = epd("generate", "--prompt", "What happens?", "--video", str(tmp_path / "clip.mkv"), "--image",
+               str(tmp_path / "img.png"), "--max-tokens", "8", "--json", "--mm-processor-kwargs", '{"fps": 4}')
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    llm = LLM("tiny-qwen2-vl")
+    ids = out["prompt_token_ids"]
+    video_id, image_id = llm.mm_spec.video_token_id, llm.mm_spec.image_token_id
+    assert ids.index(video_id) < ids.index(image_id)  # the order of the flags
+    expected = llm.chat([{"role": "user", "content": [{"type": "video", "video": video}, {"type": "image", "image": image},
+                                                      {"type": "text", "text": "What happens?"}]}],
+                        SamplingParams(max_tokens=8), mm_processor_kwargs={"fps": 4})[0]
+    assert out["token_ids"] == expected.token_ids and ids == expected.prompt_token_ids
+    assert ids.count(video_id) == 4 * 2 * 3  # 8 frames at 4 fps: 4 temporal patches of 2x3 merged cells (84x56)
+
+
 def test_generate_reports_a_missing_model_clearly(tmp_path):
     done = epd("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
     assert done.returncode == 2

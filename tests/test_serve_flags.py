@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from epd.config import ConfigError, RouterConfig, load_config
+from epd.errors import EPDError
 from epd.models.presets import resolve_model
 from epd.server.serve import serve_config_from_args
 
@@ -35,12 +36,25 @@ def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
         resolve_model("acme/absent")
 
 
-@pytest.mark.parametrize("value, images", [('{"image": 3}', 3), ("image=5", 5), ({"image": 2, "video": 0}, 2)])
-def test_limit_mm_per_prompt_takes_vllms_json_or_pairs(value, images):
-    assert load_config(RouterConfig, {"limit_mm_per_prompt": value}).max_items_per_request == images
+@pytest.mark.parametrize("value, limits", [('{"image": 3}', {"image": 3}), ("image=5,video=1", {"image": 5, "video": 1}),
+                                           ({"image": 2, "video": 0}, {"image": 2, "video": 0})])
+def test_limit_mm_per_prompt_takes_vllms_json_or_pairs(value, limits):
+    assert load_config(RouterConfig, {"limit_mm_per_prompt": value}).limit_mm_per_prompt == limits
 
 
-@pytest.mark.parametrize("value, match", [('{"video": 1}', "video input is not supported yet"),
+def test_limit_mm_per_prompt_is_checked_per_modality_and_max_items_for_all():
+    from epd.router.admission import RequestLimits
+
+    limits = RequestLimits.from_config(load_config(RouterConfig, {"limit_mm_per_prompt": "image=3,video=0",
+                                                                  "max_items_per_request": 4}), 8)
+    limits.check_num_items({"image": 3})
+    with pytest.raises(EPDError, match=r"request has 1 video\(s\); the limit is 0 .*limit_mm_per_prompt video=0"):
+        limits.check_num_items({"image": 1, "video": 1})
+    with pytest.raises(EPDError, match="request has 4 image"):
+        limits.check_num_items({"image": 4})
+
+
+@pytest.mark.parametrize("value, match", [('{"video": -1}', "counts must be >= 0"),
                                           ("audio=1", "knows image and video"), ("image:3", "key=value pairs")])
 def test_limit_mm_per_prompt_refuses_what_it_cannot_do(value, match):
     with pytest.raises(ConfigError, match=match):

@@ -243,6 +243,23 @@ def render_image(spec: ImageSpec) -> bytes:
     return buf.getvalue()
 
 
+def render_video(num_frames: int, fps: float, width: int, height: int, *, seed: int = 0,
+                 frames: list[np.ndarray] | None = None) -> bytes:
+    """A lossless video (FFV1 in Matroska: decoded frames equal the frames written) of a bright
+    square moving over seeded noise (every patch differs), or of the ``frames`` given."""
+    from epd.multimodal.video import frames_to_video
+
+    if frames is None:
+        background = np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+        frames = []
+        for i in range(num_frames):
+            frame = background.copy()
+            x = (i * 5) % max(1, width - 16)
+            frame[8:24, x:x + 16] = (255, 255 - 20 * (i % 10), 40)
+            frames.append(frame)
+    return frames_to_video(frames, fps)
+
+
 def data_url(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 

@@ -21,7 +21,8 @@ Messages = Union[str, Sequence[Union[dict, router_pb2.ChatMessage]]]
 _URL_PREFIXES = ("data:", "file:", "http://", "https://")
 
 
-def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_tokens: int | None = None,
+def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), videos: Sequence[ImageInput] = (),
+                  max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                   seed: int | None = None, stop: str | Sequence[str] | None = None,
                   logprobs: int | bool | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
@@ -41,7 +42,9 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
     ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` as OpenAI's (calls come back in
     ``ChatResult.tool_calls``; messages may carry ``tool_calls`` and ``tool_call_id`` as OpenAI's do), and
     ``n`` choices (deltas carry their ``index``; ``ChatResult.choices`` holds them all)), and
-    ``mm_processor_kwargs`` (the image processor's ``min_pixels`` / ``max_pixels``, vLLM's name)."""
+    ``mm_processor_kwargs`` (vLLM's name: ``min_pixels`` / ``max_pixels`` for images and video
+    frames, ``fps`` / ``min_frames`` / ``max_frames`` for videos). ``videos``: as ``images``
+    (bytes, a path, or a URL), placed after them."""
     try:
         sampling = _sampling(max_tokens, temperature, top_p, top_k, seed, logprobs)
         sampling.presence_penalty, sampling.frequency_penalty, sampling.min_p = (
@@ -55,7 +58,7 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
         if structured is not None:
             sampling.structured.CopyFrom(structured)
         request = router_pb2.ChatGenerateRequest(
-            request_id=request_id or "", messages=_messages(messages, images), sampling=sampling,
+            request_id=request_id or "", messages=_messages(messages, images, videos), sampling=sampling,
             stop=[stop] if isinstance(stop, str) else list(stop or ()), timeout_s=timeout_s or 0.0,
             include_stop_str_in_output=include_stop_str_in_output,
             tools_json=json.dumps(list(tools)) if tools else "",
@@ -70,18 +73,20 @@ def build_request(messages: Messages, *, images: Sequence[ImageInput] = (), max_
         raise InvalidRequest(f"invalid request option: {exc}") from exc
 
 
-def _messages(messages: Messages, images: Sequence[ImageInput]) -> list[router_pb2.ChatMessage]:
+def _messages(messages: Messages, images: Sequence[ImageInput], videos: Sequence[ImageInput] = ()
+              ) -> list[router_pb2.ChatMessage]:
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     elif isinstance(messages, dict) or not isinstance(messages, Sequence) or not messages:
         raise InvalidRequest(f"expected a prompt string or a non-empty list of messages, got {_describe(messages)}")
     out = [_message(i, m) for i, m in enumerate(messages)]
-    if images:
+    if images or videos:
         users = [m for m in out if m.role == "user"]
         if not users:
-            raise InvalidRequest("images= needs a user message to attach to; the messages have none")
-        # Images go before the text of the last user message, the order Qwen-VL models are trained on.
+            raise InvalidRequest("images= / videos= need a user message to attach to; the messages have none")
+        # Media go before the text of the last user message, the order Qwen-VL models are trained on.
         parts = [_image_part(f"images[{i}]", image) for i, image in enumerate(images)]
+        parts += [_media_part(f"videos[{i}]", video, "video") for i, video in enumerate(videos)]
         old = list(users[-1].content)
         del users[-1].content[:]
         users[-1].content.extend(parts + old)
@@ -131,26 +136,42 @@ def _part(where: str, part: str | dict) -> router_pb2.ContentPart:
         return router_pb2.ContentPart(image_url=url)
     if kind == "image":
         return _image_part(where, part.get("image"))
-    raise InvalidRequest(f"{where}: expected a part of type 'text', 'image_url' or 'image', got {_describe(part)}")
+    if kind == "video_url":
+        url = part.get("video_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        if not isinstance(url, str):
+            raise InvalidRequest(f"{where}: video_url needs a URL string ({{'url': ...}}), got {_describe(url)}")
+        return router_pb2.ContentPart(video_url=url)
+    if kind == "video":
+        return _media_part(where, part.get("video"), "video")
+    raise InvalidRequest(f"{where}: expected a part of type 'text', 'image_url', 'image', 'video_url' or 'video', "
+                         f"got {_describe(part)}")
 
 
 def _image_part(where: str, image: ImageInput) -> router_pb2.ContentPart:
-    if isinstance(image, (bytes, bytearray, memoryview)):
-        return router_pb2.ContentPart(image_bytes=bytes(image))
-    if isinstance(image, str) and image.startswith(_URL_PREFIXES):
-        return router_pb2.ContentPart(image_url=image)
-    if isinstance(image, (str, os.PathLike)):
+    return _media_part(where, image, "image")
+
+
+def _media_part(where: str, value: ImageInput, modality: str) -> router_pb2.ContentPart:
+    """An image or a video as a content part: bytes, a URL the router resolves, a local path the
+    SDK reads, or (an image) a PIL image."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return router_pb2.ContentPart(**{f"{modality}_bytes": bytes(value)})
+    if isinstance(value, str) and value.startswith(_URL_PREFIXES):
+        return router_pb2.ContentPart(**{f"{modality}_url": value})
+    if isinstance(value, (str, os.PathLike)):
         try:
-            return router_pb2.ContentPart(image_bytes=Path(image).expanduser().read_bytes())
+            return router_pb2.ContentPart(**{f"{modality}_bytes": Path(value).expanduser().read_bytes()})
         except OSError as exc:
             reason = exc.strerror or exc
-            raise InvalidRequest(f"{where}: cannot read image file {os.fspath(image)!r}: {reason}") from exc
+            raise InvalidRequest(f"{where}: cannot read {modality} file {os.fspath(value)!r}: {reason}") from exc
     pil = sys.modules.get("PIL.Image")  # a PIL image can only exist once PIL is imported
-    if pil is not None and isinstance(image, pil.Image):
+    if modality == "image" and pil is not None and isinstance(value, pil.Image):
         buf = io.BytesIO()
-        image.save(buf, format="PNG")  # lossless, and every PIL mode the processors accept has a PNG form
+        value.save(buf, format="PNG")  # lossless, and every PIL mode the processors accept has a PNG form
         return router_pb2.ContentPart(image_bytes=buf.getvalue())
-    raise InvalidRequest(f"{where}: expected image bytes, a path, a URL or a PIL image, got {_describe(image)}")
+    extra = " or a PIL image" if modality == "image" else ""
+    raise InvalidRequest(f"{where}: expected {modality} bytes, a path{extra}, or a URL, got {_describe(value)}")
 
 
 MAX_RETRY_WAIT_S = 10.0  # the longest an Overloaded retry waits, whatever the server's hint says

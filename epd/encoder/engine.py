@@ -28,8 +28,10 @@ from epd.encoder.item_scheduler import (
 )
 from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
-from epd.multimodal.geometry import VisionGeometryConfig, image_geometry_from_bytes, max_tokens_per_item
+from epd.multimodal.geometry import image_geometry_from_bytes
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
+from epd.multimodal.processor_kwargs import MediaSettings
+from epd.multimodal.video import video_geometry_from_bytes
 from epd.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class EncoderEngine:
         model_max_atomic_item_tokens: int,
         encoder_tokens_per_row: int = 1,
         bytes_per_embedding: int | None = None,
-        geometry: VisionGeometryConfig | None = None,
+        media: MediaSettings | None = None,
         threads: ThreadPolicy | None = None,
         allocate_output: Callable | None = None,
     ) -> None:
@@ -85,7 +87,7 @@ class EncoderEngine:
         export over shm; default: ordinary memory)."""
         self.config = config
         self.model_id = model_id
-        self.geometry = geometry
+        self.media = media  # the checkpoint's image geometry and video sampling (items' kwargs are checked by it)
         self.num_forwards = 0
         self.num_encoded_items = 0
         self._lock = threading.Lock()  # _pending, _held, _closed
@@ -118,7 +120,6 @@ class EncoderEngine:
     def from_model_dir(cls, model_dir: str | Path, config: EncoderConfig | None = None, *,
                        model_id: str | None = None, allocate_output: Callable | None = None) -> EncoderEngine:
         """An engine over the checkpoint's own vision tower (``family_for(model_dir).load_vision``)."""
-        from epd.models.checkpoint import read_preprocessor_config
         from epd.models.registry import family_for
 
         model_dir = Path(model_dir)
@@ -138,17 +139,18 @@ class EncoderEngine:
             from epd.encoder.graphed_model import GraphedVisionEncoder
             return GraphedVisionEncoder(model, config.cuda_graph_buckets, device=config.target_device)
 
-        geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
+        media = family_for(model_dir).media_settings(model_dir)
         return cls(load, config, model_id=model_id or str(model_dir.resolve()),
-                   model_max_atomic_item_tokens=max_tokens_per_item(geometry),
-                   encoder_tokens_per_row=geometry.merge_size ** 2, geometry=geometry, allocate_output=allocate_output)
+                   model_max_atomic_item_tokens=media.max_item_encoder_tokens,
+                   encoder_tokens_per_row=media.image.merge_size ** 2, media=media, allocate_output=allocate_output)
 
-    def make_item(self, data: bytes, processor_kwargs: dict | None = None) -> EncoderItem:
-        """An item from encoded image bytes, as the router would describe it (needs ``geometry``)."""
-        if self.geometry is None:
-            raise ValueError("make_item needs the engine's vision geometry; build it with from_model_dir")
-        return image_item_from_bytes(data, geometry=self.geometry, model_id=self.model_id,
-                                     processor_kwargs=processor_kwargs)
+    def make_item(self, data: bytes, processor_kwargs: dict | None = None, modality: str = "image") -> EncoderItem:
+        """An item from encoded image or video bytes, as the router would describe it (needs the
+        checkpoint's settings: build the engine with from_model_dir)."""
+        if self.media is None:
+            raise ValueError("make_item needs the engine's media settings; build it with from_model_dir")
+        return media_item_from_bytes(data, self.media, model_id=self.model_id, processor_kwargs=processor_kwargs,
+                                     modality=modality)
 
     # -- public API ------------------------------------------------------------------------
     def submit(self, request_id: str, items: Sequence[object], *,
@@ -299,28 +301,34 @@ def output_budgets_for(model_dir: str | Path, config: EncoderConfig) -> tuple[in
     leaves free when it sizes its KV cache (``EngineConfig.reserved_device_bytes``)."""
     from types import SimpleNamespace
 
-    from epd.models.checkpoint import read_config, read_preprocessor_config
+    from epd.models.checkpoint import read_config
+    from epd.models.registry import family_for
 
     model_dir = Path(model_dir)
-    geometry = VisionGeometryConfig.from_preprocessor_config(read_preprocessor_config(model_dir))
+    media = family_for(model_dir).media_settings(model_dir)
     raw = read_config(model_dir)
     text = raw.get("text_config") or {}
     pretrained = SimpleNamespace(hidden_size=raw.get("hidden_size") or text.get("hidden_size"), text_config=None)
     row_bytes = resolve_bytes_per_mm_encoder_embedding(None, pretrained, config.torch_dtype)
-    return resolve_output_budgets(config, model_max_atomic_item_tokens=max_tokens_per_item(geometry),
-                                  bytes_per_embedding=row_bytes, encoder_tokens_per_row=geometry.merge_size ** 2)
+    return resolve_output_budgets(config, model_max_atomic_item_tokens=media.max_item_encoder_tokens,
+                                  bytes_per_embedding=row_bytes, encoder_tokens_per_row=media.image.merge_size ** 2)
 
 
-def image_item_from_bytes(data: bytes, *, geometry: VisionGeometryConfig, model_id: str,
-                          processor_kwargs: dict | None = None) -> EncoderItem:
-    """Hashes and geometry of one encoded image, from its header (pixels are not decoded)."""
-    image = image_geometry_from_bytes(data, geometry.with_pixel_kwargs(processor_kwargs))
+def media_item_from_bytes(data: bytes, media: MediaSettings, *, model_id: str, processor_kwargs: dict | None = None,
+                          modality: str = "image") -> EncoderItem:
+    """Hashes and geometry of one encoded image or video, from its header (no pixel decoded)."""
+    settings = media.with_kwargs(processor_kwargs)
+    kwargs = settings.item_kwargs(modality, media)
+    if modality == "video":
+        geometry = video_geometry_from_bytes(data, settings.video)
+    else:
+        geometry = image_geometry_from_bytes(data, settings.image)
     return EncoderItem(
         data=bytes(data),
-        content_hash=hash_encoded_media(data, modality="image", processor_kwargs=processor_kwargs,
-                                        model_id=model_id),
-        processor_kwargs_hash=hash_processor_kwargs(processor_kwargs),
-        expected_rows=image.num_embedding_rows,
-        encoder_tokens=image.num_patches,
-        processor_kwargs=processor_kwargs or None,
+        content_hash=hash_encoded_media(data, modality=modality, processor_kwargs=kwargs, model_id=model_id),
+        processor_kwargs_hash=hash_processor_kwargs(kwargs),
+        expected_rows=geometry.num_embedding_rows,
+        encoder_tokens=geometry.num_patches,
+        processor_kwargs=kwargs,
+        modality=modality,
     )

@@ -45,8 +45,8 @@ class GraphedVisionEncoder:
     def device_inputs(self):
         return getattr(self.model, "device_inputs", None)
 
-    def preprocess(self, images: list[bytes], processor_kwargs=None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model.preprocess(images, processor_kwargs)
+    def preprocess(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.preprocess(inputs)
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:

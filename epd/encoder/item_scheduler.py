@@ -20,7 +20,7 @@ import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from epd.encoder.cache import CacheEntry, CacheEntryState, EncoderCacheKey, TensorLRUCache
 from epd.encoder.errors import MultimodalEncoderAdmissionError
@@ -35,7 +35,8 @@ _ITEM_FIELDS = ("data", "content_hash", "processor_kwargs_hash", "expected_rows"
 
 @dataclass(frozen=True)
 class EncoderItem:
-    """One image to encode: encoded bytes plus the metadata the router computed from its header."""
+    """One image or video to encode: encoded bytes plus the metadata the router computed from its
+    header."""
 
     data: bytes = field(repr=False)
     content_hash: str  # the cache key's content part: computed from ``data`` by whoever trusts it
@@ -45,7 +46,8 @@ class EncoderItem:
     label: str = ""  # how the caller names the item in errors (its own content hash); default content_hash
     # the image processor kwargs to preprocess with (None: the checkpoint's); part of the cache key
     # through processor_kwargs_hash
-    processor_kwargs: Mapping[str, int] | None = None
+    processor_kwargs: Mapping[str, Any] | None = None
+    modality: str = "image"  # or "video": one atomic item of several frames
 
     @property
     def name(self) -> str:

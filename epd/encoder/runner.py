@@ -7,7 +7,7 @@ whose items are all encoded drops its raw media at once.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +17,7 @@ from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import MultimodalEncoderRequestState, MultimodalItemScheduler, ScheduledBatch
 from epd.errors import UNDECODABLE_MARKER, InvalidRequest
+from epd.multimodal.media import MediaInput
 from epd.transport import ready_event_after_writes
 
 # Used when the model declares nothing: the grid stays on CPU, where the vision tower reads it
@@ -34,9 +35,8 @@ class EncoderModel(Protocol):
     embedding_dim: int
     embedding_dtype: torch.dtype
 
-    def preprocess(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``processor_kwargs``: one per image (None: the checkpoint's), given only when one is set."""
+    def preprocess(self, inputs: list[MediaInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images and videos, in order -> pixel patches of all of them and one grid row each."""
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]: ...
 
 
@@ -106,10 +106,7 @@ class MultimodalEncoderRunner:
         return ready
 
     def _preprocess(self, items: list) -> tuple[torch.Tensor, torch.Tensor]:
-        images, kwargs = [item.data for item in items], [item.processor_kwargs for item in items]
-        if any(kwargs):
-            return self.model.preprocess(images, processor_kwargs=kwargs)
-        return self.model.preprocess(images)
+        return self.model.preprocess([MediaInput(item.data, item.modality, item.processor_kwargs) for item in items])
 
     def _encode(self, items: list) -> list[torch.Tensor]:
         pixel_values, grid_thw = self._preprocess(items)

@@ -18,6 +18,8 @@ from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
+from epd.multimodal.media import MODALITIES
+from epd.multimodal.processor_kwargs import MediaSettings
 from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
 from epd.tls import process_tls
 from epd.transport import choose_transport
@@ -53,7 +55,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         # nobody can store one image's embeddings under another image's key)
         await self.pusher.check_destination(request.prefill_address, timeout_s)
         try:
-            items = await self.ctx.blocking(lambda: [_item(msg, self.engine.model_id, self.engine.geometry)
+            items = await self.ctx.blocking(lambda: [_item(msg, self.engine.model_id, self.engine.media)
                                                      for msg in request.items])
             future = self.engine.submit(key, items)
         except ValueError as err:  # can never be encoded under this worker's budgets, or malformed items
@@ -222,17 +224,22 @@ class PushBatcher:
         return self._channels[address]
 
 
-def _item(msg: common_pb2.MultimodalItem, model_id: str, geometry) -> EncoderItem:
+def _item(msg: common_pb2.MultimodalItem, model_id: str, media: MediaSettings | None) -> EncoderItem:
     """On an io thread (hashing reads every byte). Processor kwargs are checked as the router
-    checks them (``VisionGeometryConfig.with_pixel_kwargs``) before they reach the image processor."""
+    checks them (``MediaSettings.with_kwargs``) before they reach the image processor or the video
+    decoder, and normalized to what the router sends for them."""
     try:
+        modality = msg.modality or "image"
+        if modality not in MODALITIES:
+            raise ValueError(f"modality must be one of {list(MODALITIES)}, got {modality!r}")
         kwargs = json.loads(msg.processor_kwargs_json) if msg.processor_kwargs_json else None
-        if kwargs and geometry is not None:  # both bounds, as the router sends them
-            kwargs = geometry.with_pixel_kwargs(kwargs).pixel_kwargs
+        if kwargs and media is not None:
+            kwargs = media.with_kwargs(kwargs).item_kwargs(modality, media)
         return EncoderItem(data=msg.data, content_hash=hash_encoded_media(
-                               msg.data, modality=msg.modality or "image", processor_kwargs=kwargs, model_id=model_id),
+                               msg.data, modality=modality, processor_kwargs=kwargs, model_id=model_id),
                            processor_kwargs_hash=hash_processor_kwargs(kwargs), expected_rows=msg.expected_rows,
-                           encoder_tokens=msg.encoder_tokens, label=msg.content_hash, processor_kwargs=kwargs or None)
+                           encoder_tokens=msg.encoder_tokens, label=msg.content_hash, processor_kwargs=kwargs or None,
+                           modality=modality)
     except (ValueError, TypeError) as err:
         raise ValueError(f"item {msg.item_index}: {err}") from None
 

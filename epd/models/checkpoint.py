@@ -58,3 +58,15 @@ def read_chat_template(model_dir: Path) -> str | None:
 def read_preprocessor_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "preprocessor_config.json"
     return read_json(path) if path.is_file() else {}
+
+
+def read_video_preprocessor_config(model_dir: Path) -> dict:
+    """A video processor's settings where transformers looks for them, in its order:
+    processor_config.json's nested ``video_processor``, video_preprocessor_config.json, then the
+    image processor's preprocessor_config.json (older checkpoints keep one file for both)."""
+    model_dir = Path(model_dir)
+    processor = model_dir / "processor_config.json"
+    if processor.is_file() and isinstance(read_json(processor).get("video_processor"), dict):
+        return read_json(processor)["video_processor"]
+    video = model_dir / "video_preprocessor_config.json"
+    return read_json(video) if video.is_file() else read_preprocessor_config(model_dir)

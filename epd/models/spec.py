@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from epd.multimodal.geometry import ImageGeometry
 from epd.multimodal.layout import PromptLayout
 from epd.multimodal.masks import MultimodalEncoderItemMetadata
+from epd.multimodal.processor_kwargs import MediaSettings
+from epd.multimodal.video import VideoGeometry
 from epd.types import MultimodalItemSpan
 
 
@@ -25,6 +27,8 @@ class MultimodalSpec:
     spatial_merge_size: int
     vocab_size: int
     embedding_dim: int  # width of one embedding row (the LLM hidden size)
+    # a video's temporal M-RoPE step per second of video (Qwen2.5-VL); 0: one step per temporal patch
+    tokens_per_second: float = 0.0
 
     @property
     def mm_token_ids(self) -> tuple[int, ...]:
@@ -38,18 +42,23 @@ class ProcessedItem:
     data: bytes  # encoded media, as the user sent it; the encoder decodes it
     mm_hash: str
     offset: int  # first placeholder position in the prompt
-    geometry: ImageGeometry
-    # the image processor kwargs it was sized with, where they differ from the checkpoint's (None:
-    # its own); the encoder preprocesses with them, so its rows match ``geometry``
-    processor_kwargs: dict[str, int] | None = None
+    geometry: ImageGeometry | VideoGeometry
+    # the processor kwargs it was made with, where they differ from the checkpoint's (None: its
+    # own); the encoder preprocesses (a video: samples) with them, so its rows match ``geometry``
+    processor_kwargs: dict[str, Any] | None = None
 
     @property
     def num_rows(self) -> int:
         return self.geometry.num_embedding_rows
 
     @property
+    def second_per_grid_t(self) -> float:
+        return getattr(self.geometry, "second_per_grid_t", 0.0)
+
+    @property
     def span(self) -> MultimodalItemSpan:
-        return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw))
+        return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw),
+                                  self.second_per_grid_t)
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class ModelFamily(Protocol):
         """The vision encoder (an ``epd.encoder.runner.EncoderModel``)."""
 
     def mm_spec(self, model_dir: Path) -> MultimodalSpec: ...
+
+    def media_settings(self, model_dir: Path) -> MediaSettings:
+        """The checkpoint's own image geometry and video sampling (what mm_processor_kwargs change)."""
 
     def input_processor(self, model_dir: Path, tokenizer):
         """The router's preprocessing: chat template, ids, item geometry and hashes -> ProcessedPrompt."""

@@ -24,7 +24,7 @@ class PromptLayout:
     mrope_delta: int  # a generated token's position = its index + mrope_delta
 
 
-PositionsFn = Callable[[int, list[tuple[int, tuple[int, ...]]]], tuple[torch.Tensor, int]]
+PositionsFn = Callable[[int, Sequence[MultimodalItemSpan]], tuple[torch.Tensor, int]]
 
 
 def build_prompt_layout(token_ids: Sequence[int], items: Sequence[MultimodalItemSpan], *, mm_token_ids: Sequence[int],
@@ -41,5 +41,5 @@ def build_prompt_layout(token_ids: Sequence[int], items: Sequence[MultimodalItem
         if item.length and int(embed_positions[first]) != item.offset:
             raise ValueError(f"item {index} says its placeholders start at {item.offset}, the prompt has them at "
                              f"{int(embed_positions[first])}")
-    positions, delta = positions_fn(len(ids), [(item.offset, item.grid_thw) for item in items])
+    positions, delta = positions_fn(len(ids), items)
     return PromptLayout(embed_mask_cumsum(masks.embed_mask), embed_positions, positions, delta)

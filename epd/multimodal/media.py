@@ -23,8 +23,10 @@ import re
 import stat
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from PIL import Image
 
@@ -61,6 +63,30 @@ class MediaLimits:
 
 DEFAULT_LIMITS = MediaLimits()
 
+MODALITIES = ("image", "video")
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """One item for a vision encoder: the encoded bytes of an image or a video, and the processor
+    kwargs it is resized (a video also sampled) by; None: the checkpoint's own."""
+
+    data: bytes
+    modality: str = "image"
+    processor_kwargs: Mapping[str, Any] | None = None
+    # what names its content when the bytes do not: a video built from frames by hand is keyed by
+    # its pixels (``video.hash_video_frames``), not by the container made of them here
+    content_hash: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.modality not in MODALITIES:
+            raise MediaError(f"expected a modality in {list(MODALITIES)}, got {self.modality!r}")
+
+    @classmethod
+    def of(cls, value: MediaInput | bytes) -> MediaInput:
+        """Plain bytes are an image with the checkpoint's kwargs."""
+        return value if isinstance(value, MediaInput) else cls(bytes(value))
+
 
 # ---------------------------------------------------------------------------
 # Source -> bytes
@@ -72,8 +98,10 @@ def load_media_bytes(
     *,
     allowed_local_root: str | os.PathLike | None = None,
     limits: MediaLimits = DEFAULT_LIMITS,
+    modality: str = "image",
 ) -> bytes:
-    """Raw encoded bytes of an image given as bytes, a ``data:`` URL, a ``file://`` URL or a path.
+    """Raw encoded bytes of an image (or a video: ``modality``) given as bytes, a ``data:`` URL
+    (``image/*``, or ``video/*`` for a video), a ``file://`` URL or a path.
 
     Local files are read only when ``allowed_local_root`` is given and the path,
     after resolving symlinks and ``..``, lies inside it. Relative paths are
@@ -93,7 +121,7 @@ def load_media_bytes(
     if scheme is None:
         return _read_local_file(source, allowed_local_root, limits)
     if scheme == "data":
-        return _decode_data_url(source, limits)
+        return _decode_data_url(source, limits, modality)
     if scheme == "file":
         return _read_local_file(_file_url_path(source), allowed_local_root, limits)
     if scheme in _REMOTE_SCHEMES:
@@ -130,15 +158,15 @@ def _check_size(data: bytes, what: str, limits: MediaLimits) -> bytes:
     return data
 
 
-def _decode_data_url(url: str, limits: MediaLimits) -> bytes:
-    """``data:image/<subtype>[;param...];base64,<payload>`` -> payload bytes."""
+def _decode_data_url(url: str, limits: MediaLimits, modality: str = "image") -> bytes:
+    """``data:image/<subtype>[;param...];base64,<payload>`` (a video: ``video/<subtype>``) -> payload bytes."""
     header, sep, payload = url.partition(",")
     if not sep:
         raise MediaError(f"data URL {_preview(url)!r} has no ',' separating header and payload")
     params = [p.strip() for p in header[len("data:"):].split(";")]
     mime_type = params[0].lower()
-    if not mime_type.startswith("image/"):
-        raise MediaError(f"data URL must carry an image/* type, got {mime_type or 'no type'!r}")
+    if not mime_type.startswith(f"{modality}/"):
+        raise MediaError(f"data URL must carry an {modality}/* type, got {mime_type or 'no type'!r}")
     if "base64" not in (p.lower() for p in params[1:]):
         raise MediaError(f"data URL with type {mime_type!r} must be base64-encoded (';base64,')")
     # Base64 grows data by 4/3; refuse before decoding so a huge payload costs no memory twice.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from epd.config import RouterConfig
@@ -22,24 +23,34 @@ class RequestLimits:
     encoder_output_budget_bytes: int
     bytes_per_embedding_row: int
     encoder_max_item_tokens: int | None = None
+    per_modality: Mapping[str, int] = dataclasses.field(default_factory=dict)  # limit_mm_per_prompt
 
     @classmethod
     def from_config(cls, cfg: RouterConfig, bytes_per_embedding_row: int) -> "RequestLimits":
         budget = cfg.encoder_output_budget_bytes or _DEFAULT_OUTPUT_ROWS * bytes_per_embedding_row
         return cls(cfg.max_model_len, cfg.max_items_per_request, budget, bytes_per_embedding_row,
-                   cfg.encoder_max_item_tokens)
+                   cfg.encoder_max_item_tokens, dict(cfg.limit_mm_per_prompt))
 
-    def check_num_items(self, num_items: int) -> None:
+    def check_num_items(self, counts: Mapping[str, int]) -> None:
+        """``counts``: media items by modality."""
+        for modality, count in counts.items():
+            limit = self.per_modality.get(modality)
+            if limit is not None and count > limit:
+                raise InvalidRequest(f"request has {count} {modality}(s); the limit is {limit} per request "
+                                     f"(limit_mm_per_prompt {modality}={limit})", param="messages")
+        num_items = sum(counts.values())
         if num_items > self.max_items_per_request:
-            raise InvalidRequest(f"request has {num_items} images; the limit is {self.max_items_per_request} "
-                                 f"per request (max_items_per_request)", param="messages")
+            raise InvalidRequest(f"request has {num_items} media items (images and videos); the limit is "
+                                 f"{self.max_items_per_request} per request (max_items_per_request)", param="messages")
 
-    def check_item_tokens(self, encoder_tokens: list[int]) -> None:
+    def check_item_tokens(self, items: list[tuple[str, int]]) -> None:
+        """``items``: (modality, encoder tokens) of each item, in order."""
         limit = self.encoder_max_item_tokens
-        for index, tokens in enumerate(encoder_tokens):
+        for index, (modality, tokens) in enumerate(items):
             if limit is not None and tokens > limit:
-                raise InvalidRequest(f"image {index} needs {tokens} encoder tokens; the limit per image is "
-                                     f"{limit} (encoder_max_item_tokens); send a smaller image", param="messages")
+                smaller = "a shorter or smaller video (or a lower fps)" if modality == "video" else "a smaller image"
+                raise InvalidRequest(f"{modality} {index} needs {tokens} encoder tokens; the limit per item is "
+                                     f"{limit} (encoder_max_item_tokens); send {smaller}", param="messages")
 
     def fill_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> SamplingParams:
         """A request without max_tokens may use what the model length leaves after its prompt
@@ -61,10 +72,10 @@ class RequestLimits:
                                  param="max_tokens")
         embedding_bytes = num_embedding_rows * self.bytes_per_embedding_row
         if embedding_bytes > self.encoder_output_budget_bytes:
-            raise InvalidRequest(f"the images need {num_embedding_rows} embedding rows ({embedding_bytes} bytes); "
-                                 f"the encoder output budget is {self.encoder_output_budget_bytes} bytes "
+            raise InvalidRequest(f"the images and videos need {num_embedding_rows} embedding rows ({embedding_bytes} "
+                                 f"bytes); the encoder output budget is {self.encoder_output_budget_bytes} bytes "
                                  f"({self.encoder_output_budget_bytes // self.bytes_per_embedding_row} rows); "
-                                 f"send fewer or smaller images", param="messages")
+                                 f"send fewer or smaller items", param="messages")
 
 
 class AdmissionGate:

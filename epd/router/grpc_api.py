@@ -134,6 +134,10 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             return {"type": "image_url", "image_url": {"url": part.image_url}}
         if kind == "image_bytes":
             return {"type": "image", "image": part.image_bytes}
+        if kind == "video_url":
+            return {"type": "video_url", "video_url": {"url": part.video_url}}
+        if kind == "video_bytes":
+            return {"type": "video", "video": part.video_bytes}
         raise InvalidRequest(f"{where} is empty; expected text, image_bytes or image_url")
 
     def _sampling(self, request: router_pb2.ChatGenerateRequest) -> SamplingParams:

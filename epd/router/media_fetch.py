@@ -1,6 +1,7 @@
-"""Every image of a request, from either front end, becomes bytes here and only here: parts with
-bytes pass (checked), ``data:`` URLs and local files go through ``load_media_bytes`` (files only
-under the allowed root), ``http(s)`` URLs are fetched, and everything about them is untrusted:
+"""Every image and video of a request, from either front end, becomes bytes here and only here:
+parts with bytes pass (checked: an image's header, a video's container header), ``data:`` URLs and
+local files go through ``load_media_bytes`` (files only under the allowed root), ``http(s)`` URLs
+are fetched, and everything about them is untrusted:
 
 * the body is streamed and dropped once it passes ``max_bytes`` (a declared Content-Length over
   the limit is refused before reading);
@@ -33,7 +34,8 @@ from epd.multimodal.media import (
     load_media_bytes,
     read_image_size,
 )
-from epd.multimodal.messages import media_parts, part_location
+from epd.multimodal.messages import media_parts, media_source, modality_of, part_location
+from epd.multimodal.video import DEFAULT_VIDEO_LIMITS, VideoLimits, probe_video
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _URL_PREVIEW_CHARS = 100
@@ -44,13 +46,15 @@ _USER_AGENT = "epd-router-media-fetch"
 @dataclass(frozen=True)
 class FetchLimits:
     max_bytes: int = DEFAULT_LIMITS.max_bytes  # per image, after content decoding
+    max_video_bytes: int = DEFAULT_VIDEO_LIMITS.max_bytes  # per video
     timeout_s: float = 10.0  # whole fetch of one URL, redirects included
     max_redirects: int = 3
     # refused before anything loads; the core's own per-request item limit applies after
     max_items: int = 64
 
     def __post_init__(self) -> None:
-        if self.max_bytes <= 0 or self.timeout_s <= 0 or self.max_redirects < 0 or self.max_items < 1:
+        if min(self.max_bytes, self.max_video_bytes) <= 0 or self.timeout_s <= 0 or self.max_redirects < 0 \
+                or self.max_items < 1:
             raise ValueError(f"FetchLimits needs max_bytes > 0, timeout_s > 0, max_redirects >= 0, max_items >= 1; "
                              f"got {self}")
 
@@ -71,70 +75,86 @@ class MediaFetcher:
         self.limits = limits
         self.media_limits = MediaLimits(max_bytes=min(limits.max_bytes, media_limits.max_bytes),
                                         max_pixels=media_limits.max_pixels, max_side_px=media_limits.max_side_px)
+        self.video_limits = VideoLimits(max_bytes=limits.max_video_bytes)
 
     async def resolve(self, messages: list[dict]) -> list[dict]:
-        """A copy of ``messages`` with every image part (``image_url`` with a URL, ``image`` with
-        bytes or a URL) replaced by ``{"type": "image", "image": <bytes>}``; all load concurrently."""
+        """A copy of ``messages`` with every media part (``image_url`` / ``video_url`` with a URL,
+        ``image`` / ``video`` with bytes or a URL) replaced by ``{"type": "image", "image": <bytes>}``
+        or ``{"type": "video", "video": <bytes>}``; all load concurrently."""
         slots = media_parts(messages)
         if not slots:
             return messages
         if len(slots) > self.limits.max_items:
-            raise InvalidRequest(f"request has {len(slots)} images; the limit is {self.limits.max_items} per "
-                                 f"request (max_items_per_request)", param="messages")
+            raise InvalidRequest(f"request has {len(slots)} media items (images and videos); the limit is "
+                                 f"{self.limits.max_items} per request (max_items_per_request)", param="messages")
         tasks = [asyncio.ensure_future(self._load_part(part, part_location(i, j))) for i, j, part in slots]
         try:
             loaded = await asyncio.gather(*tasks)
-        finally:  # one bad image fails the request: stop downloading the others
+        finally:  # one bad item fails the request: stop downloading the others
             for task in tasks:
                 task.cancel()
         out = [{**m, "content": list(m["content"])} if isinstance(m.get("content"), list) else m for m in messages]
-        for (i, j, _), data in zip(slots, loaded):
-            out[i]["content"][j] = {"type": "image", "image": data}
+        for (i, j, part), data in zip(slots, loaded):
+            modality = modality_of(part)
+            out[i]["content"][j] = {"type": modality, modality: data}
         return out
 
     async def _load_part(self, part: dict, where: str) -> bytes:
-        source = part.get("image") if part.get("image") is not None else part.get("image_url")
-        if isinstance(source, dict):
-            source = source.get("url")
+        modality = modality_of(part)
+        source = media_source(part)
         if isinstance(source, (bytes, bytearray, memoryview)):
             try:
-                data = load_media_bytes(bytes(source), limits=self.media_limits)
-                await asyncio.to_thread(read_image_size, data)
+                data = load_media_bytes(bytes(source), limits=self._byte_limits(modality), modality=modality)
+                await asyncio.to_thread(self._check_header, data, modality)
                 return data
             except MediaError as exc:
                 raise InvalidRequest(f"{where}: {exc}", param="messages") from None
         if not isinstance(source, str) or not source:
-            raise InvalidRequest(f"{where} needs image bytes or a non-empty URL, got {source!r:.80}",
+            raise InvalidRequest(f"{where} needs {modality} bytes or a non-empty URL, got {source!r:.80}",
                                  param="messages")
-        return await self.load(source, f"{where}.image_url.url")
+        return await self.load(source, f"{where}.{modality}_url.url", modality)
 
-    async def load(self, url: str, param: str = "image_url") -> bytes:
-        """One image's encoded bytes, checked to carry a readable image header."""
+    async def load(self, url: str, param: str = "image_url", modality: str = "image") -> bytes:
+        """One item's encoded bytes, checked to carry a readable image header (a video: a
+        container header within the video limits)."""
         try:
             if _scheme(url) in ("http", "https"):
-                data = await asyncio.wait_for(self._fetch(url), self.limits.timeout_s)
+                data = await asyncio.wait_for(self._fetch(url, modality), self.limits.timeout_s)
             else:
-                data = await asyncio.to_thread(self._load_local, url)
-            await asyncio.to_thread(read_image_size, data)
+                data = await asyncio.to_thread(self._load_local, url, modality)
+            await asyncio.to_thread(self._check_header, data, modality)
             return data
         except asyncio.TimeoutError:
             reason = f"no complete response within {self.limits.timeout_s:g} s"
         except (_FetchError, MediaError) as exc:
             reason = str(exc)
-        raise InvalidRequest(f"image_url {_preview(url)!r} ({param}): {reason}", param=param)
+        raise InvalidRequest(f"{modality}_url {_preview(url)!r} ({param}): {reason}", param=param)
+
+    def _byte_limits(self, modality: str) -> MediaLimits:
+        if modality == "video":
+            return MediaLimits(max_bytes=self.video_limits.max_bytes)
+        return self.media_limits
+
+    def _check_header(self, data: bytes, modality: str) -> None:
+        if modality == "video":
+            probe_video(data, self.video_limits)
+        else:
+            read_image_size(data)
 
     # ---- data: and local files ----------------------------------------------------------------
-    def _load_local(self, url: str) -> bytes:
+    def _load_local(self, url: str, modality: str = "image") -> bytes:
         try:
-            return load_media_bytes(url, allowed_local_root=self.allowed_local_media_path, limits=self.media_limits)
+            return load_media_bytes(url, allowed_local_root=self.allowed_local_media_path,
+                                    limits=self._byte_limits(modality), modality=modality)
         except LocalFileRefused as exc:
             if self.allowed_local_media_path is None:
-                raise _FetchError("local files are refused: this server was started without "
-                                  "--allowed-local-media-path; send the image as a data: URL or http(s) URL") from None
+                raise _FetchError(f"local files are refused: this server was started without "
+                                  f"--allowed-local-media-path; send the {modality} as a data: URL or http(s) URL") \
+                    from None
             raise _FetchError(f"{exc} (--allowed-local-media-path)") from None
 
     # ---- http(s) ------------------------------------------------------------------------------
-    async def _fetch(self, url: str) -> bytes:
+    async def _fetch(self, url: str, modality: str = "image") -> bytes:
         timeout = httpx.Timeout(self.limits.timeout_s)
         async with httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False,
                                      headers={"User-Agent": _USER_AGENT}) as client:
@@ -149,7 +169,7 @@ class MediaFetcher:
                         continue
                     if response.status_code != 200:
                         raise _FetchError(f"the server answered HTTP {response.status_code}, expected 200")
-                    return await self._read_body(response)
+                    return await self._read_body(response, self._byte_limits(modality).max_bytes)
                 finally:
                     await response.aclose()
         raise _FetchError(f"more than {self.limits.max_redirects} redirects (last to {_preview(url)!r})")
@@ -198,8 +218,7 @@ class MediaFetcher:
                         f"are refused (start the router with --allow-private-network to allow them)")
         return addresses
 
-    async def _read_body(self, response: httpx.Response) -> bytes:
-        max_bytes = self.media_limits.max_bytes
+    async def _read_body(self, response: httpx.Response, max_bytes: int) -> bytes:
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_bytes:
             raise _FetchError(f"Content-Length {declared} bytes exceeds the limit of {max_bytes} bytes")
@@ -213,7 +232,7 @@ class MediaFetcher:
         except httpx.HTTPError as exc:
             raise _FetchError(f"reading the body failed: {exc or type(exc).__name__}") from None
         if not num_bytes:
-            raise _FetchError("the body is empty, expected image bytes")
+            raise _FetchError("the body is empty, expected media bytes")
         return b"".join(chunks)
 
 

@@ -63,7 +63,23 @@ class ImageURLPart(_Lenient):
         return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare string too
 
 
-ContentPart = Annotated[TextPart | ImageURLPart, Field(discriminator="type")]
+class VideoURL(_Lenient):
+    url: str
+
+
+class VideoURLPart(_Lenient):
+    """vLLM's video part: ``{"type": "video_url", "video_url": {"url": ...}}``."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+    @field_validator("video_url", mode="before")
+    @classmethod
+    def _url_as_string(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+
+ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
 class FunctionCall(_Lenient):

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from epd.errors import UNDECODABLE_MARKER, DeadlineExceeded, EPDError, InvalidRe
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
-from epd.multimodal.messages import extract_images, media_parts, part_location
+from epd.multimodal.messages import extract_media, media_parts, modality_of, part_location
 from epd.router.admission import AdmissionGate, RequestLimits
 from epd.router.backends.base import Backend, BackendOutput, Job
 from epd.router.detok import IncrementalDetokenizer
@@ -51,7 +52,7 @@ class RequestPipeline:
             self.tokenizer.chat_template = path.read_text() if path.is_file() else config.chat_template
         self.processor = family_for(model_dir).input_processor(model_dir, self.tokenizer)
         try:  # the server's own kwargs are checked once, against the checkpoint, before any request
-            self.processor.geometry_for(config.mm_processor_kwargs)
+            self.processor.media_settings(config.mm_processor_kwargs)
         except ValueError as err:
             raise ConfigError(f"mm_processor_kwargs: {err}") from None
         self.eos_token_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
@@ -179,7 +180,7 @@ class RequestPipeline:
         checkpoint (a 400 naming the field)."""
         merged = {**self.config.mm_processor_kwargs, **(request.mm_processor_kwargs or {})}
         try:
-            self.processor.geometry_for(merged)
+            self.processor.media_settings(merged)
         except ValueError as err:
             raise InvalidRequest(f"mm_processor_kwargs: {err}", param="mm_processor_kwargs") from None
         return merged or None
@@ -197,7 +198,7 @@ class RequestPipeline:
 
     async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
         prompt = await self.prompt_of(request)
-        self.limits.check_item_tokens([item.geometry.num_patches for item in prompt.items])
+        self.limits.check_item_tokens([(item.modality, item.geometry.num_patches) for item in prompt.items])
         if request.fill_max_tokens:
             request.sampling = self.limits.fill_max_tokens(len(prompt.prompt_token_ids), request.sampling)
         self.limits.check_prompt(len(prompt.prompt_token_ids), prompt.num_embedding_rows, request.sampling)
@@ -221,9 +222,9 @@ class RequestPipeline:
                     add_generation_prompt: bool = True, template_kwargs: dict | None = None,
                     processor_kwargs: dict | None = None) -> ProcessedPrompt:
         """Chat template, ids, each image's geometry and hash; a bad prompt is a 400."""
-        conversation, images = extract_images(messages)
+        conversation, media = extract_media(messages)
         try:
-            return self.processor.process_messages(conversation, images, tools=tools,
+            return self.processor.process_messages(conversation, media, tools=tools,
                                                    add_generation_prompt=add_generation_prompt,
                                                    template_kwargs=template_kwargs, processor_kwargs=processor_kwargs)
         except EPDError:
@@ -285,8 +286,9 @@ async def _next_before(outputs: AsyncIterator[BackendOutput], deadline: float, r
 _timeout_at = getattr(asyncio, "timeout_at", None)
 
 
-def count_media_parts(messages: list[dict]) -> int:
-    return len(media_parts(messages))
+def count_media_parts(messages: list[dict]) -> dict[str, int]:
+    """Media parts by modality."""
+    return dict(Counter(modality_of(part) for _, _, part in media_parts(messages)))
 
 
 def name_the_part(err: InvalidRequest, prompt: ProcessedPrompt, messages: list[dict]) -> InvalidRequest:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/router.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"Q\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x15\n\x0bimage_bytes\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x42\x06\n\x04part\"\x81\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.epd.v1.ChatToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\";\n\x0c\x43hatToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xbd\x03\n\x13\x43hatGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\r\x12O\n\x13mm_processor_kwargs\x18\x0b \x03(\x0b\x32\x32.epd.v1.ChatGenerateRequest.MmProcessorKwargsEntry\x1a\x38\n\x16MmProcessorKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x16\n\x14_parallel_tool_calls\"\xbc\x02\n\x14\x43hatGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x1a\n\rstop_token_id\x18\t \x01(\x03H\x00\x88\x01\x01\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.epd.v1.ChatToolCall\x12\r\n\x05index\x18\x0b \x01(\rB\x10\n\x0e_stop_token_id\"\x0f\n\rModelsRequest\"\x17\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\"3\n\x0eModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.epd.v1.ModelCard\"\xa2\x01\n\x0cWorkerHealth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x32\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32!.epd.v1.WorkerHealth.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x14RouterHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x07workers\x18\x03 \x03(\x0b\x32\x14.epd.v1.WorkerHealth2\xc9\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.epd.v1.ChatGenerateRequest\x1a\x1c.epd.v1.ChatGenerateResponse0\x01\x12\x37\n\x06Models\x12\x15.epd.v1.ModelsRequest\x1a\x16.epd.v1.ModelsResponse\x12=\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x1c.epd.v1.RouterHealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/router.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"}\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x15\n\x0bimage_bytes\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x12\x15\n\x0bvideo_bytes\x18\x04 \x01(\x0cH\x00\x12\x13\n\tvideo_url\x18\x05 \x01(\tH\x00\x42\x06\n\x04part\"\x81\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12$\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x13.epd.v1.ContentPart\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.epd.v1.ChatToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\";\n\x0c\x43hatToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xbd\x03\n\x13\x43hatGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x08messages\x18\x02 \x03(\x0b\x32\x13.epd.v1.ChatMessage\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.epd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x02\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\x12\x12\n\ntools_json\x18\x07 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x12\t\n\x01n\x18\n \x01(\r\x12O\n\x13mm_processor_kwargs\x18\x0b \x03(\x0b\x32\x32.epd.v1.ChatGenerateRequest.MmProcessorKwargsEntry\x1a\x38\n\x16MmProcessorKwargsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x16\n\x14_parallel_tool_calls\"\xbc\x02\n\x14\x43hatGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\'\n\x08logprobs\x18\x04 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x03\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\r\x12\x13\n\x0bstop_string\x18\x08 \x01(\t\x12\x1a\n\rstop_token_id\x18\t \x01(\x03H\x00\x88\x01\x01\x12(\n\ntool_calls\x18\n \x03(\x0b\x32\x14.epd.v1.ChatToolCall\x12\r\n\x05index\x18\x0b \x01(\rB\x10\n\x0e_stop_token_id\"\x0f\n\rModelsRequest\"\x17\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\"3\n\x0eModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.epd.v1.ModelCard\"\xa2\x01\n\x0cWorkerHealth\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x32\n\x07\x64\x65tails\x18\x04 \x03(\x0b\x32!.epd.v1.WorkerHealth.DetailsEntry\x1a.\n\x0c\x44\x65tailsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\\\n\x14RouterHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x07workers\x18\x03 \x03(\x0b\x32\x14.epd.v1.WorkerHealth2\xc9\x01\n\x06Router\x12G\n\x08Generate\x12\x1b.epd.v1.ChatGenerateRequest\x1a\x1c.epd.v1.ChatGenerateResponse0\x01\x12\x37\n\x06Models\x12\x15.epd.v1.ModelsRequest\x1a\x16.epd.v1.ModelsResponse\x12=\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x1c.epd.v1.RouterHealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,29 +37,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERHEALTH_DETAILSENTRY']._loaded_options = None
   _globals['_WORKERHEALTH_DETAILSENTRY']._serialized_options = b'8\001'
   _globals['_CONTENTPART']._serialized_start=52
-  _globals['_CONTENTPART']._serialized_end=133
-  _globals['_CHATMESSAGE']._serialized_start=136
-  _globals['_CHATMESSAGE']._serialized_end=265
-  _globals['_CHATTOOLCALL']._serialized_start=267
-  _globals['_CHATTOOLCALL']._serialized_end=326
-  _globals['_CHATGENERATEREQUEST']._serialized_start=329
-  _globals['_CHATGENERATEREQUEST']._serialized_end=774
-  _globals['_CHATGENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_start=694
-  _globals['_CHATGENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_end=750
-  _globals['_CHATGENERATERESPONSE']._serialized_start=777
-  _globals['_CHATGENERATERESPONSE']._serialized_end=1093
-  _globals['_MODELSREQUEST']._serialized_start=1095
-  _globals['_MODELSREQUEST']._serialized_end=1110
-  _globals['_MODELCARD']._serialized_start=1112
-  _globals['_MODELCARD']._serialized_end=1135
-  _globals['_MODELSRESPONSE']._serialized_start=1137
-  _globals['_MODELSRESPONSE']._serialized_end=1188
-  _globals['_WORKERHEALTH']._serialized_start=1191
-  _globals['_WORKERHEALTH']._serialized_end=1353
-  _globals['_WORKERHEALTH_DETAILSENTRY']._serialized_start=1307
-  _globals['_WORKERHEALTH_DETAILSENTRY']._serialized_end=1353
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=1355
-  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=1447
-  _globals['_ROUTER']._serialized_start=1450
-  _globals['_ROUTER']._serialized_end=1651
+  _globals['_CONTENTPART']._serialized_end=177
+  _globals['_CHATMESSAGE']._serialized_start=180
+  _globals['_CHATMESSAGE']._serialized_end=309
+  _globals['_CHATTOOLCALL']._serialized_start=311
+  _globals['_CHATTOOLCALL']._serialized_end=370
+  _globals['_CHATGENERATEREQUEST']._serialized_start=373
+  _globals['_CHATGENERATEREQUEST']._serialized_end=818
+  _globals['_CHATGENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_start=738
+  _globals['_CHATGENERATEREQUEST_MMPROCESSORKWARGSENTRY']._serialized_end=794
+  _globals['_CHATGENERATERESPONSE']._serialized_start=821
+  _globals['_CHATGENERATERESPONSE']._serialized_end=1137
+  _globals['_MODELSREQUEST']._serialized_start=1139
+  _globals['_MODELSREQUEST']._serialized_end=1154
+  _globals['_MODELCARD']._serialized_start=1156
+  _globals['_MODELCARD']._serialized_end=1179
+  _globals['_MODELSRESPONSE']._serialized_start=1181
+  _globals['_MODELSRESPONSE']._serialized_end=1232
+  _globals['_WORKERHEALTH']._serialized_start=1235
+  _globals['_WORKERHEALTH']._serialized_end=1397
+  _globals['_WORKERHEALTH_DETAILSENTRY']._serialized_start=1351
+  _globals['_WORKERHEALTH_DETAILSENTRY']._serialized_end=1397
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_start=1399
+  _globals['_ROUTERHEALTHRESPONSE']._serialized_end=1491
+  _globals['_ROUTER']._serialized_start=1494
+  _globals['_ROUTER']._serialized_end=1695
 # @@protoc_insertion_point(module_scope)

@@ -119,6 +119,43 @@ def test_mm_processor_kwargs_across_the_split_equal_transformers_and_key_the_enc
     assert plain.usage.prompt_tokens > out.usage.prompt_tokens
 
 
+def test_a_video_url_across_the_split_equals_transformers_and_a_repeat_encodes_nothing(client, server, model_dir):
+    """vLLM's video_url part through every tier; the same video again is an encoder-cache hit, the
+    same video at another fps a miss."""
+    from epd.models.qwen2_vl.vision import QwenVisionEncoder
+    from epd.multimodal.media import MediaInput
+    from epd.multimodal.video import video_geometry_from_bytes
+    from tests.conftest import make_video_bytes
+
+    video = make_video_bytes(num_frames=12, fps=4, width=112, height=84, seed=21)
+    url = "data:video/x-matroska;base64," + base64.b64encode(video).decode()
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What moves?"}]}]
+    vision = QwenVisionEncoder(model_dir)
+    pixels, grid = vision.preprocess([MediaInput(video, "video")])
+    seconds = video_geometry_from_bytes(video, vision.video_sampling).second_per_grid_t
+    ref = ReferenceModel(model_dir).generate_with_videos(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}], [],
+        [(pixels, grid, seconds)], max_new_tokens=16)
+
+    def ask(extra: dict):
+        return client.chat.completions.create(model="m", messages=messages, max_tokens=16, temperature=0,
+                                              extra_body={"return_token_ids": True, **extra})
+
+    def encoded_after_refresh() -> float:
+        time.sleep(1.5)  # the cluster view refreshes from health checks every second
+        return metric(server, "epd_encoder_encoded_items_total")
+
+    out = ask({})
+    assert out.choices[0].model_extra.get("token_ids") == ref.token_ids
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+    encoded = encoded_after_refresh()
+    again = ask({})
+    assert encoded_after_refresh() == encoded and again.choices[0].message.content == out.choices[0].message.content
+    faster = ask({"mm_processor_kwargs": {"fps": 4}})  # twice the frames: other rows, a miss
+    assert encoded_after_refresh() == encoded + 1 and faster.usage.prompt_tokens > out.usage.prompt_tokens
+
+
 def test_image_by_file_path_and_outside_root_refused(client, media_dir, tmp_path):
     image = make_image_bytes(90, 70, seed=3)
     (media_dir / "pic.png").write_bytes(image)

@@ -39,8 +39,8 @@ class FakeEncoder:
         self.undecodable: set[str] = set()  # names whose media do not decode (preprocess refuses them)
         self._lock = threading.Lock()
 
-    def preprocess(self, images: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
-        pending = [data.decode().split(":") for data in images]
+    def preprocess(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        pending = [getattr(x, "data", x).decode().split(":") for x in inputs]
         if bad := [name for name, _ in pending if name in self.undecodable]:
             raise MediaError(f"PNG data is truncated or corrupt ({bad[0]})")
         self._pending = pending

@@ -152,9 +152,9 @@ class RecordingEncoder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def preprocess(self, images):
-        self.batches.append(list(images))
-        return self.inner.preprocess(images)
+    def preprocess(self, inputs):
+        self.batches.append([getattr(x, "data", x) for x in inputs])  # the runner sends MediaInputs
+        return self.inner.preprocess(inputs)
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +200,29 @@ def test_real_encoder_partial_hits_keep_order_and_equal_direct_encode(qwen_engin
         assert embedding.device.type == "cpu" and torch.equal(embedding, reference[image])
     for image, embedding in zip(order, result.embeddings, strict=True):  # and per image, to fp tolerance
         torch.testing.assert_close(embedding, qwen_engine.runner.model.inner.encode_images([image])[0])
+
+
+@pytest.mark.slow
+def test_real_encoder_takes_videos_beside_images_and_caches_them_by_bytes_and_sampling(qwen_engine):
+    from epd.multimodal.media import MediaInput
+
+    from ..conftest import make_video_bytes
+
+    budgets = qwen_engine.scheduler.budgets
+    assert budgets.encoder_max_num_tokens >= budgets.model_max_atomic_item_tokens \
+        >= qwen_engine.media.video.max_encoder_tokens  # the largest legal video is schedulable
+    video, image = make_video_bytes(num_frames=12, fps=4, seed=40), make_image_bytes(70, 50, seed=40)
+    items = [qwen_engine.make_item(image), qwen_engine.make_item(video, modality="video")]
+    assert items[1].modality == "video" and items[1].expected_rows == 3 * 2 * 3  # 6 frames at 2 fps, 84x56
+    first = qwen_engine.submit("v1", items).result(timeout=120)
+    direct = qwen_engine.runner.model.inner.encode_images([MediaInput(image), MediaInput(video, "video")])
+    for got, want in zip(first.embeddings, direct):
+        torch.testing.assert_close(got, want)
+    again = qwen_engine.submit("v2", [qwen_engine.make_item(video, modality="video")]).result(timeout=120)
+    assert again.cache_hits == [True] and torch.equal(again.embeddings[0], first.embeddings[1])
+    faster = qwen_engine.make_item(video, {"fps": 4.0}, modality="video")
+    assert faster.expected_rows == 2 * items[1].expected_rows and faster.processor_kwargs["fps"] == 4.0
+    assert qwen_engine.submit("v3", [faster]).result(timeout=120).cache_hits == [False]
 
 
 def test_model_factory_runs_on_the_encoder_loop_thread():

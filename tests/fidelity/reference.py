@@ -47,13 +47,50 @@ class ReferenceModel:
         return Reference(prompt, generated, [torch.log_softmax(l[0].float(), -1) for l in out.logits])
 
 
+    @torch.inference_mode()
+    def generate_with_videos(self, messages: list[dict], images: list[bytes], videos: list[tuple],
+                             max_new_tokens: int = 32) -> Reference:
+        """Greedy ``generate`` of a prompt with videos. transformers' video processor needs
+        torchvision, which does not load beside the CPU torch here, so each video comes as
+        ``(pixel_values_videos, video_grid_thw [1, 3], second_per_grid_t)`` made by our own frame
+        pipeline (tested against transformers' image processor); the prompt's placeholders are
+        expanded by transformers' processors' rule (grid.prod() // merge**2) and the model gets
+        ``mm_token_type_ids`` as its processor makes them."""
+        text = self.processor.apply_chat_template(_markers_only(messages), tokenize=False,
+                                                  add_generation_prompt=True)
+        tok = self.processor.tokenizer
+        image_id, video_id = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+        kwargs: dict = {}
+        image_rows: list[int] = []
+        if images:
+            pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+            out = self.processor.image_processor(images=pil, return_tensors="pt")
+            kwargs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
+            image_rows = (out["image_grid_thw"].prod(-1) // 4).tolist()
+        video_rows = [int(grid.prod()) // 4 for _, grid, _ in videos]
+        if videos:
+            kwargs.update(pixel_values_videos=torch.cat([v[0] for v in videos]),
+                          video_grid_thw=torch.cat([v[1] for v in videos]))
+            if self.model.config.model_type == "qwen2_5_vl":
+                kwargs["second_per_grid_ts"] = torch.tensor([v[2] for v in videos])
+        ids, rows = [], {image_id: iter(image_rows), video_id: iter(video_rows)}
+        for t in tok.encode(text, add_special_tokens=False):
+            ids += [t] * next(rows[t]) if t in rows else [t]
+        input_ids = torch.tensor([ids])
+        types = (input_ids == image_id).int() + 2 * (input_ids == video_id).int()
+        out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                  mm_token_type_ids=types, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id, **kwargs)
+        return Reference(ids, out[0, len(ids):].tolist(), [])
+
+
 def _markers_only(messages: list[dict]) -> list[dict]:
-    """The template only needs to know where images go."""
+    """The template only needs to know where images and videos go."""
     out = []
     for m in messages:
         content = m["content"]
         if isinstance(content, list):
-            content = [{"type": "image"} if p["type"] == "image" else p for p in content]
+            content = [{"type": p["type"]} if p["type"] in ("image", "video") else p for p in content]
         out.append({**m, "content": content})
     return out
 

@@ -70,7 +70,7 @@ def test_processor_kwargs_outside_the_checkpoint_bounds_are_refused(llm):
     from epd.errors import InvalidRequest
 
     messages = user_message("Hi.", [IMG_B])
-    for bad, said in [({"max_pixels": 10**9}, "checkpoint's max_pixels"), ({"fps": 2}, "unsupported"),
+    for bad, said in [({"max_pixels": 10**9}, "checkpoint's max_pixels"), ({"num_frames": 2}, "unsupported"),
                       ({"min_pixels": 40_000, "max_pixels": 30_000}, "min_pixels <= max_pixels"),
                       ({"max_pixels": 5e4}, "whole number")]:
         with pytest.raises(InvalidRequest, match=said):
@@ -143,7 +143,7 @@ def test_prompts_are_stripped_once_done_and_a_preempted_one_re_encodes(model_dir
     cases = [("Describe the picture in detail.", [IMG_B]), ("What colour dominates here?", [IMG_B])]
     conversations = [user_message(text, imgs) for text, imgs in cases]
     probe = make_llm(model_dir)
-    prompt_lens = [len(probe.processor.process_messages(*probe.extract_images(c)).prompt_token_ids)
+    prompt_lens = [len(probe.processor.process_messages(*probe.extract_media(c)).prompt_token_ids)
                    for c in conversations]
     block = 4
     # both prompts and one request's output fit, both outputs do not: the newest is preempted

@@ -14,10 +14,11 @@ LIMITS = RequestLimits.from_config(RouterConfig(max_model_len=100, max_items_per
 
 
 @pytest.mark.parametrize("check,match", [
-    (lambda: LIMITS.check_num_items(3), "max_items_per_request"),
+    (lambda: LIMITS.check_num_items({"image": 2, "video": 1}), "max_items_per_request"),
     (lambda: LIMITS.check_prompt(90, 0, SamplingParams(max_tokens=11)), "101 exceeds the model length 100"),
     (lambda: LIMITS.check_prompt(10, 101, SamplingParams(max_tokens=1)), "encoder output budget is 1000 bytes"),
-    (lambda: LIMITS.check_item_tokens([16, 80]), "image 1 needs 80 encoder tokens"),
+    (lambda: LIMITS.check_item_tokens([("image", 16), ("image", 80)]), "image 1 needs 80 encoder tokens"),
+    (lambda: LIMITS.check_item_tokens([("video", 90)]), "video 0 needs 90 encoder tokens.*lower fps"),
 ])
 def test_never_fitting_requests_name_their_limit(check, match):
     with pytest.raises(EPDError, match=match) as err:
@@ -26,9 +27,9 @@ def test_never_fitting_requests_name_their_limit(check, match):
 
 
 def test_requests_within_limits_pass():
-    LIMITS.check_num_items(2)
+    LIMITS.check_num_items({"image": 1, "video": 1})
     LIMITS.check_prompt(90, 100, SamplingParams(max_tokens=10))
-    LIMITS.check_item_tokens([64])
+    LIMITS.check_item_tokens([("image", 64), ("video", 64)])
 
 
 def test_gate_queues_then_refuses_with_retry_after():

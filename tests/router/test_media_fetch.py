@@ -134,5 +134,5 @@ def test_too_many_images_are_refused_before_any_loads():
     fetcher = MediaFetcher(limits=FetchLimits(max_items=2))
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://192.0.2.1/x.png"}}
                                              for _ in range(3)]}]
-    with pytest.raises(EPDError, match=r"request has 3 images; the limit is 2 per request \(max_items_per_request\)"):
+    with pytest.raises(EPDError, match=r"request has 3 media items \(images and videos\); the limit is 2 per request \(max_items_per_request\)"):
         asyncio.run(fetcher.resolve(messages))

@@ -151,7 +151,7 @@ def test_mm_processor_kwargs_size_the_images_from_both_front_ends_and_the_server
 
 
 @pytest.mark.parametrize("kwargs,said", [({"max_pixels": 10**8}, "checkpoint's max_pixels"),
-                                         ({"fps": 2.0}, "unsupported processor kwargs ['fps']"),
+                                         ({"num_frames": 8}, "unsupported processor kwargs ['num_frames']"),
                                          ({"max_pixels": "big"}, "whole number of pixels")])
 def test_bad_mm_processor_kwargs_are_a_400_naming_the_field_before_the_backend(model_dir, tokenizer, kwargs, said):
     backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
@@ -214,7 +214,7 @@ def test_a_request_that_can_never_fit_is_refused_before_the_backend(model_dir, t
     backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
     pipeline = make_pipeline(model_dir, backend, max_items_per_request=1, max_model_len=64)
     two_images = [{"role": "user", "content": [{"type": "image", "image": PNG}, {"type": "image", "image": PNG}]}]
-    with pytest.raises(InvalidRequest, match=r"2 images; the limit is 1 per request"):
+    with pytest.raises(InvalidRequest, match=r"2 media items \(images and videos\); the limit is 1 per request"):
         run(pipeline, two_images)
     with pytest.raises(InvalidRequest, match=r"exceeds the model length 64"):
         run(pipeline, [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=60))

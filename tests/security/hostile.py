@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
-from tests.conftest import make_image_bytes
+from tests.conftest import make_image_bytes, make_video_bytes
 
 # the serve under test runs with these limits (small, so a case that passes one is cheap to send)
 LIMITS = {"max_request_body_bytes": 4 * 1024 * 1024, "max_messages": 64, "max_content_parts": 64,
@@ -48,6 +48,10 @@ def image(url: str) -> dict:
 TEXT = {"type": "text", "text": "What is it?"}
 
 
+def video(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
 def _png_chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -75,6 +79,7 @@ def corrupt_jpeg() -> bytes:
 
 def cases(media_dir: str, loopback_url: str) -> list[Case]:
     png = make_image_bytes(64, 48, seed=5)
+    clip = make_video_bytes(num_frames=8, fps=4, width=64, height=48, seed=5)
     too_big_for_the_body = "A" * (LIMITS["max_request_body_bytes"] + 1024)
     nested = b"[" * 200_000 + b"]" * 200_000
     return [
@@ -133,4 +138,20 @@ def cases(media_dir: str, loopback_url: str) -> list[Case]:
              r"messages\[0\]\.content\[0\]: .*JPEG data is truncated or corrupt \(96x64 declared\)"),
         Case("PNG sent as image/jpeg", chat(image(data_url(png, "image/jpeg")), TEXT), 400,
              r"messages\[0\]\.content\[0\].*image/jpeg.*PNG"),
+        # ---- videos
+        Case("video data URL that is no video", chat(video(data_url(b"\x00" * 512, "video/mp4")), TEXT), 400,
+             r"messages\[0\]\.content\[0\].*expected a video container"),
+        Case("image sent as a video", chat(video(data_url(png)), TEXT), 400, r"video/\* type"),
+        Case("truncated video container", chat(video(data_url(clip[: len(clip) // 3], "video/x-matroska")), TEXT),
+             400, r"video"),
+        Case("video of one frame", chat(video(data_url(make_video_bytes(num_frames=1, fps=1), "video/x-matroska")),
+                                        TEXT), 400, r"at least 2"),
+        Case("video frames of absurd size", chat(video(data_url(make_video_bytes(num_frames=2, fps=1, width=8200,
+                                                                                 height=2), "video/x-matroska")),
+                                                 TEXT), 400, r"at most 8192 px"),
+        Case("absurd frame rate", chat(video(data_url(make_video_bytes(num_frames=4, fps=5000), "video/x-matroska")),
+                                       TEXT), 400, r"frames per second"),
+        Case("video part of the wrong shape", chat({"type": "video_url", "video_url": ["x"]}), 400, r"video_url"),
+        Case("unsupported processor kwarg", chat(video(data_url(clip, "video/x-matroska")), TEXT,
+                                                 mm_processor_kwargs={"num_frames": 4}), 400, r"num_frames"),
     ]

@@ -17,7 +17,7 @@ from epd.server.local import LocalCluster
 from epd.transport import get_channel
 from epd.types import SamplingParams
 from epd.v1 import common_pb2, encoder_pb2_grpc
-from tests.conftest import make_image_bytes
+from tests.conftest import make_image_bytes, make_video_bytes
 from tests.fidelity.reference import ReferenceModel, user_message
 from tests.prom import sample_sum, scrape
 
@@ -57,6 +57,22 @@ def driver(deployed):
 @pytest.mark.parametrize("case", list(CASES))
 def test_cluster_equals_in_process_engine(driver, llm, case):
     messages = user_message("Describe every detail.", CASES[case])
+    out = driver.chat(messages, GREEDY)
+    expected = llm.chat(messages, GREEDY)[0]
+    assert out.prompt_token_ids == expected.prompt_token_ids
+    assert out.token_ids == expected.token_ids
+
+
+def test_images_and_videos_in_order_across_the_split(deployed, driver, llm):
+    """Videos and images interleaved (one image twice): on 2E1P1D the items spread over both
+    encoders; on 1E1P1D a 13-token prefill chunk cuts through each video's span."""
+    videos = [make_video_bytes(num_frames=12, fps=4, width=84, height=56, seed=31),
+              make_video_bytes(num_frames=6, fps=3, width=56, height=84, seed=32)]
+    # no other test's prompt starts like this one, so it warms no prefix they measure
+    content = [{"type": "video", "video": videos[0]}, {"type": "image", "image": IMG_C},
+               {"type": "video", "video": videos[1]}, {"type": "image", "image": IMG_C},
+               {"type": "text", "text": "What happens, in order?"}]
+    messages = [{"role": "user", "content": content}]
     out = driver.chat(messages, GREEDY)
     expected = llm.chat(messages, GREEDY)[0]
     assert out.prompt_token_ids == expected.prompt_token_ids
@@ -127,7 +143,7 @@ def _images_for_every_encoder(driver, llm, seed: int = 100) -> list[bytes]:
     images, homes = [], set()
     for i in range(40):
         image = make_image_bytes(56 + 8 * (i % 6), 64, seed=seed + i)
-        prompt = driver.pipeline.processor.process_messages(*llm.extract_images(user_message("x", [image])))
+        prompt = driver.pipeline.processor.process_messages(*llm.extract_media(user_message("x", [image])))
         images.append(image)
         homes.add(policy.pick(prompt.items[0].mm_hash, idle))
         if len(images) >= 4 and homes == set(encoders(driver)):

@@ -41,7 +41,7 @@ def run_split(llm, prefill, decode, messages, params, push_delay_s=0.0, request_
     """What the router does, minus gRPC: register at prefill, push the rows (late, from another
     thread, as an encoder would), take the first token and the KV, continue on decode.
     ``resumed``: outputs the request already produced (a migration resumes after them)."""
-    conv, images = llm.extract_images(messages)
+    conv, images = llm.extract_media(messages)
     prompt = llm.processor.process_messages(conv, images)
     eos = eos or (llm.tokenizer.eos_token_id,)
     job = prefill_job_from_proto(request_metadata(request_id, prompt, params, eos, output_token_ids=resumed))

@@ -11,6 +11,7 @@ from epd.models.checkpoint import iter_weights, read_config
 from epd.models.layers import PackedLinear, default_weight_loader
 from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
 from epd.models.spec import MultimodalSpec
+from epd.multimodal.processor_kwargs import MediaSettings
 from epd.multimodal.layout import PromptLayout, build_prompt_layout
 from epd.types import MultimodalItemSpan
 
@@ -111,7 +112,13 @@ class QwenVLFamily:
             image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
             vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
             spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2),
+            tokens_per_second=float(hf["vision_config"].get("tokens_per_second") or 0) if self.name == "qwen2_5_vl"
+            else 0.0,
             vocab_size=text_config_from_hf(hf).vocab_size, embedding_dim=text_config_from_hf(hf).hidden_size)
+
+    def media_settings(self, model_dir: Path) -> MediaSettings:
+        from epd.models.qwen2_vl.processor import media_settings_for
+        return media_settings_for(model_dir)
 
     def input_processor(self, model_dir: Path, tokenizer):
         from epd.models.qwen2_vl.processor import QwenVLInputProcessor
@@ -121,9 +128,19 @@ class QwenVLFamily:
     def prompt_layout(self, spec: MultimodalSpec, token_ids: Sequence[int],
                       items: Sequence[MultimodalItemSpan]) -> PromptLayout:
         from epd.models.qwen2_vl.mrope import compute_mrope_positions
-        return build_prompt_layout(token_ids, items, mm_token_ids=spec.mm_token_ids,
-                                   positions_fn=lambda n, spans: compute_mrope_positions(
-                                       n, spans, spec.spatial_merge_size))
+
+        def positions(n: int, spans: Sequence[MultimodalItemSpan]):
+            # a video's temporal positions step by seconds on Qwen2.5-VL (tokens_per_second > 0)
+            return compute_mrope_positions(n, [(s.offset, s.grid_thw, _interval(s, spec)) for s in spans],
+                                           spec.spatial_merge_size)
+
+        return build_prompt_layout(token_ids, items, mm_token_ids=spec.mm_token_ids, positions_fn=positions)
+
+
+def _interval(span: MultimodalItemSpan, spec: MultimodalSpec) -> float:
+    if span.second_per_grid_t and spec.tokens_per_second:
+        return spec.tokens_per_second * span.second_per_grid_t
+    return 1.0
 
 
 QWEN2_VL = QwenVLFamily("qwen2_vl")

@@ -1,16 +1,21 @@
 """The vision half of Qwen2-VL / Qwen2.5-VL: transformers' own vision tower and image processor,
-loaded with the checkpoint's weights. The encoder tier runs this and nothing else of the model."""
+loaded with the checkpoint's weights, and videos made into the same patches (frames sampled and
+decoded by ``multimodal.video``). The encoder tier runs this and nothing else of the model."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig
+from transformers.image_utils import SizeDict
 
-from epd.models.checkpoint import iter_weights, read_preprocessor_config
+from epd.models.checkpoint import iter_weights, read_preprocessor_config, read_video_preprocessor_config
 from epd.models.layers import to_keeping_float32_buffers
-from epd.multimodal.media import decode_image
+from epd.multimodal.geometry import VisionGeometryConfig
+from epd.multimodal.media import MediaInput, decode_image
+from epd.multimodal.video import VideoSampling, decode_frames, video_geometry_from_bytes
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -45,6 +50,7 @@ class QwenVisionEncoder:
         to_keeping_float32_buffers(self.tower, device=device, dtype=dtype).eval()
         self.dtype, self.device = dtype, torch.device(device)
         self.image_processor = _image_processor(model_dir)
+        self.video_sampling = VideoSampling.from_preprocessor_config(read_video_preprocessor_config(model_dir))
 
     @property
     def embedding_dim(self) -> int:
@@ -67,23 +73,40 @@ class QwenVisionEncoder:
             raise ValueError(f"vision weights in {model_dir} do not match the tower: "
                              f"missing {missing[:5]}, unexpected {unexpected[:5]}")
 
-    def preprocess(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> pixel_values [sum patches, C*T*P*P], grid_thw [N, 3] (CPU). ``processor_kwargs``: per
-        image, its ``min_pixels`` / ``max_pixels`` (None: the checkpoint's); images that share them
-        are processed in one call, in order."""
-        pil = [decode_image(data) for data in images]  # size/bomb limits before any pixels decode
-        kwargs = list(processor_kwargs) if processor_kwargs is not None else [None] * len(pil)
-        if len(kwargs) != len(pil):
-            raise ValueError(f"{len(kwargs)} processor kwargs for {len(pil)} images")
+    def preprocess(self, inputs: Sequence[MediaInput | bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images and videos (plain bytes: an image) -> pixel_values [sum patches, C*T*P*P] and
+        grid_thw [N, 3] (CPU), in order. Images that share processor kwargs go through the image
+        processor in one call; a video is sampled, decoded and patched alone."""
+        items = [MediaInput.of(x) for x in inputs]
         pixels, grids, start = [], [], 0
-        for end in range(1, len(pil) + 1):  # runs of equal kwargs
-            if end == len(pil) or kwargs[end] != kwargs[start]:
-                out = self.image_processor(images=pil[start:end], return_tensors="pt", **_size_of(kwargs[start]))
-                pixels.append(out["pixel_values"])
-                grids.append(out["image_grid_thw"])
-                start = end
+        for end in range(1, len(items) + 1):
+            if end < len(items) and _same_run(items[start], items[end]):
+                continue
+            run = items[start:end]
+            patches, grid = self._video(run[0]) if run[0].modality == "video" else self._images(run)
+            pixels.append(patches)
+            grids.append(grid)
+            start = end
         return torch.cat(pixels), torch.cat(grids)
+
+    def _images(self, run: list[MediaInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        pil = [decode_image(item.data) for item in run]  # size/bomb limits before any pixels decode
+        out = self.image_processor(images=pil, return_tensors="pt", **_size_of(run[0].processor_kwargs))
+        return out["pixel_values"], out["image_grid_thw"]
+
+    def _video(self, item: MediaInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frames sampled and resized like the model's images, cut into temporal patches in the
+        order transformers' Qwen2-VL video processor uses."""
+        sampling = self.video_sampling.with_kwargs(item.processor_kwargs, ceiling=self.video_sampling)
+        geometry = video_geometry_from_bytes(item.data, sampling)
+        ip, cfg = self.image_processor, sampling.geometry
+        size = SizeDict(shortest_edge=cfg.min_pixels, longest_edge=cfg.max_pixels)
+        frames = []
+        for frame in decode_frames(item.data, geometry):  # [H, W, 3] RGB uint8
+            chw = ip.resize(frame.transpose(2, 0, 1), size=size, resample=ip.resample, factor=cfg.factor_px)
+            frames.append(ip.normalize(ip.rescale(chw, ip.rescale_factor), ip.image_mean, ip.image_std))
+        video = torch.from_numpy(np.stack(frames))  # [T, C, H, W]
+        return patchify_video(video, cfg), torch.tensor([geometry.grid_thw])
 
     @torch.inference_mode()
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
@@ -102,9 +125,25 @@ class QwenVisionEncoder:
         """Merged rows of a batch -> rows per item, in order."""
         return list(torch.split(merged, (grid_thw.prod(-1) // self.spatial_merge_size ** 2).tolist()))
 
-    def encode_images(self, images: list[bytes], processor_kwargs: Sequence[Mapping | None] | None = None
-                      ) -> list[torch.Tensor]:
-        return self.encode(*self.preprocess(images, processor_kwargs)) if images else []
+    def encode_images(self, inputs: Sequence[MediaInput | bytes]) -> list[torch.Tensor]:
+        """Rows of each image or video (plain bytes: an image), in order."""
+        return self.encode(*self.preprocess(inputs)) if inputs else []
+
+
+def _same_run(a: MediaInput, b: MediaInput) -> bool:
+    return a.modality == b.modality == "image" and a.processor_kwargs == b.processor_kwargs
+
+
+def patchify_video(video: torch.Tensor, cfg: VisionGeometryConfig) -> torch.Tensor:
+    """[T, C, H, W] normalized frames -> [t*h*w, C*tps*P*P] patches (T padded to a multiple of the
+    temporal patch size with the last frame), merge-window order as transformers' video processor."""
+    tps, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
+    if pad := -video.shape[0] % tps:
+        video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])
+    frames, channels, height, width = video.shape
+    gt, gh, gw = frames // tps, height // p, width // p
+    patches = video.reshape(gt, tps, channels, gh // m, m, p, gw // m, m, p)
+    return patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(gt * gh * gw, channels * tps * p * p)
 
 
 def _size_of(kwargs: Mapping | None) -> dict:

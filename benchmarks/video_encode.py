@@ -23,7 +23,7 @@ from epd.encoder.engine import EncoderEngine  # noqa: E402
 from epd.models.presets import resolve_model  # noqa: E402
 from epd.multimodal.video import probe_video, video_geometry_from_bytes  # noqa: E402
 
-SOURCE_FPS = 24
+SOURCE_FPS = 10  # lossless noise frames are large: 8 s of 448x336 at 10 fps is 36 MB (the limit is 48)
 
 
 def encode_s(engine: EncoderEngine, request_id: str, video: bytes) -> float:

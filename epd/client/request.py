@@ -128,22 +128,14 @@ def _part(where: str, part: str | dict) -> router_pb2.ContentPart:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
         return router_pb2.ContentPart(text=part.get("text", ""))
-    if kind == "image_url":
-        url = part.get("image_url")
+    if kind in ("image_url", "video_url"):
+        url = part.get(kind)
         url = url.get("url") if isinstance(url, dict) else url
         if not isinstance(url, str):
-            raise InvalidRequest(f"{where}: image_url needs a URL string ({{'url': ...}}), got {_describe(url)}")
-        return router_pb2.ContentPart(image_url=url)
-    if kind == "image":
-        return _image_part(where, part.get("image"))
-    if kind == "video_url":
-        url = part.get("video_url")
-        url = url.get("url") if isinstance(url, dict) else url
-        if not isinstance(url, str):
-            raise InvalidRequest(f"{where}: video_url needs a URL string ({{'url': ...}}), got {_describe(url)}")
-        return router_pb2.ContentPart(video_url=url)
-    if kind == "video":
-        return _media_part(where, part.get("video"), "video")
+            raise InvalidRequest(f"{where}: {kind} needs a URL string ({{'url': ...}}), got {_describe(url)}")
+        return router_pb2.ContentPart(**{kind: url})
+    if kind in ("image", "video"):
+        return _media_part(where, part.get(kind), kind)
     raise InvalidRequest(f"{where}: expected a part of type 'text', 'image_url', 'image', 'video_url' or 'video', "
                          f"got {_describe(part)}")
 

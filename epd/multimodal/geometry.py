@@ -73,11 +73,7 @@ class VisionGeometryConfig:
         larger one could never be scheduled). Raises ``ValueError`` naming what is wrong."""
         if not overrides:
             return self
-        if not isinstance(overrides, Mapping):
-            raise ValueError(f"expected an object of processor kwargs, got {type(overrides).__name__}")
-        unknown = sorted(set(overrides) - set(PIXEL_KWARGS))
-        if unknown:
-            raise ValueError(f"unsupported processor kwargs {unknown}; this model takes {list(PIXEL_KWARGS)}")
+        check_kwarg_names(overrides, PIXEL_KWARGS)
         bounds = self.pixel_kwargs
         for name, value in overrides.items():
             if isinstance(value, bool) or not isinstance(value, int):
@@ -110,6 +106,15 @@ class VisionGeometryConfig:
             min_pixels=min_pixels,
             max_pixels=max_pixels,
         )
+
+
+def check_kwarg_names(overrides: Any, allowed: tuple[str, ...]) -> None:
+    """``overrides`` is a mapping of processor kwargs this model takes (``ValueError`` otherwise)."""
+    if not isinstance(overrides, Mapping):
+        raise ValueError(f"expected an object of processor kwargs, got {type(overrides).__name__}")
+    unknown = sorted(set(overrides) - set(allowed))
+    if unknown:
+        raise ValueError(f"unsupported processor kwargs {unknown}; this model takes {list(allowed)}")
 
 
 def _int_key(config: Mapping[str, Any], key: str, default: int) -> int:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from epd.multimodal.geometry import PIXEL_KWARGS, VisionGeometryConfig, max_tokens_per_item
+from epd.multimodal.geometry import PIXEL_KWARGS, VisionGeometryConfig, check_kwarg_names, max_tokens_per_item
 from epd.multimodal.video import SAMPLING_KWARGS, VideoSampling
 
 PROCESSOR_KWARGS = PIXEL_KWARGS + SAMPLING_KWARGS
@@ -26,11 +26,7 @@ class MediaSettings:
         """These settings with ``overrides`` applied; ``ValueError`` naming what is wrong."""
         if not overrides:
             return self
-        if not isinstance(overrides, Mapping):
-            raise ValueError(f"expected an object of processor kwargs, got {type(overrides).__name__}")
-        unknown = sorted(set(overrides) - set(PROCESSOR_KWARGS))
-        if unknown:
-            raise ValueError(f"unsupported processor kwargs {unknown}; this model takes {list(PROCESSOR_KWARGS)}")
+        check_kwarg_names(overrides, PROCESSOR_KWARGS)
         image = self.image.with_pixel_kwargs({k: v for k, v in overrides.items() if k in PIXEL_KWARGS})
         try:
             video = self.video.with_kwargs(overrides, ceiling=self.video)

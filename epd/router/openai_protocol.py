@@ -53,14 +53,15 @@ class TextPart(_Lenient):
     text: str
 
 
+def _url_as_string(value: Any) -> Any:
+    return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare string too
+
+
 class ImageURLPart(_Lenient):
     type: Literal["image_url"]
     image_url: ImageURL
 
-    @field_validator("image_url", mode="before")
-    @classmethod
-    def _url_as_string(cls, value: Any) -> Any:
-        return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare string too
+    _bare_url = field_validator("image_url", mode="before")(_url_as_string)
 
 
 class VideoURL(_Lenient):
@@ -73,10 +74,7 @@ class VideoURLPart(_Lenient):
     type: Literal["video_url"]
     video_url: VideoURL
 
-    @field_validator("video_url", mode="before")
-    @classmethod
-    def _url_as_string(cls, value: Any) -> Any:
-        return {"url": value} if isinstance(value, str) else value
+    _bare_url = field_validator("video_url", mode="before")(_url_as_string)
 
 
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]

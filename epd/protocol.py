@@ -102,16 +102,26 @@ def multimodal_item(index: int, item, *, with_media: bool) -> common_pb2.Multimo
         item_index=index, modality=item.modality, data=item.data if with_media else b"",
         content_hash=item.mm_hash, offset=item.offset, expected_rows=geo.num_embedding_rows,
         encoder_tokens=geo.num_patches, grid_thw=list(geo.grid_thw), second_per_grid_t=item.second_per_grid_t,
+        segment_offsets=list(item.segment_offsets),
         processor_kwargs_json=json.dumps(item.processor_kwargs, sort_keys=True) if item.processor_kwargs else "")
 
 
 def prefill_job_from_proto(meta: common_pb2.RequestMetadata) -> PrefillJob:
     items = [MultimodalItemSpan(item.offset, item.expected_rows, item.content_hash, tuple(item.grid_thw),
-                                item.second_per_grid_t) for item in meta.items]
+                                item.second_per_grid_t, tuple(item.segment_offsets)) for item in meta.items]
     for index, (item, msg) in enumerate(zip(items, meta.items)):
         if msg.item_index != index or len(item.grid_thw) != 3:
             raise InvalidRequest(f"request {meta.request_id}: item {index} is malformed (index {msg.item_index}, "
                                  f"grid {list(item.grid_thw)}); expected items in prompt order with a 3-D grid")
+        segments = item.segment_offsets
+        if segments and (segments[0] != item.offset or len(segments) != item.grid_thw[0] or item.length % len(segments)
+                         or any(b <= a for a, b in zip(segments, segments[1:]))):
+            raise InvalidRequest(f"request {meta.request_id}: item {index} has segments {list(segments)} that do not "
+                                 f"split its {item.length} rows from offset {item.offset} into {item.grid_thw[0]} "
+                                 f"increasing temporal patches")
+        if not (0.0 <= item.second_per_grid_t < float("inf")):
+            raise InvalidRequest(f"request {meta.request_id}: item {index} has second_per_grid_t "
+                                 f"{item.second_per_grid_t}; expected a finite number >= 0")
     return PrefillJob(meta.request_id, list(meta.token_ids), items, sampling_from_proto(meta.sampling),
                       tuple(meta.eos_token_ids), _resumed_outputs(meta))
 

@@ -96,6 +96,16 @@ class MultimodalItemSpan:
     grid_thw: tuple[int, ...] = ()  # the item's patch grid (temporal, height, width)
     # a video's seconds per temporal patch (Qwen2.5-VL spaces temporal M-RoPE positions by it); 0: an image
     second_per_grid_t: float = 0.0
+    # where each temporal patch's placeholders start when text separates them (Qwen3-VL puts a
+    # timestamp before each); empty: one contiguous span. Rows stay in order, split evenly.
+    segment_offsets: tuple[int, ...] = ()
+
+    @property
+    def end(self) -> int:
+        """One past the item's last placeholder (text between segments included)."""
+        if self.segment_offsets:
+            return self.segment_offsets[-1] + self.length // len(self.segment_offsets)
+        return self.offset + self.length
 
 
 @dataclass

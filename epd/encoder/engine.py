@@ -132,7 +132,7 @@ class EncoderEngine:
             model = family_for(model_dir).load_vision(model_dir, dtype=config.torch_dtype, device=config.target_device)
             if not config.cuda_graph_buckets:
                 return model
-            if not hasattr(model, "block_loop"):
+            if getattr(model, "block_loop", None) is None:
                 logger.warning("%s has no CUDA-graph block loop; cuda_graph_buckets ignored, running eager",
                                type(model).__name__)
                 return model

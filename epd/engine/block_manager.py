@@ -31,7 +31,7 @@ def compute_block_hash(prev_hash: str | None, token_ids: list[int], block_start:
     h.update(b"|t|" + ",".join(map(str, token_ids)).encode())
     block_end = block_start + len(token_ids)
     for item in mm_items:
-        if item.offset < block_end and item.offset + item.length > block_start:
+        if item.offset < block_end and item.end > block_start:
             # the offset relative to the block says which rows of the item this block holds
             h.update(f"|m|{item.mm_hash}@{item.offset - block_start}".encode())
     return h.hexdigest()

@@ -70,12 +70,34 @@ class ModelRunner:
         if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
             return logits, step.sampling_chunks
         self.backend.plan(step.meta)  # once per step, before the first layer
-        embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, step.mm_rows,
+        main_rows, deepstack = self._split_deepstack(step)
+        embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, main_rows,
                                       mm_token_ids=self.mm_token_ids, text_token_indices=step.text_token_indices,
                                       mm_token_indices=step.mm_token_indices)
-        hidden = self.model(embeds.to(self.dtype), step.positions, self.kv_cache, step.meta, self.backend)
+        extra = {"deepstack": deepstack} if deepstack is not None else {}
+        hidden = self.model(embeds.to(self.dtype), step.positions, self.kv_cache, step.meta, self.backend, **extra)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         return logits, step.sampling_chunks
+
+    def _split_deepstack(self, step: StepInputs) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """A deepstack model's rows are packed ``[main | level 1 | ... | level L]``: the main part is
+        fused into the inputs, each level scattered at the same placeholder positions into a
+        zero-filled ``[T, hidden]`` (a text position gets nothing added)."""
+        levels = getattr(self.model, "deepstack_levels", 0)
+        if not levels or not step.mm_rows:
+            return step.mm_rows, None
+        hidden = self.model.config.hidden_size
+        rows = torch.cat(step.mm_rows) if len(step.mm_rows) > 1 else step.mm_rows[0]
+        if rows.shape[-1] != hidden * (1 + levels):
+            raise ValueError(f"embedding rows are {rows.shape[-1]} wide; this model takes {hidden} x (1 + {levels} "
+                             f"deepstack levels) = {hidden * (1 + levels)}")
+        num_tokens = step.input_ids.shape[0]
+        deepstack = []
+        for level in range(1, levels + 1):
+            added = torch.zeros(num_tokens, hidden, dtype=self.dtype, device=self.device)
+            added.index_copy_(0, step.mm_token_indices, rows[:, level * hidden:(level + 1) * hidden].to(self.dtype))
+            deepstack.append(added)
+        return [rows[:, :hidden]], deepstack
 
     # ---- KV hand-off between workers ---------------------------------------------------------
     def read_kv(self, block_table: list[int], num_tokens: int, allocate=None) -> torch.Tensor:

@@ -96,6 +96,19 @@ class MRotaryEmbedding(nn.Module):
         return torch.cat((half, half), dim=-1)
 
 
+class InterleavedMRotaryEmbedding(MRotaryEmbedding):
+    """Qwen3-VL's M-RoPE: the bands interleave instead of following each other. Rotary pair i
+    reads the height component when i % 3 == 1 and i < 3 * sections[1], the width component when
+    i % 3 == 2 and i < 3 * sections[2], else the temporal one (transformers' recomposition)."""
+
+    def _recompose(self, freq: torch.Tensor) -> torch.Tensor:
+        half = freq[0].clone()
+        for component, offset in ((1, 1), (2, 2)):
+            band = slice(offset, self.mrope_section[component] * 3, 3)
+            half[..., band] = freq[component, ..., band]
+        return torch.cat((half, half), dim=-1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)

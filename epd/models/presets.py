@@ -1,4 +1,5 @@
-"""Seeded-random Qwen2-VL / Qwen2.5-VL checkpoints with the real Qwen2 vocabulary, so EPD runs anywhere.
+"""Seeded-random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoints with the real Qwen2 vocabulary, so EPD runs
+anywhere.
 
 A preset is a named `PresetSpec`. `write_preset_checkpoint` turns it into an ordinary Hugging Face
 checkpoint directory (config.json, model.safetensors, generation_config.json, tokenizer files,
@@ -24,7 +25,7 @@ from typing import Any, Literal, get_args
 
 from epd.models.cache import atomic_directory, epd_cache_dir
 
-Family = Literal["qwen2_vl", "qwen2_5_vl"]
+Family = Literal["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 VOCAB_SIZE = 151_936  # the 151,657 real tokens, padded as in the Qwen2-VL configs
 BOS_TOKEN_ID = 151_643  # <|endoftext|>
@@ -79,13 +80,16 @@ class VisionDims:
     temporal_patch_size: int = 2
     window_size: int = 112  # qwen2_5_vl only: window attention side in pixels
     fullatt_block_indexes: tuple[int, ...] = ()  # qwen2_5_vl only: blocks with full attention
+    deepstack_visual_indexes: tuple[int, ...] = ()  # qwen3_vl only: blocks whose output feeds the LLM's first layers
+    num_position_embeddings: int = 0  # qwen3_vl only: a square grid of learned position embeddings
 
     def __post_init__(self) -> None:
         if self.embed_dim % self.num_heads or (self.embed_dim // self.num_heads) % 4:
             # The 2-D vision rotary splits each head into (h, w) halves of rotary pairs.
             raise ValueError(f"vision head_dim {self.embed_dim}/{self.num_heads} must be a multiple of 4")
-        if any(not 0 <= i < self.depth for i in self.fullatt_block_indexes):
-            raise ValueError(f"fullatt_block_indexes {self.fullatt_block_indexes} outside depth {self.depth}")
+        for name in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+            if any(not 0 <= i < self.depth for i in getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)} outside depth {self.depth}")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,8 @@ _SMALL_TEXT = TextDims(
     hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
     mrope_section=(4, 6, 6),
 )
+
+_QWEN3_VISION = dict(patch_size=16, num_position_embeddings=64)  # 16-px patches, an 8 x 8 position grid
 
 PRESETS: dict[str, PresetSpec] = {
     "tiny-qwen2-vl": PresetSpec(
@@ -154,6 +160,25 @@ PRESETS: dict[str, PresetSpec] = {
         min_pixels=56 * 56,
         max_pixels=28 * 28 * 512,
         seed=4,
+    ),
+    "tiny-qwen3-vl": PresetSpec(
+        family="qwen3_vl",
+        # interleaved M-RoPE sections: (temporal, height, width) pairs of head_dim / 2 = 8
+        text=dataclasses.replace(_TINY_TEXT, mrope_section=(4, 2, 2)),
+        vision=VisionDims(depth=3, embed_dim=32, num_heads=2, intermediate_size=64, deepstack_visual_indexes=(0, 1),
+                          **_QWEN3_VISION),
+        min_pixels=64 * 64,
+        max_pixels=512 * 512,
+        seed=5,
+    ),
+    "small-qwen3-vl": PresetSpec(
+        family="qwen3_vl",
+        text=dataclasses.replace(_SMALL_TEXT, mrope_section=(6, 5, 5), tie_word_embeddings=False),
+        vision=VisionDims(depth=4, embed_dim=128, num_heads=4, intermediate_size=256,
+                          deepstack_visual_indexes=(0, 1, 2), **_QWEN3_VISION),
+        min_pixels=64 * 64,
+        max_pixels=32 * 32 * 512,
+        seed=6,
     ),
 }
 
@@ -274,9 +299,9 @@ def load_processor(model_dir: str | Path) -> Any:
 
 
 def _image_only_processor_class(family: str) -> type:
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    base = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    base = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
 
     class ImageOnlyProcessor(base):  # type: ignore[misc, valid-type]
         # ProcessorMixin derives its sub-processors from this signature: no `video_processor` here means
@@ -394,12 +419,32 @@ def _qwen2_5_vl() -> tuple[Callable[[PresetSpec], Any], type]:
     return config, Qwen2_5_VLForConditionalGeneration
 
 
-_PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor"}
+def _qwen3_vl() -> tuple[Callable[[PresetSpec], Any], type]:
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    def config(spec: PresetSpec) -> Any:
+        text = _text_config(spec) | {"head_dim": spec.text.head_dim, "attention_bias": False}
+        text["rope_parameters"] = text["rope_parameters"] | {"mrope_interleaved": True}
+        vision = _common_vision_config(spec) | {
+            "hidden_size": spec.vision.embed_dim,
+            "intermediate_size": spec.vision.intermediate_size,
+            "out_hidden_size": spec.text.hidden_size,
+            "num_position_embeddings": spec.vision.num_position_embeddings,
+            "deepstack_visual_indexes": list(spec.vision.deepstack_visual_indexes),
+        }
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **_top_level_config(spec))
+
+    return config, Qwen3VLForConditionalGeneration
+
+
+_PROCESSOR_CLASS_NAMES = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
+                          "qwen3_vl": "Qwen3VLProcessor"}
 
 # family -> loader of (config builder, model class); loaders keep transformers out of import time.
 _FAMILIES: dict[str, Callable[[], tuple[Callable[[PresetSpec], Any], type]]] = {
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
 }
 
 

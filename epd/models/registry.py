@@ -13,6 +13,7 @@ from epd.models.spec import ModelFamily
 _FAMILIES = {
     "qwen2_vl": "epd.models.qwen2_vl.family:QWEN2_VL",
     "qwen2_5_vl": "epd.models.qwen2_vl.family:QWEN2_5_VL",
+    "qwen3_vl": "epd.models.qwen3_vl.family:QWEN3_VL",
 }
 
 

@@ -26,9 +26,15 @@ class MultimodalSpec:
     vision_end_token_id: int
     spatial_merge_size: int
     vocab_size: int
-    embedding_dim: int  # width of one embedding row (the LLM hidden size)
+    embedding_dim: int  # width of one embedding row as the encoder makes it (the LLM hidden size, x levels)
     # a video's temporal M-RoPE step per second of video (Qwen2.5-VL); 0: one step per temporal patch
     tokens_per_second: float = 0.0
+    # vision feature levels packed after the main embedding in each row (Qwen3-VL's deepstack): a
+    # row is ``(1 + deepstack_levels) * hidden`` wide and ``embedding_dim`` is that width
+    deepstack_levels: int = 0
+    # a video's temporal patches stand apart in the prompt, each after its timestamp text
+    # ("<1.5 seconds>"), as Qwen3-VL's processor writes them
+    video_timestamps: bool = False
 
     @property
     def mm_token_ids(self) -> tuple[int, ...]:
@@ -46,6 +52,7 @@ class ProcessedItem:
     # the processor kwargs it was made with, where they differ from the checkpoint's (None: its
     # own); the encoder preprocesses (a video: samples) with them, so its rows match ``geometry``
     processor_kwargs: dict[str, Any] | None = None
+    segment_offsets: tuple[int, ...] = ()  # a video split by timestamps (Qwen3-VL): each temporal patch's start
 
     @property
     def num_rows(self) -> int:
@@ -58,7 +65,7 @@ class ProcessedItem:
     @property
     def span(self) -> MultimodalItemSpan:
         return MultimodalItemSpan(self.offset, self.num_rows, self.mm_hash, tuple(self.geometry.grid_thw),
-                                  self.second_per_grid_t)
+                                  self.second_per_grid_t, self.segment_offsets)
 
 
 @dataclass(frozen=True)

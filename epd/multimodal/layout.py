@@ -41,5 +41,10 @@ def build_prompt_layout(token_ids: Sequence[int], items: Sequence[MultimodalItem
         if item.length and int(embed_positions[first]) != item.offset:
             raise ValueError(f"item {index} says its placeholders start at {item.offset}, the prompt has them at "
                              f"{int(embed_positions[first])}")
+        per_segment = item.length // len(item.segment_offsets) if item.segment_offsets else 0
+        found = [int(embed_positions[first + j * per_segment]) for j in range(len(item.segment_offsets))]
+        if found != list(item.segment_offsets):
+            raise ValueError(f"item {index} says its segments start at {list(item.segment_offsets)}, the prompt has "
+                             f"them at {found}")
     positions, delta = positions_fn(len(ids), items)
     return PromptLayout(embed_mask_cumsum(masks.embed_mask), embed_positions, positions, delta)

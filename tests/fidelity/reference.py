@@ -60,6 +60,8 @@ class ReferenceModel:
                                                   add_generation_prompt=True)
         tok = self.processor.tokenizer
         image_id, video_id = (tok.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|video_pad|>"))
+        if self.model.config.model_type == "qwen3_vl":  # frames between timestamps, by its processor's own code
+            text, videos = self._qwen3_video_text(text, videos), [v[:3] for v in videos]
         kwargs: dict = {}
         image_rows: list[int] = []
         if images:
@@ -67,13 +69,15 @@ class ReferenceModel:
             out = self.processor.image_processor(images=pil, return_tensors="pt")
             kwargs.update(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
             image_rows = (out["image_grid_thw"].prod(-1) // 4).tolist()
-        video_rows = [int(grid.prod()) // 4 for _, grid, _ in videos]
+        video_rows = [int(grid.prod()) // 4 for _, grid, *_ in videos]
         if videos:
             kwargs.update(pixel_values_videos=torch.cat([v[0] for v in videos]),
                           video_grid_thw=torch.cat([v[1] for v in videos]))
             if self.model.config.model_type == "qwen2_5_vl":
                 kwargs["second_per_grid_ts"] = torch.tensor([v[2] for v in videos])
-        ids, rows = [], {image_id: iter(image_rows), video_id: iter(video_rows)}
+        ids, rows = [], {image_id: iter(image_rows)}
+        if self.model.config.model_type != "qwen3_vl":  # Qwen3-VL's video placeholders are expanded in the text
+            rows[video_id] = iter(video_rows)
         for t in tok.encode(text, add_special_tokens=False):
             ids += [t] * next(rows[t]) if t in rows else [t]
         input_ids = torch.tensor([ids])
@@ -82,6 +86,27 @@ class ReferenceModel:
                                   mm_token_type_ids=types, max_new_tokens=max_new_tokens, do_sample=False,
                                   eos_token_id=self.eos_token_id, pad_token_id=self.eos_token_id, **kwargs)
         return Reference(ids, out[0, len(ids):].tolist(), [])
+
+
+    def _qwen3_video_text(self, text: str, videos: list[tuple]) -> str:
+        """Qwen3-VL's processor writes each video as one placeholder run per temporal patch, each
+        after its timestamp (``replace_video_token``); videos are (pixels, grid, seconds per patch,
+        frames_indices, source fps)."""
+        from transformers.video_utils import VideoMetadata
+
+        wrapper = "<|vision_start|><|video_pad|><|vision_end|>"
+        for _, grid, _, indices, fps in videos:
+            metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=list(indices))
+            self.processor.video_processor = _MergeSize()  # the one attribute replace_video_token reads
+            placeholder = self.processor.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]},
+                                                             0)
+            text = text.replace(wrapper, placeholder, 1)
+        return text
+
+
+class _MergeSize:
+    merge_size = 2
+    temporal_patch_size = 2
 
 
 def _markers_only(messages: list[dict]) -> list[dict]:

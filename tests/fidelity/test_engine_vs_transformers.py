@@ -1,5 +1,6 @@
 """Greedy output of our engine == transformers' generate, token for token (fp32), for Qwen2-VL
-(tied embeddings) and Qwen2.5-VL (untied, window attention in the vision tower)."""
+(tied embeddings), Qwen2.5-VL (untied, window attention in the vision tower) and Qwen3-VL (q/k
+norms, interleaved M-RoPE, deepstack levels added after the first layers)."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ IMG_B = make_image_bytes(200, 90, seed=2)
 IMG_TINY = make_image_bytes(13, 21, seed=3)
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def model_dir(request, tmp_path_factory):
     # a checkpoint the test writes itself, with a seed no preset uses
     return write_preset_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=1234)

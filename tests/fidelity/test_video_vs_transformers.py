@@ -1,6 +1,7 @@
-"""Video through our engine == transformers' generate, token for token (fp32, greedy), for Qwen2-VL
-and Qwen2.5-VL (whose temporal M-RoPE positions follow seconds of video): a video alone, with
-images around it, chunked so that a chunk cuts through the video, and from the prefix cache.
+"""Video through our engine == transformers' generate, token for token (fp32, greedy), for Qwen2-VL,
+Qwen2.5-VL (whose temporal M-RoPE positions follow seconds of video) and Qwen3-VL (each temporal
+patch after its timestamp, deepstack levels): a video alone, with images around it, chunked so that
+a chunk cuts through the video, and from the prefix cache.
 
 transformers' own video processor needs torchvision, which cannot load beside the CPU torch here,
 so the reference gets the pixel patches our frame pipeline makes; that pipeline is checked against
@@ -16,6 +17,7 @@ from epd.config import EngineConfig
 from epd.llm import LLM
 from epd.models.presets import write_preset_checkpoint
 from epd.multimodal.media import MediaInput
+from epd.multimodal.video import video_geometry_from_bytes
 from epd.types import SamplingParams
 from tests.conftest import make_image_bytes, make_video_bytes
 from tests.fidelity.reference import ReferenceModel
@@ -29,7 +31,7 @@ VIDEO_B = make_video_bytes(num_frames=9, fps=3, width=70, height=98, seed=6)
 IMAGE = make_image_bytes(120, 90, seed=7)
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl"])
 def model_dir(request, tmp_path_factory):
     return write_preset_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt", seed=4321)
 
@@ -45,13 +47,17 @@ def llm(model_dir):
                                                           max_num_batched_tokens=4096))
 
 
-def video_inputs(llm: LLM, videos: list[bytes]) -> list[tuple]:
-    """(pixel_values_videos, video_grid_thw, second_per_grid_t) of each video, by our pipeline."""
+def video_inputs(llm: LLM, videos: list[bytes], kwargs: dict | None = None) -> list[tuple]:
+    """(pixel_values_videos, video_grid_thw, second_per_grid_t, frames_indices, source fps) of each
+    video, by our pipeline, under ``kwargs``."""
+    settings = llm.processor.media_settings(kwargs)
     out = []
     for data in videos:
-        pixels, grid = llm.vision.preprocess([MediaInput(data, "video")])
-        prompt = llm.processor.process_token_ids([llm.mm_spec.video_token_id], [MediaInput(data, "video")])
-        out.append((pixels, grid, prompt.items[0].second_per_grid_t))
+        geometry = video_geometry_from_bytes(data, settings.video)
+        item = MediaInput(data, "video", settings.item_kwargs("video", llm.processor.settings))
+        pixels, grid = llm.vision.preprocess([item])
+        assert tuple(grid[0].tolist()) == geometry.grid_thw
+        out.append((pixels, grid, geometry.second_per_grid_t, geometry.frames_indices, geometry.metadata.fps))
     return out
 
 
@@ -85,8 +91,7 @@ def test_chunked_prefill_cutting_through_a_video(model_dir, reference, chunk_tok
                                                          max_num_batched_tokens=chunk_tokens))
     messages = conversation([("image", IMAGE), ("video", VIDEO)])
     out = llm.chat(messages, GREEDY)[0]
-    rows = llm.processor.process_token_ids([llm.mm_spec.video_token_id], [MediaInput(VIDEO, "video")]).items[0]
-    assert rows.num_rows > chunk_tokens  # the video's span is cut by several chunks
+    assert video_geometry_from_bytes(VIDEO, llm.processor.settings.video).num_embedding_rows > 2 * chunk_tokens
     check_same(reference.generate_with_videos(messages, [IMAGE], video_inputs(llm, [VIDEO]), MAX_NEW), out)
 
 
@@ -100,14 +105,11 @@ def test_a_repeated_video_prompt_hits_the_prefix_cache_and_gives_the_same_tokens
 
 def test_other_sampling_kwargs_change_the_frames_and_match_transformers(llm, reference):
     messages = conversation([("video", VIDEO)])
-    kwargs = {"fps": 4.0, "max_pixels": 56 * 56 * 2}
+    kwargs = {"fps": 4.0, "max_pixels": 64 * 64 * 2}
     out = llm.chat(messages, GREEDY, mm_processor_kwargs=kwargs)[0]
-    item = MediaInput(VIDEO, "video", llm.processor.media_settings(kwargs).video.kwargs)
-    prompt = llm.processor.process_token_ids([llm.mm_spec.video_token_id], [MediaInput(VIDEO, "video")], kwargs)
-    pixels, grid = llm.vision.preprocess([item])
-    assert tuple(grid[0].tolist()) == prompt.items[0].geometry.grid_thw and grid[0, 0] == 6  # 12 frames at 4 fps
-    check_same(reference.generate_with_videos(messages, [], [(pixels, grid, prompt.items[0].second_per_grid_t)],
-                                              MAX_NEW), out)
+    inputs = video_inputs(llm, [VIDEO], kwargs)
+    assert inputs[0][1][0, 0] == 6  # 12 frames at 4 fps: 6 temporal patches
+    check_same(reference.generate_with_videos(messages, [], inputs, MAX_NEW), out)
 
 
 def test_one_repeated_frame_patches_like_that_frame_as_an_image(llm):

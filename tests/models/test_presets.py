@@ -88,10 +88,15 @@ def test_preset_dims_are_consistent(name):
     text = spec.text
     assert text.num_key_value_heads < text.num_attention_heads  # GQA
     assert sum(text.mrope_section) == text.head_dim // 2
-    assert spec.vision.patch_size == 14 and spec.vision.spatial_merge_size == 2
+    qwen3 = spec.family == "qwen3_vl"
+    assert spec.vision.patch_size == (16 if qwen3 else 14) and spec.vision.spatial_merge_size == 2
     assert spec.vision.temporal_patch_size == 2
     assert spec.init_std > 0.02
-    assert name.startswith(("tiny", "small")) and spec.family == ("qwen2_5_vl" if "2.5" in name else "qwen2_vl")
+    family = "qwen3_vl" if "qwen3" in name else "qwen2_5_vl" if "2.5" in name else "qwen2_vl"
+    assert name.startswith(("tiny", "small")) and spec.family == family
+    if qwen3:  # deepstack levels, and the learned position grid is a square
+        assert spec.vision.deepstack_visual_indexes and int(spec.vision.num_position_embeddings ** 0.5) ** 2 == \
+            spec.vision.num_position_embeddings
 
 
 def test_invalid_dims_are_rejected():

@@ -10,6 +10,7 @@ M-RoPE positions from the ids and the items and checks them again.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -55,27 +56,47 @@ class QwenVLInputProcessor:
         ``messages`` (plain bytes: an image); ``tools``: rendered by the chat template (OpenAI's
         tool definitions); ``template_kwargs``: the template's own variables (``add_vision_id`` for
         Qwen-VL's); ``processor_kwargs``: vLLM's ``mm_processor_kwargs`` for every item."""
-        token_ids = self.tokenizer.encode(self.render(messages, tools, add_generation_prompt, template_kwargs),
-                                          add_special_tokens=False)
-        return self.process_token_ids(token_ids, media, processor_kwargs)
+        text = self.render(messages, tools, add_generation_prompt, template_kwargs)
+        items = self._items(media, processor_kwargs)
+        if self.spec.video_timestamps:
+            text = _timestamped(text, items)
+        return self._expand(self.tokenizer.encode(text, add_special_tokens=False), items)
 
     def process_token_ids(self, token_ids: list[int], media: Sequence[MediaInput | bytes],
                           processor_kwargs: dict | None = None) -> ProcessedPrompt:
-        """Expand the single ``<|image_pad|>`` / ``<|video_pad|>`` of each item to its row count
-        and build metadata. Placeholders and items must agree in number and modality, in order."""
-        items_in = [MediaInput.of(x) for x in media]
-        pads = {self.spec.image_token_id: "image", self.spec.video_token_id: "video"}
-        found = [pads[t] for t in token_ids if t in pads]
-        given = [item.modality for item in items_in]
-        if found != given:
-            raise ValueError(f"the prompt's placeholders are {_count(found)} in the order {found} but the "
-                             f"request gives {_count(given)} in the order {given}")
+        """Expand each ``<|image_pad|>`` / ``<|video_pad|>`` to its row count and build metadata.
+        Placeholders and items must agree in number and modality, in order (a Qwen3-VL video has
+        one placeholder per temporal patch, each after its timestamp)."""
+        return self._expand(list(token_ids), self._items(media, processor_kwargs))
+
+    def _items(self, media: Sequence[MediaInput | bytes], processor_kwargs: dict | None) -> list[ProcessedItem]:
         settings = self.media_settings(processor_kwargs)
-        items = [self._item(item, settings) for item in items_in]
-        expanded, offsets = _expand_placeholders(token_ids, pads, [item.num_rows for item in items])
-        items = [ProcessedItem(i.modality, i.data, i.mm_hash, offset, i.geometry, i.processor_kwargs)
-                 for i, offset in zip(items, offsets)]
-        return self._build(expanded, items)
+        return [self._item(MediaInput.of(x), settings) for x in media]
+
+    def _segments(self, item: ProcessedItem) -> int:
+        """Placeholders an item has in the prompt: one, or one per temporal patch (Qwen3-VL videos)."""
+        return item.geometry.grid_thw[0] if item.modality == "video" and self.spec.video_timestamps else 1
+
+    def _expand(self, token_ids: list[int], items: list[ProcessedItem]) -> ProcessedPrompt:
+        pads = {self.spec.image_token_id: "image", self.spec.video_token_id: "video"}
+        slots = [(k, n) for k, item in enumerate(items) for n in [self._segments(item)] for _ in range(n)]
+        found = [pads[t] for t in token_ids if t in pads]
+        expected = [items[k].modality for k, _ in slots]
+        if found != expected:
+            raise ValueError(f"the prompt's placeholders are {_count(found)} in the order {found} but the "
+                             f"request gives {_count(expected)} in the order {expected}")
+        out, starts = [], [[] for _ in items]
+        slot = iter(slots)
+        for tok in token_ids:
+            if tok in pads:
+                k, n = next(slot)
+                starts[k].append(len(out))
+                out.extend([tok] * (items[k].num_rows // n))
+            else:
+                out.append(tok)
+        items = [dataclasses.replace(item, offset=offsets[0], segment_offsets=tuple(offsets) if len(offsets) > 1 or
+                                     self._segments(item) > 1 else ()) for item, offsets in zip(items, starts)]
+        return self._build(out, items)
 
     def media_settings(self, processor_kwargs: dict | None) -> MediaSettings:
         """The settings items are made with under ``processor_kwargs`` (checked: ``ValueError``)."""
@@ -106,18 +127,33 @@ class QwenVLInputProcessor:
         return ProcessedPrompt(token_ids, items, metadata)
 
 
+_VIDEO_WRAPPER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def _timestamped(text: str, items: list[ProcessedItem]) -> str:
+    """Each video's one placeholder, as the chat template writes it, becomes one placeholder per
+    temporal patch, each after its time in the video (Qwen3-VL's processor: the mean time of the
+    patch's frames, ``<1.5 seconds>``). A placeholder without a video is left for the count check."""
+    videos = [item.geometry for item in items if item.modality == "video"]
+    pieces = text.split(_VIDEO_WRAPPER)
+    out = [pieces[0]]
+    for index, piece in enumerate(pieces[1:]):
+        if index < len(videos):
+            geometry = videos[index]
+            times = _patch_times(geometry.frames_indices, geometry.metadata.fps,
+                                 len(geometry.frames_indices) // geometry.grid_thw[0])
+            out.append("".join(f"<{t:.1f} seconds>{_VIDEO_WRAPPER}" for t in times))
+        else:
+            out.append(_VIDEO_WRAPPER)
+        out.append(piece)
+    return "".join(out)
+
+
+def _patch_times(indices: Sequence[int], fps: float, frames_per_patch: int) -> list[float]:
+    seconds = [index / fps for index in indices]
+    return [(seconds[i] + seconds[i + frames_per_patch - 1]) / 2 for i in range(0, len(seconds), frames_per_patch)]
+
+
 def _count(modalities: list[str]) -> str:
     images, videos = modalities.count("image"), modalities.count("video")
     return f"{images} image(s) and {videos} video(s)"
-
-
-def _expand_placeholders(token_ids: list[int], pads: dict[int, str], rows: list[int]) -> tuple[list[int], list[int]]:
-    out, offsets, item = [], [], 0
-    for tok in token_ids:
-        if tok in pads:
-            offsets.append(len(out))
-            out.extend([tok] * rows[item])
-            item += 1
-        else:
-            out.append(tok)
-    return out, offsets

@@ -21,6 +21,9 @@ _VISION_PREFIXES = ("model.visual.", "visual.")
 
 
 def _tower_class(model_type: str) -> type:
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+        return Qwen3VLVisionModel
     if model_type == "qwen2_5_vl":
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
         return Qwen2_5_VisionTransformerPretrainedModel
@@ -53,10 +56,16 @@ class QwenVisionEncoder:
         self.video_sampling = VideoSampling.from_preprocessor_config(read_video_preprocessor_config(model_dir))
 
     @property
+    def deepstack_levels(self) -> int:
+        """Intermediate feature levels each row carries after its main embedding (Qwen3-VL)."""
+        return len(getattr(self.vision_config, "deepstack_visual_indexes", None) or ())
+
+    @property
     def embedding_dim(self) -> int:
-        """Width of one output row (the declared dim of a cached embedding row)."""
+        """Width of one output row (the declared dim of a cached embedding row): the LLM's hidden
+        size, times one plus the deepstack levels packed beside it (``qwen3_vl.family``)."""
         cfg = self.vision_config
-        return getattr(cfg, "out_hidden_size", None) or cfg.hidden_size
+        return (getattr(cfg, "out_hidden_size", None) or cfg.hidden_size) * (1 + self.deepstack_levels)
 
     @property
     def embedding_dtype(self) -> torch.dtype:
@@ -112,14 +121,21 @@ class QwenVisionEncoder:
     def encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """One batched tower forward over several items -> rows per item, in order."""
         pixel_values = pixel_values.to(self.device, self.dtype)
-        merged = self.tower(pixel_values, grid_thw=grid_thw.to(self.device)).pooler_output
+        out = self.tower(pixel_values, grid_thw=grid_thw.to(self.device))
+        # Qwen3-VL: each row packs its deepstack levels after the main embedding, [main | level 1 | ...]
+        merged = torch.cat([out.pooler_output, *out.deepstack_features], dim=-1) if self.deepstack_levels \
+            else out.pooler_output
         return self.split_rows(merged, grid_thw.cpu())
 
+    @property
     def block_loop(self):
-        """The tower cut into eager prelude, capturable block loop and eager postlude;
-        the encoder tier's graph runner captures the block loop."""
+        """A factory of the tower cut into eager prelude, capturable block loop and eager postlude
+        (the encoder tier's graph runner captures the block loop); None for Qwen3-VL's tower, whose
+        blocks also emit deepstack levels (it runs eager)."""
+        if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+            return None
         from epd.models.qwen2_vl.vision_blocks import QwenVisionBlockLoop
-        return QwenVisionBlockLoop(self.tower, self.model_type)
+        return lambda: QwenVisionBlockLoop(self.tower, self.model_type)
 
     def split_rows(self, merged: torch.Tensor, grid_thw: torch.Tensor) -> list[torch.Tensor]:
         """Merged rows of a batch -> rows per item, in order."""

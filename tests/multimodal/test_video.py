@@ -124,3 +124,20 @@ def test_processor_kwargs_change_sampling_within_the_checkpoints_bounds():
                       ({"num_frames": 8}, "unsupported processor kwargs ['num_frames']")]:
         with pytest.raises(ValueError, match=said.replace("[", r"\[").replace("]", r"\]")):
             base.with_kwargs(bad)
+
+
+def test_a_container_with_a_video_stream_and_no_frames_is_refused():
+    import io
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "bgr0"
+        container.start_encoding()  # the header is written, no frame follows
+        for packet in stream.encode():
+            container.mux(packet)
+    assert len(buf.getvalue()) > 100
+    with pytest.raises(MediaError, match="no frames|duration|expected a video container"):
+        probe_video(buf.getvalue())

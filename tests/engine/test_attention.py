@@ -138,7 +138,7 @@ def test_flex_compiles_long_prefills_and_then_any_shape_without_failing():
         torch.testing.assert_close(outs[0], outs[1], atol=2e-5, rtol=2e-5, msg=str(qlens[:3]))
 
 
-def test_flex_past_the_recompile_limit_fails_loudly_instead_of_running_unfused(monkeypatch):
+def test_flex_past_the_recompile_limit_fails_loudly_instead_of_running_unfused():
     """Unfused flex ignores the block lists that keep queries to their own sequence's pages: past the
     recompile limit it must raise, never return other sequences' attention."""
     import torch._dynamo
@@ -149,7 +149,9 @@ def test_flex_past_the_recompile_limit_fails_loudly_instead_of_running_unfused(m
     _compiled_flex()
     assert torch._dynamo.config.fail_on_recompile_limit_hit and torch._dynamo.config.recompile_limit >= 64
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    with pytest.raises(FailOnRecompileLimitHit):
+    # torch's own patch: pytest's monkeypatch would delete the setting on undo (torch's config module
+    # then hides it, and every later compile fails)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(FailOnRecompileLimitHit):
         test_flex_compiles_long_prefills_and_then_any_shape_without_failing()
     torch._dynamo.reset()  # the next test compiles afresh under the real limit
+    assert torch._dynamo.config.recompile_limit >= 64

@@ -85,22 +85,27 @@ def _check_all_loaded(model: Qwen2ForCausalLM, loaded: set[str], model_dir: Path
         raise ValueError(f"{model_dir}: checkpoint lacks LLM weights {missing[:8]}")
 
 
+def build_llm(model_class: type, cfg, model_dir: Path, *, device: str, dtype: torch.dtype):
+    """``model_class(cfg)`` with the checkpoint's weights, straight to ``device`` in ``dtype``, one
+    checkpoint tensor at a time: no float32 copy of the whole model on the host first (30 GB for a
+    7B model)."""
+    with torch.device("meta"):
+        model = model_class(cfg).to(dtype)  # on meta: no memory yet
+    model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_llm_weights(model, Path(model_dir))
+    return model.eval()
+
+
 class QwenVLFamily:
     def __init__(self, name: str) -> None:
         self.name = name
 
     def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
                  ) -> Qwen2ForCausalLM:
-        """Weights go straight to ``device`` in ``dtype``, one checkpoint tensor at a time: no
-        float32 copy of the whole model on the host first (30 GB for a 7B model)."""
-        cfg = text_config_from_hf(read_config(model_dir))
-        with torch.device("meta"):
-            model = Qwen2ForCausalLM(cfg).to(dtype)  # on meta: no memory yet
-        model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        load_llm_weights(model, Path(model_dir))
-        return model.eval()
+        return build_llm(Qwen2ForCausalLM, text_config_from_hf(read_config(model_dir)), model_dir, device=device,
+                         dtype=dtype)
 
     def load_vision(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         from epd.models.qwen2_vl.vision import QwenVisionEncoder

@@ -43,23 +43,30 @@ class Qwen2TextConfig:
 
 
 class Qwen2Attention(nn.Module):
+    qkv_bias = True
+
     def __init__(self, cfg: Qwen2TextConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=True)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=self.qkv_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = self.head_dim ** -0.5
+
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query and key heads ``[T, heads, head_dim]`` as the rotary takes them (as they are here)."""
+        return q, k
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = self.normed(q.view(num_tokens, self.num_heads, self.head_dim),
+                           k.view(num_tokens, self.num_kv_heads, self.head_dim))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         o = backend.forward(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(o.reshape(num_tokens, -1))
@@ -77,9 +84,11 @@ class Qwen2MLP(nn.Module):
 
 
 class Qwen2DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Qwen2Attention
+
     def __init__(self, cfg: Qwen2TextConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Qwen2Attention(cfg, layer_idx)
+        self.self_attn = self.attention_class(cfg, layer_idx)
         self.mlp = Qwen2MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -95,25 +104,32 @@ class Qwen2ForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    layer_class: type[nn.Module] = Qwen2DecoderLayer
+    rotary_class: type[nn.Module] = MRotaryEmbedding
+    deepstack_levels = 0  # vision levels added after the first layers (Qwen3-VL's deepstack)
 
-    def __init__(self, cfg: Qwen2TextConfig) -> None:
+    def __init__(self, cfg) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Qwen2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = MRotaryEmbedding(cfg.head_dim, cfg.rope_theta, list(cfg.mrope_section))
+        self.rotary = self.rotary_class(cfg.head_dim, cfg.rope_theta, list(cfg.mrope_section))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """inputs_embeds [T, D], positions [3, T] -> final hidden states [T, D]."""
+                meta: AttentionMetadata, backend: AttentionBackend,
+                deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """inputs_embeds [T, D], positions [3, T] -> final hidden states [T, D]. ``deepstack``: per
+        level a [T, D] added after that layer (zeros off the image positions; None: no rows)."""
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         x = inputs_embeds
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache, meta, backend)
+            if deepstack is not None and index < len(deepstack):
+                x = x + deepstack[index]
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 from epd.models.checkpoint import read_config
-from epd.models.qwen2_vl.family import load_llm_weights
+from epd.models.qwen2_vl.family import QwenVLFamily, build_llm
 from epd.models.qwen3_vl.llm import Qwen3ForCausalLM, Qwen3TextConfig
 from epd.models.spec import MultimodalSpec
 from epd.multimodal.layout import PromptLayout, build_prompt_layout
-from epd.multimodal.processor_kwargs import MediaSettings
 from epd.types import MultimodalItemSpan
 
 
@@ -43,24 +42,13 @@ def text_config_from_hf(hf: dict) -> Qwen3TextConfig:
         deepstack_levels=len(hf.get("vision_config", {}).get("deepstack_visual_indexes") or ()))
 
 
-class Qwen3VLFamily:
-    name = "qwen3_vl"
+class Qwen3VLFamily(QwenVLFamily):
+    """Qwen2-VL's vision loading, media settings and input processor; its own LLM, spec and layout."""
 
     def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
                  ) -> Qwen3ForCausalLM:
-        """Weights straight onto ``device`` in ``dtype``, one checkpoint tensor at a time."""
-        cfg = text_config_from_hf(read_config(model_dir))
-        with torch.device("meta"):
-            model = Qwen3ForCausalLM(cfg).to(dtype)
-        model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
-        if cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        load_llm_weights(model, Path(model_dir))
-        return model.eval()
-
-    def load_vision(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-        from epd.models.qwen2_vl.vision import QwenVisionEncoder
-        return QwenVisionEncoder(model_dir, dtype=dtype, device=device)
+        return build_llm(Qwen3ForCausalLM, text_config_from_hf(read_config(model_dir)), model_dir, device=device,
+                         dtype=dtype)
 
     def mm_spec(self, model_dir: Path) -> MultimodalSpec:
         hf = read_config(model_dir)
@@ -71,15 +59,6 @@ class Qwen3VLFamily:
             spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2), vocab_size=text.vocab_size,
             embedding_dim=text.hidden_size * (1 + text.deepstack_levels), deepstack_levels=text.deepstack_levels,
             video_timestamps=True)
-
-    def media_settings(self, model_dir: Path) -> MediaSettings:
-        from epd.models.qwen2_vl.processor import media_settings_for
-        return media_settings_for(model_dir)
-
-    def input_processor(self, model_dir: Path, tokenizer):
-        from epd.models.qwen2_vl.processor import QwenVLInputProcessor
-        model_dir = Path(model_dir)
-        return QwenVLInputProcessor(model_dir, tokenizer, self.mm_spec(model_dir), model_id=str(model_dir))
 
     def prompt_layout(self, spec: MultimodalSpec, token_ids: Sequence[int],
                       items: Sequence[MultimodalItemSpan]) -> PromptLayout:
@@ -95,4 +74,4 @@ class Qwen3VLFamily:
         return build_prompt_layout(token_ids, items, mm_token_ids=spec.mm_token_ids, positions_fn=positions)
 
 
-QWEN3_VL = Qwen3VLFamily()
+QWEN3_VL = Qwen3VLFamily("qwen3_vl")

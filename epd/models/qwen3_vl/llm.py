@@ -11,11 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from epd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
-from epd.models.layers import InterleavedMRotaryEmbedding, PackedLinear, RMSNorm, apply_rotary
-from epd.models.qwen2_vl.llm import Qwen2MLP
+from epd.models.layers import InterleavedMRotaryEmbedding, RMSNorm
+from epd.models.qwen2_vl.llm import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 
 
 @dataclass(frozen=True)
@@ -43,76 +41,26 @@ class Qwen3TextConfig:
                              f"{self.num_hidden_layers}")
 
 
-class Qwen3Attention(nn.Module):
+class Qwen3Attention(Qwen2Attention):
+    qkv_bias = False
+
     def __init__(self, cfg: Qwen3TextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=False)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        super().__init__(cfg, layer_idx)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # per head, before the rotary
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.scale = self.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rotary(self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim)), cos, sin)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        o = backend.forward(self.layer_idx, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(o.reshape(num_tokens, -1))
+    def normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3TextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Qwen3Attention(cfg, layer_idx)
-        self.mlp = Qwen2MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+class Qwen3DecoderLayer(Qwen2DecoderLayer):
+    attention_class = Qwen3Attention
 
 
-class Qwen3ForCausalLM(nn.Module):
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
-    def __init__(self, cfg: Qwen3TextConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = InterleavedMRotaryEmbedding(cfg.head_dim, cfg.rope_theta, list(cfg.mrope_section))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    layer_class = Qwen3DecoderLayer
+    rotary_class = InterleavedMRotaryEmbedding
 
     @property
     def deepstack_levels(self) -> int:
         return self.config.deepstack_levels
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, backend: AttentionBackend,
-                deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """inputs_embeds [T, D], positions [3, T], deepstack: per level [T, D] (zeros off the
-        placeholders) or None for a step without image rows -> final hidden states [T, D]."""
-        cos, sin = self.rotary(positions, inputs_embeds.dtype)
-        x = inputs_embeds
-        for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv_cache, meta, backend)
-            if deepstack is not None and index < len(deepstack):
-                x = x + deepstack[index]
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)

@@ -166,6 +166,34 @@ def test_bad_mm_processor_kwargs_are_a_400_naming_the_field_before_the_backend(m
     assert backend.jobs == []
 
 
+def test_videos_arrive_as_video_items_from_every_source_and_front_end(model_dir, tokenizer, tmp_path):
+    """A video by data: URL, by http(s) (the same fetcher, guard and limits as images), by file://
+    under the allowed root, and from the SDK's videos= (after its images): each a video item of
+    the bytes sent, placed in order."""
+    from tests.conftest import make_video_bytes
+
+    video = make_video_bytes(num_frames=8, fps=4, seed=60)
+    (tmp_path / "clip.mkv").write_bytes(video)
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    media = MediaFetcher(allow_private_network=True, allowed_local_media_path=str(tmp_path))
+
+    def video_chat(url: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}},
+                                             {"type": "text", "text": "What moves?"}]}]
+
+    with serve_files({"/clip.mkv": send_bytes(video, content_type="video/x-matroska")}) as files, \
+            both_front_ends(make_pipeline(model_dir, backend, media=media)) as (http, sdk):
+        http.chat.completions.create(model="tiny", messages=video_chat(
+            "data:video/x-matroska;base64," + base64.b64encode(video).decode()))
+        http.chat.completions.create(model="tiny", messages=video_chat(f"{files}/clip.mkv"))
+        http.chat.completions.create(model="tiny", messages=video_chat(f"file://{tmp_path / 'clip.mkv'}"))
+        sdk.chat("What moves?", images=[PNG], videos=[video])
+    kinds = [[(item.modality, item.data == (video if item.modality == "video" else PNG)) for item in job.prompt.items]
+             for job in backend.jobs]
+    assert kinds == [[("video", True)]] * 3 + [[("image", True), ("video", True)]]
+    assert len({job.prompt.items[-1].mm_hash for job in backend.jobs}) == 1  # one video, one key
+
+
 def test_a_servers_mm_processor_kwargs_beyond_the_checkpoint_stop_it_at_start(model_dir):
     from epd.config import ConfigError
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ import urllib.request
 import ray
 
 from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.server.ray_sizing import ROUTER_CPUS, SizingError, demand_breakdown, check_fits, fit_local
 
 
 @ray.remote
@@ -89,6 +91,9 @@ class RayEPDCluster:
         self._group_next = 0
 
     def start(self, timeout_s: float = 300.0) -> "RayEPDCluster":
+        """Place every actor and wait for them; a deployment the cluster cannot hold is a
+        ``SizingError`` before anything is placed, never an actor pending forever."""
+        check_fits(self.d, [node["Resources"] for node in ray.nodes() if node.get("Alive")])
         if self.d.colocate_prefill_decode:
             self._make_colocation_group(timeout_s)
         for tier in TIERS:
@@ -133,7 +138,13 @@ class RayEPDCluster:
 
     def _wait_workers(self, timeout_s: float) -> None:
         refs = [a.address.remote() for tier in TIERS for a in self.actors[tier]]
-        ray.get(refs, timeout=timeout_s)
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            raise SizingError(f"{len(refs) - len(ready)} of {len(refs)} worker actors were not running after "
+                              f"{timeout_s:.0f} s ({demand_breakdown(self.d)}; the cluster has "
+                              f"{ray.cluster_resources()}, free {ray.available_resources()})") from None
 
     def _start_router(self, timeout_s: float) -> None:
         config = self.d.router.model_copy(update={
@@ -141,7 +152,7 @@ class RayEPDCluster:
             "admin_port": 0, "admin_host": self._host(),
             "model": self.d.model, "host": self._host(), "port": self.d.http_port, "grpc_port": self.d.grpc_port,
             "transport": self.d.transport, **{f"{tier}s": tuple(self.addresses[tier]) for tier in TIERS}})
-        self.router = RouterActor.options(num_cpus=0.5, max_restarts=3).remote(config, self._admin_token)
+        self.router = RouterActor.options(num_cpus=ROUTER_CPUS, max_restarts=3).remote(config, self._admin_token)
         self.http_url, self.grpc_address, self.admin_url = ray.get(self.router.urls.remote(), timeout=timeout_s)
 
     # ---- run-time scaling --------------------------------------------------------------------------
@@ -204,6 +215,10 @@ def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
     deployment = deployment_from(config)
     ray.init(address=config.ray_address, include_dashboard=False,
              **({} if config.ray_address else {"_node_ip_address": "127.0.0.1"}))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installs its own, which kill the driver at once
+        signal.signal(sig, lambda *_: stop.set())
+    if config.ray_address is None:  # the one-node Ray started here: the tiers share its CPUs
+        deployment = fit_local(deployment, ray.cluster_resources().get("CPU", 0.0))
     cluster = RayEPDCluster(deployment)
     try:
         cluster.start(timeout_s=config.timeout_s)

@@ -83,7 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if config.launcher == "ray":
         from epd.server.ray import serve_on_ray
-        serve_on_ray(config, stop)
+        from epd.server.ray_sizing import SizingError
+        try:
+            serve_on_ray(config, stop)
+        except SizingError as err:  # one line naming what is asked and what exists, not a traceback
+            print(f"epd serve: error: {err}", file=sys.stderr, flush=True)
+            return 1
         return 0
     return serve_locally(config, stop)
 

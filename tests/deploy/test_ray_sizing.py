@@ -1,0 +1,83 @@
+"""A Ray deployment is checked against the cluster before any actor is placed (a deployment that
+cannot fit used to leave actors pending forever, silently); on a one-node Ray the launcher
+started itself, tiers without their own num_cpus share the node."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from epd.config import RayDeployment, TierSpec
+from epd.server.ray_sizing import ROUTER_CPUS, SizingError, check_fits, fit_local
+
+
+def deployment(**tiers) -> RayDeployment:
+    return RayDeployment(tiers=tiers)
+
+
+def test_on_a_two_cpu_node_the_tiers_share_what_the_router_leaves():
+    fitted = fit_local(deployment(), node_cpus=2)
+    assert [fitted.tiers[t].num_cpus for t in ("encoder", "prefill", "decode")] == [0.5, 0.5, 0.5]
+    check_fits(fitted, [{"CPU": 2.0}])
+    with pytest.raises(SizingError):
+        check_fits(deployment(), [{"CPU": 2.0}])  # unfitted: 3.5 CPUs on 2
+    roomy = fit_local(deployment(), node_cpus=16)
+    assert all(spec.num_cpus == 1.0 for spec in roomy.tiers.values())  # never more than one each
+
+
+def test_an_explicit_num_cpus_is_kept_and_a_deployment_too_large_is_named():
+    d = fit_local(deployment(encoder=TierSpec(num_cpus=4), prefill=TierSpec(num_cpus=4), decode=TierSpec(num_cpus=4)),
+                  node_cpus=2)
+    assert d.tiers["encoder"].num_cpus == 4
+    with pytest.raises(SizingError) as err:
+        check_fits(d, [{"CPU": 2.0}])
+    message = str(err.value)
+    assert f"asks for {12 + ROUTER_CPUS:g} CPU" in message and "the Ray cluster has 2 CPU on 1 node(s)" in message
+    assert "1 encoder x 4 CPU" in message and "router 0.5 CPU" in message
+
+
+def test_an_actor_larger_than_every_node_is_named_even_when_the_total_fits():
+    d = deployment(encoder=TierSpec(num_gpus=2), prefill=TierSpec(), decode=TierSpec())
+    nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]
+    with pytest.raises(SizingError, match=r"actor 'encoder 0' asks for 1 CPU, 2 GPU and no single node has that"):
+        check_fits(d, nodes)
+    check_fits(deployment(encoder=TierSpec(num_gpus=1)), nodes)
+
+
+@pytest.mark.slow
+def test_epd_serve_on_ray_refuses_an_oversized_deployment_in_seconds(tmp_path, tmp_path_factory):
+    """The command a user runs: a sizing error is one line within seconds, not a hang."""
+    config = tmp_path / "ray.yaml"
+    config.write_text("tiers:\n  encoder: {num_cpus: 64}\n")
+    # a short private temp dir: Ray's socket paths must fit AF_UNIX's 107 characters
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "epd", "serve", "--launcher", "ray", "--ray-config", str(config),
+                           "--port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120,
+                          env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "epd serve: error: the deployment asks for" in done.stderr and "64 CPU" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert elapsed < 60, elapsed  # Ray's own start included; no actor was ever placed
+
+
+@pytest.mark.slow
+def test_epd_serve_on_ray_serves_on_this_small_machine_with_shared_cpus(tmp_path_factory):
+    """Three tiers at one CPU each and the router used to ask 3.5 CPUs of a 2-CPU machine and hang;
+    on the one-node Ray it starts itself, the launcher shares the node instead."""
+    import openai
+
+    from tests.e2e.serve_process import ServeProcess
+
+    serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))})
+    try:
+        client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=4, messages=[{"role": "user",
+                                                                                           "content": "Hi"}])
+        assert out.usage.completion_tokens == 4
+    finally:
+        assert serve.stop() == 0, "\n".join(serve.lines[-20:])

@@ -260,6 +260,14 @@ class RouterConfig(_Config):
     encoders: tuple[str, ...] = Field((), description="encoder addresses (host:port)")
     prefills: tuple[str, ...] = Field((), description="prefill addresses (host:port)")
     decodes: tuple[str, ...] = Field((), description="decode addresses (host:port)")
+    encoder_service: str | None = Field(None, description="a name (host:port) whose addresses are the encoders, e.g. "
+                                                          "a Kubernetes headless Service: resolved every "
+                                                          "discovery_period_s, new ones added, gone ones drained")
+    prefill_service: str | None = Field(None, description="as encoder_service, for prefill workers")
+    decode_service: str | None = Field(None, description="as encoder_service, for decode workers")
+    discovery_period_s: float = Field(5.0, gt=0, description="seconds between lookups of the *_service names")
+    discovery_drain_timeout_s: float = Field(60.0, gt=0, description="how long a worker that left its service may "
+                                                                     "finish its requests before it is forgotten")
     host: str = Field("127.0.0.1", description="where the router listens")
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
@@ -351,6 +359,15 @@ class RouterConfig(_Config):
         if negative:
             raise ValueError(f"limit_mm_per_prompt: counts must be >= 0 (0 refuses the modality), got {negative}")
         return self
+
+    @field_validator("encoder_service", "prefill_service", "decode_service")
+    @classmethod
+    def _host_and_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, sep, port = value.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"expected host:port (a name whose addresses are the workers), got {value!r}")
+        return value
 
     @field_validator("api_key_file", "admin_token_file")
     @classmethod

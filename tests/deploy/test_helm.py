@@ -39,8 +39,10 @@ CASES: dict[str, dict] = {
     "gpu": _file_values("values-gpu.yaml"),
     "cpu": _file_values("values-cpu.yaml"),
     "servicemonitor": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+    # static discovery: the router is started with every slot an autoscaler may fill
     "hpa": {tier: {"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 3,
-                                   "targetMemoryUtilizationPercentage": 75}}
+                                   "targetMemoryUtilizationPercentage": 75}, **({"discovery": "static"}
+                                                                            if tier == "router" else {})}
             for tier in ("router", *TIERS)},
     "pvc": {"model": {"source": "pvc", "path": "/models/qwen2-vl-2b", "pvc": {"claimName": "models",
                                                                              "subPath": "Qwen2-VL-2B"}}},
@@ -163,6 +165,7 @@ BAD_VALUES = {
     "tls without a secret": {"tls": {"enabled": True}},
     "api keys without a key name": {"apiKeys": {"secretName": "keys", "key": ""}},
     "chart-managed tls in a tier": {"encoder": {"config": {"tls": {"tls_cert": "/x"}}}},
+    "unknown discovery": {"router": {"discovery": "consul"}},
 }
 
 
@@ -176,6 +179,25 @@ def test_schema_rejects_bad_values(case):
         render(values)
     report = helm.lint(CHART, values, strict=True)
     assert report["errors"], f"lint accepted {case}: {values}"
+
+
+def test_scaling_a_tier_leaves_the_router_untouched_with_dns_discovery():
+    """The router follows the headless Services: a replica change renders the same router
+    Deployment (no restart, no stream cut); with static discovery it would not."""
+    def router_deployment(values: dict) -> dict:
+        return by_kind(manifests(render(values)), "Deployment")["epd-router"]
+
+    for tier in TIERS:
+        assert router_deployment({tier: {"replicas": 4}}) == router_deployment({})
+    static = {"router": {"discovery": "static"}}
+    assert router_deployment({**static, "encoder": {"replicas": 4}}) != router_deployment(static)
+
+
+def test_dns_discovery_with_mutual_tls_needs_a_server_name():
+    no_name = {"enabled": True, "secretName": "epd-tls", "serverName": ""}  # the chart's default names one
+    with pytest.raises(helm.HelmError, match="tls.serverName"):
+        render({"tls": no_name})
+    render({"tls": no_name, "router": {"discovery": "static"}})
 
 
 def test_cuda_transports_need_gpus():
@@ -234,6 +256,10 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
     assert (rc.host, rc.port, rc.grpc_port) == ("0.0.0.0", 8000, 50051)
     assert rc.transport == values.get("transport", "inline")
     for tier in TIERS:
+        if values.get("router", {}).get("discovery", "dns") == "dns":  # the router follows the Service
+            assert getattr(rc, f"{tier}_service") == f"epd-{tier}-headless.{NAMESPACE}.svc.cluster.local:50051"
+            assert getattr(rc, f"{tier}s") == ()
+            continue
         auto = values.get(tier, {}).get("autoscaling", {})
         slots = auto["maxReplicas"] if auto.get("enabled") else values.get(tier, {}).get("replicas", 1)
         assert getattr(rc, f"{tier}s") == tuple(
@@ -455,7 +481,8 @@ def test_schema_knows_every_config_field():
     # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file; tls comes
     # from the chart's own tls block (a mounted Secret)
     assert set(defs["routerConfig"]["properties"]) == fields(
-        RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes", "host", "port", "grpc_port",
+        RouterConfig, minus=("model", "transport", "encoders", "prefills", "decodes", "encoder_service",
+                             "prefill_service", "decode_service", "host", "port", "grpc_port",
                              "allowed_local_media_path", "allow_private_network", "aggregated", "engine",
                              "api_keys", "tls"))
 

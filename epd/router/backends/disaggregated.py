@@ -52,6 +52,7 @@ from epd.router.backends.moves import (
     lost_message,
     unless_lost,
 )
+from epd.router.discovery import DnsDiscovery, Resolver, resolve_service
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
 from epd.rpc import retry_after_s
@@ -68,8 +69,11 @@ _PASSED_THROUGH = {ErrorCode.INVALID_ARGUMENT: InvalidRequest, ErrorCode.DEADLIN
 
 
 class DisaggregatedBackend:
-    def __init__(self, config: RouterConfig, model_dir: str | Path) -> None:
+    def __init__(self, config: RouterConfig, model_dir: str | Path, *, resolve: Resolver = resolve_service) -> None:
+        """``resolve``: how the ``*_service`` names become addresses (DNS; tests pass their own)."""
         self.config = config
+        self._resolve = resolve
+        self.discovery: DnsDiscovery | None = None
         # rows leave the encoders in float32 (their default dtype): what admission's byte budget counts
         self.embedding_row_bytes = family_for(model_dir).mm_spec(Path(model_dir)).embedding_dim * 4
         self.workers = WorkerRegistry({"encoder": list(config.encoders), "prefill": list(config.prefills),
@@ -86,8 +90,16 @@ class DisaggregatedBackend:
 
     async def start(self) -> None:
         await self.workers.start()
+        services = {tier: name for tier in TIERS if (name := getattr(self.config, f"{tier}_service"))}
+        if services:
+            self.discovery = DnsDiscovery(self.workers, services, period_s=self.config.discovery_period_s,
+                                          drain_timeout_s=self.config.discovery_drain_timeout_s,
+                                          expected_model=self.config.model, resolve=self._resolve)
+            await self.discovery.start()
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         await self.workers.close()
 
     def health(self) -> dict:

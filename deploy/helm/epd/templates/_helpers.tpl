@@ -110,6 +110,11 @@ app.kubernetes.io/component: {{ .tier }}
 {{- join "," $addrs -}}
 {{- end -}}
 
+{{/* A tier's headless Service as host:port, whose DNS answers are its pods (router discovery: dns). */}}
+{{- define "epd.serviceAddress" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "epd.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.workerPorts.grpc) -}}
+{{- end -}}
+
 {{/* GPUs per pod of a worker tier (0 when gpu.enabled is false). */}}
 {{- define "epd.gpus" -}}
 {{- $t := index .root.Values .tier -}}
@@ -183,6 +188,9 @@ tls_server_name: {{ . | quote }}
 {{- end -}}
 {{- if and (ne .Values.model.source "preset") (not (hasPrefix "/" (.Values.model.path | toString))) -}}
 {{- fail "model.path must be an absolute path in the container" -}}
+{{- end -}}
+{{- if and .Values.tls.enabled (eq .Values.router.discovery "dns") (not .Values.tls.serverName) -}}
+{{- fail "router.discovery=dns connects to pod IPs: with tls.enabled set tls.serverName to a name the certificates carry (or router.discovery=static)" -}}
 {{- end -}}
 {{- end -}}
 

@@ -232,6 +232,9 @@ class WorkerConfig(_Config):
     io_threads: PositiveInt = Field(8, description="threads for blocking transfer work (imports, exports, lease "
                                                    "calls); requests in flight cost no thread")
     metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
+    drain_timeout_s: float = Field(25.0, ge=0, description="on SIGTERM: take no new request (health says DRAINING) "
+                                                           "and wait this long for the held ones before stopping "
+                                                           "(below Kubernetes' terminationGracePeriodSeconds)")
     overlap_prefill_with_encode: bool = Field(True, description="prefill text before images while encoding",
                                               json_schema_extra={"flag": "overlap"})
     tls: TlsConfig = TlsConfig()
@@ -266,6 +269,9 @@ class RouterConfig(_Config):
     prefill_service: str | None = Field(None, description="as encoder_service, for prefill workers")
     decode_service: str | None = Field(None, description="as encoder_service, for decode workers")
     discovery_period_s: float = Field(5.0, gt=0, description="seconds between lookups of the *_service names")
+    shutdown_grace_s: float = Field(25.0, ge=0, description="on SIGTERM: stop taking requests and let the streams in "
+                                                            "flight finish for this long (below Kubernetes' "
+                                                            "terminationGracePeriodSeconds)")
     discovery_drain_timeout_s: float = Field(60.0, gt=0, description="how long a worker that left its service may "
                                                                      "finish its requests before it is forgotten")
     host: str = Field("127.0.0.1", description="where the router listens")

@@ -113,7 +113,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Health(self, request, context):
         engine = self.worker.engine
         sched = engine.scheduler
-        return common_pb2.HealthResponse(status="SERVING", tier="decode", model=self.config.model,
+        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="decode",
+                                         model=self.config.model,
                                          num_running=len(sched.running),
                                          num_waiting=len(sched.waiting) + len(sched.importing),
                                          kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,

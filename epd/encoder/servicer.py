@@ -114,7 +114,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     async def Health(self, request, context):
         stats = self.engine.stats()
-        return common_pb2.HealthResponse(status="SERVING", tier="encoder", model=self.config.model,
+        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="encoder",
+                                         model=self.config.model,
                                          num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
                                          num_encoder_forwards=stats.num_forwards,
                                          num_encoded_items=stats.num_encoded_items, num_steps=stats.num_forwards,

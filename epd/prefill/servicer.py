@@ -90,7 +90,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Health(self, request, context):
         engine = self.worker.engine
         computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
-        return common_pb2.HealthResponse(status="SERVING", tier="prefill", model=self.config.model,
+        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="prefill",
+                                         model=self.config.model,
                                          num_running=computable, num_waiting=waiting,
                                          kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
                                          num_held_requests=self.ctx.admission.num_requests)

@@ -33,6 +33,7 @@ class WorkerState:
     channel: grpc.aio.Channel
     healthy: bool = False
     draining: bool = False  # being removed: no new requests, in-flight ones finish
+    stopping: bool = False  # the worker says it is draining (its SIGTERM): no new requests, in-flight ones finish
     consecutive_failures: int = 0
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
@@ -50,12 +51,15 @@ class WorkerState:
 
     def as_dict(self) -> dict:
         h = self.last_health
-        return {"address": self.address, "healthy": self.healthy, "draining": self.draining,
+        return {"address": self.address, "healthy": self.healthy, "draining": self.draining or self.stopping,
                 "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
                 "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps}
 
     def set_healthy(self, healthy: bool) -> None:
-        if not healthy and self._left_rotation is not None and not self._left_rotation.done():
+        # a worker that said it was stopping went away after finishing what it held: the calls the
+        # router is still reading (answers buffered on this side) end on their own, none is moved;
+        # a call it really lost fails with its error and moves that way
+        if not healthy and not self.stopping and self._left_rotation is not None and not self._left_rotation.done():
             self._left_rotation.set_result(None)
         self.healthy = healthy
 
@@ -103,7 +107,8 @@ class WorkerRegistry:
                 await w.channel.close()
 
     def candidates(self, tier: str) -> list[Candidate]:
-        return [Candidate(w.address, w.load) for w in self.workers.get(tier, []) if w.healthy and not w.draining]
+        return [Candidate(w.address, w.load) for w in self.workers.get(tier, [])
+                if w.healthy and not w.draining and not w.stopping]
 
     async def add(self, tier: str, address: str, *, expected_model: str | None = None) -> WorkerState:
         """Register a new worker (scale-up) once it answers EPD's health RPC as ``tier`` (and, when
@@ -184,6 +189,10 @@ class WorkerRegistry:
         now_s = time.monotonic()
         w.note_progress(health, now_s)
         w.last_health, w.consecutive_failures = health, 0
+        if (health.status == "DRAINING") != w.stopping:
+            log.info("%s %s %s", w.tier, w.address, "is draining: no new requests" if health.status == "DRAINING"
+                     else "serves again")
+            w.stopping = health.status == "DRAINING"
         stalled_s = now_s - w.progress_at_s
         if stalled_s > self.stall_timeout_s:
             if w.healthy:

@@ -20,6 +20,13 @@ class TierAdmission:
         self.tier, self.max_requests, self.max_imported_bytes = tier, max_requests, max_imported_bytes
         self.num_requests = 0
         self.imported_bytes = 0
+        # stopping gracefully: no new request (health says DRAINING, so routers send none), the held
+        # ones finish
+        self.draining = False
+
+    @property
+    def health_status(self) -> str:
+        return "DRAINING" if self.draining else "SERVING"
 
     @contextlib.contextmanager
     def hold(self, imported_bytes: int = 0):
@@ -36,6 +43,8 @@ class TierAdmission:
             self.imported_bytes -= imported_bytes
 
     def _check(self, imported_bytes: int) -> None:
+        if self.draining:  # a call that raced the router's next health check: it goes elsewhere
+            raise Overloaded(f"{self.tier} is stopping (draining): it takes no new request", retry_after_s=_RETRY_AFTER_S)
         if self.num_requests >= self.max_requests:
             raise Overloaded(f"{self.tier} holds {self.num_requests} requests (max_requests={self.max_requests})",
                              retry_after_s=_RETRY_AFTER_S)

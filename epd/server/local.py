@@ -297,8 +297,10 @@ class LocalCluster:
         threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
         return tp
 
-    def stop(self, timeout_s: float = 15.0) -> None:
-        # the router first: it stops taking requests before the workers go away
+    def stop(self, timeout_s: float = 30.0) -> None:
+        # the router first: it stops taking requests before the workers go away. A worker drains on
+        # SIGTERM (drain_timeout_s, 25 s): once the router is gone its calls are cancelled, so that
+        # wait is short unless something else still calls it
         self.processes.sort(key=lambda p: p.tier != "router")
         self.processes += self._standbys.values()
         self._standbys.clear()

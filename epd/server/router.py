@@ -152,13 +152,19 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
                     limits=limits, rate_limiter=rate_limiter, allowed_origins=config.allowed_origins)
     admin = await _start_admin(config, router)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=config.shutdown_grace_s))
     if on_server is not None:
         on_server(server)
+    grpc_stopping: list[asyncio.Task] = []
     if handle_signals:
         loop = asyncio.get_running_loop()
+
+        def stop() -> None:  # both APIs stop taking requests now and finish what they stream, up to the grace
+            server.should_exit = True
+            if not grpc_stopping:
+                grpc_stopping.append(asyncio.ensure_future(grpc_server.stop(grace=config.shutdown_grace_s)))
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+            loop.add_signal_handler(sig, stop)
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
@@ -172,7 +178,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     if admin is not None:
         admin[0].should_exit = True
         await admin[1]
-    await grpc_server.stop(grace=2)
+    await (grpc_stopping[0] if grpc_stopping else grpc_server.stop(grace=2))
     await router.close()
 
 

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import importlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 
 log = logging.getLogger("epd.server")
 T = TypeVar("T")
+_DRAIN_NOTICE_S = 2.0  # how long a stopping worker answers DRAINING at least
 
 # tier -> (module with build(ctx), whether it exports tensors: those get a TensorStore)
 _TIERS = {"encoder": ("epd.encoder.servicer", True), "prefill": ("epd.prefill.servicer", True),
@@ -78,6 +80,24 @@ class RunningTier:
     address: str
     metrics_url: str
     on_stop: Callable[[], None]
+    admission: TierAdmission | None = None
+
+    def drain(self, timeout_s: float) -> bool:
+        """Take no new request (health says DRAINING: routers stop sending and move on) and wait up
+        to ``timeout_s`` for the held ones to finish. Returns whether they all did."""
+        if self.admission is None:
+            return True
+        self.admission.draining = True
+        log.info("%s at %s draining: %d request(s) held", self.tier, self.address, self.admission.num_requests)
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while self.admission.num_requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # answer DRAINING long enough for every router's health check to see it (they poll about
+        # once a second): a router that knows lets the calls it is still reading end on their own
+        # instead of moving them when this process goes
+        time.sleep(max(0.0, min(_DRAIN_NOTICE_S, deadline - time.monotonic()) - (time.monotonic() - start)))
+        return self.admission.num_requests == 0
 
     def stop(self) -> None:
         log.info("stopping %s at %s", self.tier, self.address)
@@ -129,7 +149,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
         if store is not None:
             store.close()  # unlinks every segment this worker made
 
-    return RunningTier(tier, server, address, metrics_url, on_stop)
+    return RunningTier(tier, server, address, metrics_url, on_stop, admission)
 
 
 def tier_command(tier: str) -> Command:
@@ -151,4 +171,6 @@ def main(tier: str, argv: list[str] | None = None) -> None:
     running = start_tier(tier, config)
     announce_ready(tier, running.address, f"metrics={running.metrics_url}")
     wait_for_stop_signal()
+    if not running.drain(config.drain_timeout_s):  # a supervisor's SIGTERM (Kubernetes, epd serve): finish first
+        log.warning("%s still held requests after %.0f s of draining; stopping anyway", tier, config.drain_timeout_s)
     running.stop()

@@ -510,3 +510,20 @@ def test_values_files_are_complete_and_valid():
         for name in ("values-gpu.yaml", "values-cpu.yaml"):
             merged = chart.merge_values(_file_values(name))
             chart.validate_schema(copy.deepcopy(merged))
+
+
+def test_the_router_waits_for_endpoints_then_drains_within_the_grace_period(rendered):
+    """preStop sleep (endpoints stop sending), then SIGTERM: no new requests, streams finish within
+    shutdown_grace_s; the pod's grace period covers both, as the workers' covers their drain."""
+    from epd.config import RouterConfig, WorkerConfig
+
+    docs = rendered["default"]
+    router = by_kind(docs, "Deployment")["epd-router"]
+    pod = router["spec"]["template"]["spec"]
+    sleep_s = int(_container(router)["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] >= sleep_s + RouterConfig().shutdown_grace_s
+    for tier in TIERS:
+        grace = by_kind(docs, "StatefulSet")[f"epd-{tier}"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > WorkerConfig().drain_timeout_s
+    assert "lifecycle" not in _container(by_kind(manifests(render({"router": {"preStopSleepSeconds": 0}})),
+                                                 "Deployment")["epd-router"])

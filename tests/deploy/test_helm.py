@@ -62,6 +62,18 @@ CASES: dict[str, dict] = {
                 "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {
                     "matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]},
                 "router": {"service": {"type": "LoadBalancer"}}},
+    "exposed": {"runtimeClassName": "nvidia",
+                "router": {"ingress": {"enabled": True, "className": "nginx",
+                                       "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
+                                       "hosts": [{"host": "epd.example.com", "paths": [{"path": "/v1"}]}],
+                                       "tls": [{"secretName": "epd-example-tls", "hosts": ["epd.example.com"]}]},
+                           "runtimeClassName": "runc",
+                           "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone",
+                                                          "whenUnsatisfiable": "ScheduleAnyway"}]},
+                "decode": {"topologySpreadConstraints": [
+                    {"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "DoNotSchedule"},
+                    {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone",
+                     "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": {"pool": "decode"}}}]}},
     "nccl": {"gpu": {"enabled": True}, "transport": "nccl", "decode": {"gpus": 2},
              "encoder": {"config": {"encoder": {"device": "cuda:0", "cuda_graph_buckets": [[4096, 4]]}}}},
 }
@@ -166,6 +178,10 @@ BAD_VALUES = {
     "api keys without a key name": {"apiKeys": {"secretName": "keys", "key": ""}},
     "chart-managed tls in a tier": {"encoder": {"config": {"tls": {"tls_cert": "/x"}}}},
     "unknown discovery": {"router": {"discovery": "consul"}},
+    "spread without a topology key": {"decode": {"topologySpreadConstraints": [
+        {"maxSkew": 1, "whenUnsatisfiable": "ScheduleAnyway"}]}},
+    "ingress path not absolute": {"router": {"ingress": {"enabled": True, "hosts": [{"paths": [{"path": "v1"}]}]}}},
+    "ingress tls without a secret": {"router": {"ingress": {"enabled": True, "tls": [{"hosts": ["a.example"]}]}}},
 }
 
 
@@ -527,3 +543,42 @@ def test_the_router_waits_for_endpoints_then_drains_within_the_grace_period(rend
         assert grace > WorkerConfig().drain_timeout_s
     assert "lifecycle" not in _container(by_kind(manifests(render({"router": {"preStopSleepSeconds": 0}})),
                                                  "Deployment")["epd-router"])
+
+
+def test_ingress_serves_the_http_api(rendered):
+    assert not by_kind(rendered["default"], "Ingress")
+    ingress = by_kind(rendered["exposed"], "Ingress")["epd-router"]
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == CASES["exposed"]["router"]["ingress"]["tls"]
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}
+    (rule,) = spec["rules"]
+    assert rule["host"] == "epd.example.com"
+    (path,) = rule["http"]["paths"]
+    assert path == {"path": "/v1", "pathType": "Prefix",
+                    "backend": {"service": {"name": "epd-router", "port": {"name": "http"}}}}
+    ports = {p["name"] for p in by_kind(rendered["exposed"], "Service")["epd-router"]["spec"]["ports"]}
+    assert "http" in ports
+    # the default host entry has no host: a catch-all rule, not an empty host name
+    (rule,) = by_kind(manifests(render({"router": {"ingress": {"enabled": True}}})), "Ingress")["epd-router"]["spec"]["rules"]
+    assert "host" not in rule and rule["http"]["paths"][0]["path"] == "/"
+
+
+def test_spread_constraints_select_their_own_tier_and_runtime_class_falls_back(rendered):
+    docs = rendered["exposed"]
+    pods = {name: d["spec"]["template"]["spec"] for kind in ("Deployment", "StatefulSet")
+            for name, d in by_kind(docs, kind).items()}
+    assert pods["epd-router"]["runtimeClassName"] == "runc"  # the tier's own wins
+    for tier in TIERS:
+        assert pods[f"epd-{tier}"]["runtimeClassName"] == "nvidia"
+    (router_spread,) = pods["epd-router"]["topologySpreadConstraints"]
+    assert router_spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    own, named = pods["epd-decode"]["topologySpreadConstraints"]
+    assert own["labelSelector"]["matchLabels"] == by_kind(docs, "StatefulSet")["epd-decode"]["spec"]["selector"]["matchLabels"]
+    assert own["whenUnsatisfiable"] == "DoNotSchedule"
+    assert named["labelSelector"] == {"matchLabels": {"pool": "decode"}}
+    assert "topologySpreadConstraints" not in pods["epd-encoder"]
+    for doc in rendered["default"]:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            spec = doc["spec"]["template"]["spec"]
+            assert "runtimeClassName" not in spec and "topologySpreadConstraints" not in spec

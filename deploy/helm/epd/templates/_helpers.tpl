@@ -315,6 +315,20 @@ affinity:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with $t.topologySpreadConstraints }}
+{{- /* each constraint selects this tier's pods unless it names its own labelSelector */ -}}
+{{- $spread := list }}
+{{- range . }}
+{{- $c := deepCopy . }}
+{{- if not (hasKey $c "labelSelector") }}{{ $_ := set $c "labelSelector" (dict "matchLabels" (include "epd.selectorLabels" $ | fromYaml)) }}{{ end }}
+{{- $spread = append $spread $c }}
+{{- end }}
+topologySpreadConstraints:
+  {{- toYaml $spread | nindent 2 }}
+{{- end }}
+{{- with ($t.runtimeClassName | default $root.Values.runtimeClassName) }}
+runtimeClassName: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Container resources of a worker tier, with the GPU limit added when gpu.enabled. */}}

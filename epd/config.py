@@ -221,6 +221,8 @@ class WorkerConfig(_Config):
     engine: EngineConfig = EngineConfig()
     encoder: EncoderConfig = EncoderConfig()
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
+    host_id: str = Field("", description="the host this worker shares memory with (equal ids: shm / CUDA IPC "
+                                         "between them; empty: this machine's hostname and boot id)")
     lease_ttl_s: float = Field(60.0, gt=0, description="seconds an exported tensor is kept for its consumer")
     request_timeout_s: float = Field(120.0, gt=0, description="longest wait for one request (bounds the caller's "
                                                                 "deadline too)")

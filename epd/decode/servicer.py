@@ -16,7 +16,7 @@ from epd.protocol import decode_job_from_proto, logprobs_to_proto
 from epd.rpc import abort_with_async, remaining_s
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
-from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from epd.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("epd.decode")
 _LATE_ADD_WAIT_S = 10.0  # a request the loop has not queued yet: how long to wait to take it out again
@@ -113,12 +113,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Health(self, request, context):
         engine = self.worker.engine
         sched = engine.scheduler
-        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="decode",
-                                         model=self.config.model,
-                                         num_running=len(sched.running),
-                                         num_waiting=len(sched.waiting) + len(sched.importing),
-                                         kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
-                                         num_held_requests=self.ctx.admission.num_requests)
+        return self.ctx.health(num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.importing),
+                               kv_usage=engine.block_manager.usage, num_steps=engine.num_steps)
 
 
 async def _sequence(added: Future):

@@ -23,6 +23,7 @@ from epd.multimodal.processor_kwargs import MediaSettings
 from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
 from epd.tls import process_tls
 from epd.transport import choose_transport
+from epd.transport.choose import is_same_host
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("epd.encoder")
@@ -105,7 +106,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         return made
 
     def _export(self, request, item_index: int, rows, ready_event=None) -> common_pb2.EmbeddingPush:
-        transport = choose_transport(rows.device.type, same_host=True,
+        transport = choose_transport(rows.device.type, is_same_host(self.ctx.host_id, request.consumer_host_id),
                                      override=request.transport or self.config.transport or None)
         with self.metrics.time_transfer(transport, "export", rows.nbytes):
             handle = self.store.export(rows, transport=transport, ttl_s=self.config.lease_ttl_s,
@@ -114,12 +115,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     async def Health(self, request, context):
         stats = self.engine.stats()
-        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="encoder",
-                                         model=self.config.model,
-                                         num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
-                                         num_encoder_forwards=stats.num_forwards,
-                                         num_encoded_items=stats.num_encoded_items, num_steps=stats.num_forwards,
-                                         num_held_requests=self.ctx.admission.num_requests)
+        return self.ctx.health(num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
+                               num_encoder_forwards=stats.num_forwards, num_encoded_items=stats.num_encoded_items,
+                               num_steps=stats.num_forwards)
 
 
 _MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2  # one call's pushes; handles are small unless inline

@@ -12,6 +12,7 @@ from epd.prefill.worker import PrefillResult, PrefillWorker
 from epd.protocol import logprobs_to_proto, prefill_job_from_proto
 from epd.rpc import abort_with_async, remaining_s
 from epd.transport import choose_transport, import_tensor
+from epd.transport.choose import is_same_host
 from epd.transport.handles import TransportError
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
@@ -81,7 +82,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def _export_kv(self, result: PrefillResult, request):
         """On an io thread: a lease on the KV's memory (copied out of the cache into the store's
         shared memory, or on the GPU for CUDA IPC); a copy only for inline."""
-        transport = choose_transport(result.kv.device.type, same_host=True,
+        transport = choose_transport(result.kv.device.type,
+                                     is_same_host(self.ctx.host_id, request.kv_consumer_host_id),
                                      override=request.kv_transport or self.config.transport or None)
         with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
             return self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s,
@@ -90,11 +92,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Health(self, request, context):
         engine = self.worker.engine
         computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
-        return common_pb2.HealthResponse(status=self.ctx.admission.health_status, tier="prefill",
-                                         model=self.config.model,
-                                         num_running=computable, num_waiting=waiting,
-                                         kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
-                                         num_held_requests=self.ctx.admission.num_requests)
+        return self.ctx.health(num_running=computable, num_waiting=waiting, kv_usage=engine.block_manager.usage,
+                               num_steps=engine.num_steps)
 
 
 def build(ctx):

@@ -39,6 +39,7 @@ class RouterMetrics:
         # counts kept elsewhere (a worker's, in its last health reply; the backend's moves), read at scrape
         self._encoder_counts: dict[tuple[str, str], tuple[int, int]] = {}
         self._moves: dict[str, int] = {}
+        self._handoffs: dict[tuple[str, str], int] = {}
         counts = LiveCounters()
         counts.add_labelled("epd_encoder_forwards", "Encoder batches run (the worker's count)", labels,
                             lambda: ((k, v[0]) for k, v in self._encoder_counts.items()))
@@ -47,6 +48,10 @@ class RouterMetrics:
         counts.add_labelled("epd_request_moves", "Requests moved off a lost worker since start, by stage "
                             "(redispatched: before the first token; migrated: mid-stream)", ["stage"],
                             lambda: (((stage,), self._moves.get(stage, 0)) for stage in ("redispatched", "migrated")))
+        counts.add_labelled("epd_tensor_handoffs", "Tensor hand-overs the router arranged since start, by stage "
+                            "(embeddings: encoder to prefill; kv: prefill to decode) and placement (same_host: "
+                            "shm / CUDA IPC; cross_host: inline / NCCL)", ["stage", "placement"],
+                            lambda: self._handoffs.items())
         r.register(counts)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
@@ -84,6 +89,9 @@ class RouterMetrics:
 
     def refresh_moves(self, moves) -> None:
         self._moves = dict(moves)
+
+    def refresh_handoffs(self, handoffs) -> None:
+        self._handoffs = dict(handoffs)
 
     def render(self) -> bytes:
         return render(self.registry)

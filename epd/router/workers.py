@@ -46,6 +46,11 @@ class WorkerState:
         return _STUBS[self.tier](self.channel)
 
     @property
+    def host_id(self) -> str:
+        """The host whose memory the worker shares (from its health answers; "" before the first)."""
+        return self.last_health.host_id
+
+    @property
     def load(self) -> float:
         return self.in_flight + self.last_health.num_waiting + self.last_health.kv_usage
 
@@ -53,7 +58,8 @@ class WorkerState:
         h = self.last_health
         return {"address": self.address, "healthy": self.healthy, "draining": self.draining or self.stopping,
                 "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
-                "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps}
+                "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps,
+                "host_id": h.host_id}
 
     def set_healthy(self, healthy: bool) -> None:
         # a worker that said it was stopping went away after finishing what it held: the calls the
@@ -106,9 +112,10 @@ class WorkerRegistry:
             for w in states:
                 await w.channel.close()
 
-    def candidates(self, tier: str) -> list[Candidate]:
+    def candidates(self, tier: str, host_id: str | None = None) -> list[Candidate]:
+        """The workers of ``tier`` in rotation; with ``host_id``, only those on that host."""
         return [Candidate(w.address, w.load) for w in self.workers.get(tier, [])
-                if w.healthy and not w.draining and not w.stopping]
+                if w.healthy and not w.draining and not w.stopping and host_id in (None, w.host_id)]
 
     async def add(self, tier: str, address: str, *, expected_model: str | None = None) -> WorkerState:
         """Register a new worker (scale-up) once it answers EPD's health RPC as ``tier`` (and, when

@@ -112,13 +112,15 @@ class LocalCluster:
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
                  worker_config: BaseModel | None = None, standby: bool = False,
-                 devices: Mapping[str, Sequence[str]] | None = None) -> None:
+                 devices: Mapping[str, Sequence[str]] | None = None,
+                 worker_args: Mapping[str, Sequence[Sequence[str]]] | None = None) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
         ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win);
         ``standby``: keep one pre-imported process per tier (``epd.server.standby``) that a restart
         turns into the new worker; ``devices``: per tier, the ``--device`` of its workers in turn
-        (round robin; a restart keeps its worker's)."""
+        (round robin; a restart keeps its worker's); ``worker_args``: per tier, each worker's own
+        extra arguments in turn (e.g. ``--host-id`` to place workers on hosts of their own)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -133,6 +135,7 @@ class LocalCluster:
         self.standby = standby
         self._standbys: dict[str, TierProcess] = {}
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
+        self.worker_args = {tier: [tuple(a) for a in args] for tier, args in (worker_args or {}).items() if args}
 
     def _shared_gpu_args(self) -> dict[tuple[str, int], tuple[str, ...]]:
         """Engines that share a GPU with other workers split it (``epd.server.gpu_sharing``)."""
@@ -167,6 +170,8 @@ class LocalCluster:
                 devices = self.devices.get(tier)
                 for i in range(count):
                     args = ("--device", devices[i % len(devices)]) if devices else ()
+                    if own := self.worker_args.get(tier):
+                        args += own[i % len(own)]
                     self.processes.append(self._spawn(tier, (*args, *sharing.get((tier, i), ()))))
             deadline = time.monotonic() + timeout_s
             for p in self.processes:

@@ -32,6 +32,8 @@ from epd.server.metrics import TierMetrics
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit, wait_for_stop_signal
 from epd.tls import MutualTls, use_for_process
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
+from epd.transport.choose import local_host_id
+from epd.v1 import common_pb2
 
 log = logging.getLogger("epd.server")
 T = TypeVar("T")
@@ -56,6 +58,17 @@ class TierContext:
     store: TensorStore | None  # for producers (they export tensors); None for decode
     io: ThreadPoolExecutor  # blocking transfer work, off the event loop
     admission: TierAdmission
+
+    @property
+    def host_id(self) -> str:
+        """Whose shared memory this worker sees (what a consumer's ``host_id`` is compared with)."""
+        return self.config.host_id or local_host_id()
+
+    def health(self, **fields) -> common_pb2.HealthResponse:
+        """This worker's health answer: what every tier says, plus its own ``fields``."""
+        return common_pb2.HealthResponse(status=self.admission.health_status, tier=self.tier, model=self.config.model,
+                                         num_held_requests=self.admission.num_requests, host_id=self.host_id,
+                                         **fields)
 
     async def blocking(self, fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
         """Run ``fn`` on ``io``. A caller cancelled meanwhile does not stop ``fn``: ``undo(result)``

@@ -63,6 +63,9 @@ def wait_for_producer(tensor: torch.Tensor, ready_event) -> None:
 
 class Transport(Protocol):
     name: str
+    # the consumer must see the producer's host (its shared memory, its GPUs): such a handle can
+    # only go to a worker with the same host_id
+    same_host_only: bool
 
     def export(self, store: TensorStore, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle,
                ready_event: torch.cuda.Event | None = None) -> Exported:

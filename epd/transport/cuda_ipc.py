@@ -62,6 +62,7 @@ def local_ordinal(producer_ordinal: int, uuid: str) -> int:
 
 class CudaIpcTransport:
     name = "cuda_ipc"
+    same_host_only = True
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         if not tensor.is_cuda:

@@ -39,6 +39,7 @@ def iter_chunks(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tensor_pb2.
 
 class InlineTransport:
     name = "inline"
+    same_host_only = False
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         # a CPU contiguous tensor is kept as is (no copy): don't modify an exported tensor in place

@@ -119,6 +119,7 @@ class _NcclSend:
 
 class NcclTransport:
     name = "nccl"
+    same_host_only = False
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         if not tensor.is_cuda:

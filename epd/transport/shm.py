@@ -183,6 +183,7 @@ def _copy_into(segment: Segment, tensor: torch.Tensor, nbytes: int) -> None:
 
 class ShmTransport:
     name = "shm"
+    same_host_only = True
 
     def export(self, store, tensor: torch.Tensor, handle: tensor_pb2.TensorHandle, ready_event=None) -> Exported:
         arena: ShmArena = store.transport_state(self.name, ShmArena)

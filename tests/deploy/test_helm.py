@@ -492,7 +492,8 @@ def test_schema_knows_every_config_field():
     assert set(defs["engineConfig"]["properties"]) == fields(EngineConfig)
     assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
     assert set(defs["workerConfig"]["properties"]) == fields(
-        WorkerConfig, minus=("model", "served_model_name", "host", "port", "metrics_port", "transport", "tls"))
+        WorkerConfig, minus=("model", "served_model_name", "host", "port", "metrics_port", "transport", "tls",
+                             "host_id"))  # a pod is its own host (its own /dev/shm): the default says so
     # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all;
     # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file; tls comes
     # from the chart's own tls block (a mounted Secret)

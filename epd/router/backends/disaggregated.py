@@ -57,6 +57,7 @@ from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
 from epd.rpc import retry_after_s
 from epd.tls import MutualTls
+from epd.transport.choose import needs_same_host
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2, tensor_pb2_grpc
 
 log = logging.getLogger("epd.router")
@@ -87,6 +88,9 @@ class DisaggregatedBackend:
         # encoded again elsewhere because its home looked busy
         self._encoding: dict[str, tuple[str, int]] = {}
         self.moves: collections.Counter[str] = collections.Counter()  # requests moved, by stage
+        # tensors handed from tier to tier, by (stage, placement): same_host (shm / CUDA IPC) or
+        # cross_host (inline / NCCL), as the router placed the pair
+        self.handoffs: collections.Counter[tuple[str, str]] = collections.Counter()
 
     async def start(self) -> None:
         await self.workers.start()
@@ -111,6 +115,7 @@ class DisaggregatedBackend:
     def refresh_metrics(self, metrics) -> None:
         metrics.refresh_cluster(self.workers.workers)
         metrics.refresh_moves(self.moves)
+        metrics.refresh_handoffs(self.handoffs)
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
@@ -162,7 +167,7 @@ class DisaggregatedBackend:
                                 result.num_cached_tokens)
             if is_finished:
                 return
-            async with contextlib.aclosing(self._decode(job, result, backoff)) as outputs:
+            async with contextlib.aclosing(self._decode(job, prefill, result, backoff)) as outputs:
                 async for output in outputs:
                     is_finished = bool(output.finish_reason)
                     yield output
@@ -173,8 +178,9 @@ class DisaggregatedBackend:
     async def _prefill(self, job: Job, prefill: WorkerState, backoff: Backoff) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
                                 output_token_ids=job.output_token_ids)
-        call = prefill.stub.Prefill(prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport),
-                                    timeout=job.remaining_s())
+        request = prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport,
+                                             kv_consumer_host_id=self._kv_consumer_host(prefill))
+        call = prefill.stub.Prefill(request, timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
         try:
             accepted = await unless_lost(prefill, call.read())
@@ -226,11 +232,13 @@ class DisaggregatedBackend:
     async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str,
                          backoff: Backoff) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
+        prefill_host = self.workers.get("prefill", prefill_address).host_id
         request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
-                                            transport=self.config.transport)
+                                            transport=self.config.transport, consumer_host_id=prefill_host)
         unavailable = 0
         while True:
             with self._holding("encoder", address=address) as encoder:
+                self.handoffs["embeddings", _placement(encoder.host_id, prefill_host)] += len(indices)
                 try:
                     await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
                     return
@@ -249,13 +257,16 @@ class DisaggregatedBackend:
             if others:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
-    async def _decode(self, job: Job, result: common_pb2.PrefillResult,
+    async def _decode(self, job: Job, prefill: WorkerState, result: common_pb2.PrefillResult,
                       backoff: Backoff) -> AsyncIterator[BackendOutput]:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids, with_items=False,
                                 output_token_ids=job.output_token_ids)
         request = decode_pb2.GenerateRequest(request=meta, prefill=result)
+        # KV in prefill's shared memory (or GPU) can only go to a decode worker on prefill's host
+        host_id = prefill.host_id if needs_same_host(result.kv) else None
         while True:
-            with self._holding("decode", job.request_id) as decode:
+            with self._holding("decode", job.request_id, host_id=host_id) as decode:
+                self.handoffs["kv", _placement(prefill.host_id, decode.host_id)] += 1
                 call = decode.stub.Generate(request, timeout=job.remaining_s())
                 # a wedged decode (stopped, stalled) keeps the stream open: its call is cancelled
                 # when it leaves rotation, and the request moves on without it
@@ -283,21 +294,32 @@ class DisaggregatedBackend:
 
     # ---- workers --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _holding(self, tier: str, key: str = "", *, address: str | None = None):
-        """Pick a worker (or take ``address``) and count the request on it while the block runs.
-        The state itself is held: a worker being drained stays reachable until we let go."""
-        worker = self.workers.get(tier, address or self._pick(tier, key))
+    def _holding(self, tier: str, key: str = "", *, address: str | None = None, host_id: str | None = None):
+        """Pick a worker (or take ``address``; with ``host_id``, one on that host) and count the
+        request on it while the block runs. The state itself is held: a worker being drained stays
+        reachable until we let go."""
+        worker = self.workers.get(tier, address or self._pick(tier, key, host_id))
         worker.in_flight += 1
         try:
             yield worker
         finally:
             worker.in_flight -= 1
 
-    def _pick(self, tier: str, key: str) -> str:
-        candidates = self.workers.candidates(tier)
+    def _pick(self, tier: str, key: str, host_id: str | None = None) -> str:
+        candidates = self.workers.candidates(tier, host_id)
+        if not candidates and host_id is not None and self.workers.candidates(tier):
+            # the tensor handed over cannot reach the others: dispatch the request again
+            raise UpstreamError(f"no {tier} worker in rotation on host {host_id}, where the request's tensors are")
         if not candidates:
             raise Unavailable(f"no healthy {tier} worker ({len(self.workers.workers[tier])} configured)")
         return self.policies[tier].pick(key, candidates)
+
+    def _kv_consumer_host(self, prefill: WorkerState) -> str:
+        """Where prefill's KV will go: its own host when a decode worker is there (shm / CUDA IPC
+        then), else another decode worker's (inline / NCCL); decode follows what prefill chose."""
+        decodes = {w.address: w.host_id for w in self.workers.workers.get("decode", [])}
+        hosts = [decodes[c.address] for c in self.workers.candidates("decode")]
+        return prefill.host_id if prefill.host_id in hosts or not hosts else hosts[0]
 
     def _tier_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
         if err.code() == grpc.StatusCode.UNAVAILABLE:
@@ -310,6 +332,10 @@ class DisaggregatedBackend:
             log.info("%s %s refused a request: %s", tier, address, details)
             return error_type(f"{tier}: {details}")
         return UpstreamError(f"{tier} {address} failed the request: {details}")
+
+
+def _placement(producer_host_id: str, consumer_host_id: str) -> str:
+    return "same_host" if producer_host_id == consumer_host_id else "cross_host"
 
 
 class _Encodes:

@@ -477,6 +477,8 @@ class RayDeployment(_Config):
     grpc_port: Port = 50051
     transport: str = ""
     colocate_prefill_decode: bool = Field(False, description="STRICT_PACK placement: a CUDA-IPC / shm pair")
+    router_resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources of the router "
+                                               "actor (e.g. to put it on the node users reach)")
     tiers: dict[Literal["encoder", "prefill", "decode"], TierSpec] = Field(
         default_factory=lambda: {tier: TierSpec() for tier in TIERS})
     router: RouterConfig = RouterConfig()

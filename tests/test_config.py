@@ -2,6 +2,7 @@
 flags come from the same definitions for every command (``epd/server/flags.py``)."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -109,6 +110,18 @@ def test_ray_takes_what_the_command_line_set_on_top_of_its_yaml(tmp_path):
     assert given.tiers["encoder"].config.encoder.encoder_batch_size == 4
     assert all(spec.config.lease_ttl_s == 30 for spec in given.tiers.values())
     assert deployment_from(serve_config_from_args(["--ray-config", str(path), "--port", "7000"])).http_port == 7000
+
+
+@pytest.mark.parametrize("name", ["cluster.yaml", "multinode.yaml"])
+def test_the_shipped_ray_deployments_load(name):
+    from epd.config import RayDeployment, load_config, load_yaml
+    from epd.server.ray_sizing import actor_demands
+
+    path = Path(__file__).resolve().parents[1] / "deploy" / "ray" / name
+    deployment = load_config(RayDeployment, load_yaml(path), source=str(path))
+    assert deployment.host == "node"
+    if name == "multinode.yaml":  # the router asks for the node users reach
+        assert dict(actor_demands(deployment))["router"]["ingress"] == 1
 
 
 def test_auto_device_and_dtype_resolve_where_the_model_runs(monkeypatch):

@@ -1,19 +1,20 @@
 """EPD on Ray (``epd serve --launcher ray``): each tier worker and the router are Ray actors. Ray
-places them (per-tier CPUs, GPUs, custom resources), restarts them when they die
-(``max_restarts``) and scales a tier at run time; the workers still talk gRPC and move tensors
-as handles. The deployment is ``epd.config.RayDeployment``.
+places them (per-tier CPUs, GPUs, custom resources, on any node), restarts them when they die
+(``max_restarts``: on their node, or on another when the node is gone) and scales a tier at run
+time; the workers still talk gRPC and move tensors as handles, by shared memory between actors on
+one node and inline / NCCL between nodes. The deployment is ``epd.config.RayDeployment``.
 
-A worker keeps its port across restarts (ports are assigned once, by the launcher), so the
-router's address list stays valid: a dead worker drops out of rotation at the next health check
-and returns when Ray has restarted it.
+Each actor binds its own node's address and a port the OS gives it, so an address is known only
+once the actor serves and changes when Ray restarts it; the driver's registrar keeps the router's
+worker list equal to where the actors serve (``RayEPDCluster``).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -24,13 +25,34 @@ from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerCo
 from epd.server.ray_sizing import ROUTER_CPUS, SizingError, demand_breakdown, check_fits, fit_local
 
 
+NODE = "node"  # RayDeployment.host: each actor binds its own node's IP
+_REGISTER_PERIOD_S = 1.0
+_DEAD_WORKER_DRAIN_S = 5.0  # a replaced address: its calls are failing over already
+log = logging.getLogger("epd.ray")
+
+
+def _on_this_node(host: str) -> str:
+    """The address an actor binds and advertises: its own node's IP for ``node`` (resolved in the
+    actor, on the node Ray placed it: the driver's IP is another machine's)."""
+    return ray.util.get_node_ip_address() if host == NODE else host
+
+
 @ray.remote
 class TierActor:
-    """One encoder/prefill/decode worker, serving gRPC from inside the actor process."""
+    """One encoder/prefill/decode worker, serving gRPC from inside the actor process. It binds its
+    node's address and a port the OS gives it; its host_id is its Ray node, so tensors move by
+    shared memory only between workers Ray put on one node."""
 
     def __init__(self, tier: str, config: WorkerConfig) -> None:
         from epd.server.tier import start_tier
-        self.running = start_tier(tier, config)
+        node_id = ray.get_runtime_context().get_node_id()
+        self.running = start_tier(tier, config.model_copy(update={
+            "host": _on_this_node(config.host), "port": 0, "host_id": config.host_id or node_id}))
+        self.node_id = node_id
+
+    def placement(self) -> tuple[str, str]:
+        """(gRPC address, Ray node id): where this life of the actor serves."""
+        return self.running.address, self.node_id
 
     def address(self) -> str:
         return self.running.address
@@ -56,6 +78,8 @@ class RouterActor:
         from epd.router.auth import ENV_ADMIN_TOKEN
         from epd.server.router import serve
         os.environ[ENV_ADMIN_TOKEN] = admin_token  # the actor's own process: never in a config or a log
+        config = config.model_copy(update={"host": _on_this_node(config.host),
+                                           "admin_host": _on_this_node(config.admin_host)})
         self._urls: tuple[str, str, str] | None = None
         self._server = None
         ready = threading.Event()
@@ -80,15 +104,29 @@ class RouterActor:
 
 
 class RayEPDCluster:
+    """The actors of one deployment, and the driver-side registrar that keeps the router's worker
+    list equal to where the actors serve now: a worker Ray restarted (on its node or another) comes
+    back on a new address, and a router Ray restarted comes back with its first list; every
+    ``_REGISTER_PERIOD_S`` the registrar asks each actor where it serves and registers what the
+    router lacks, and drains what it has that no actor serves any more, through the router's admin
+    API (its token made for this cluster). The actors live as long as this driver: Ray ends them
+    with it."""
+
     def __init__(self, deployment: RayDeployment) -> None:
         self.d = deployment
         self.actors: dict[str, list] = {t: [] for t in TIERS}
-        self.addresses: dict[str, list[str]] = {t: [] for t in TIERS}
+        self.addresses: dict[str, list[str]] = {t: [] for t in TIERS}  # where each actor serves now
+        self.nodes: dict[str, list[str]] = {t: [] for t in TIERS}  # the Ray node id of each
         self.router = None
         self.http_url = self.grpc_address = self.admin_url = None
         self._admin_token = secrets.token_urlsafe(32)
         self._group = None  # placement group that packs prefill and decode workers on one node
         self._group_next = 0
+        self._lock = threading.RLock()  # the registrar and scale() change the router's list one at a time
+        self._asked: dict[int, ray.ObjectRef] = {}  # actor handle id -> its placement() call in flight
+        self._router_asked: ray.ObjectRef | None = None
+        self._stopping = threading.Event()
+        self._registrar: threading.Thread | None = None
 
     def start(self, timeout_s: float = 300.0) -> "RayEPDCluster":
         """Place every actor and wait for them; a deployment the cluster cannot hold is a
@@ -101,10 +139,13 @@ class RayEPDCluster:
                 self._add_worker(tier)
         self._wait_workers(timeout_s)
         self._start_router(timeout_s)
+        self._registrar = threading.Thread(target=self._register_forever, name="epd-ray-registrar", daemon=True)
+        self._registrar.start()
         return self
 
     def _make_colocation_group(self, timeout_s: float) -> None:
-        """STRICT_PACK: every prefill and decode bundle on one node, so KV can move by CUDA IPC/shm."""
+        """STRICT_PACK: every prefill and decode bundle on one node, so KV can move by CUDA IPC/shm.
+        Ray moves the whole group to another node when its node dies."""
         from ray.util.placement_group import placement_group
         bundles = []
         for tier in ("prefill", "decode"):
@@ -114,13 +155,9 @@ class RayEPDCluster:
         self._group, self._group_size = placement_group(bundles, strategy="STRICT_PACK"), len(bundles)
         ray.get(self._group.ready(), timeout=timeout_s)
 
-    def _host(self) -> str:
-        return ray.util.get_node_ip_address() if self.d.host == "node" else self.d.host
-
     def _add_worker(self, tier: str):
         spec = self.d.tiers[tier]
-        host = self._host()
-        config = spec.config.model_copy(update={"model": self.d.model, "host": host, "port": _free_port(host),
+        config = spec.config.model_copy(update={"model": self.d.model, "host": self.d.host, "port": 0,
                                                  "transport": self.d.transport,
                                                  "served_model_name": spec.config.served_model_name
                                                  or self.d.router.served_model_name})
@@ -133,42 +170,103 @@ class RayEPDCluster:
             self._group_next += 1
         actor = TierActor.options(**options).remote(tier, config)
         self.actors[tier].append(actor)
-        self.addresses[tier].append(f"{host}:{config.port}")
+        self.addresses[tier].append("")  # known once it serves
+        self.nodes[tier].append("")
         return actor
 
     def _wait_workers(self, timeout_s: float) -> None:
-        refs = [a.address.remote() for tier in TIERS for a in self.actors[tier]]
+        slots = [(tier, i) for tier in TIERS for i in range(len(self.actors[tier]))]
+        refs = [self.actors[tier][i].placement.remote() for tier, i in slots]
         try:
-            ray.get(refs, timeout=timeout_s)
+            placements = ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             raise SizingError(f"{len(refs) - len(ready)} of {len(refs)} worker actors were not running after "
                               f"{timeout_s:.0f} s ({demand_breakdown(self.d)}; the cluster has "
                               f"{ray.cluster_resources()}, free {ray.available_resources()})") from None
+        for (tier, i), (address, node_id) in zip(slots, placements):
+            self.addresses[tier][i], self.nodes[tier][i] = address, node_id
 
     def _start_router(self, timeout_s: float) -> None:
         config = self.d.router.model_copy(update={
-            # the admin API (scaling) on a free port of the router's host, with a token made for this cluster
-            "admin_port": 0, "admin_host": self._host(),
-            "model": self.d.model, "host": self._host(), "port": self.d.http_port, "grpc_port": self.d.grpc_port,
+            # the admin API (the registrar, scaling) on a free port of the router's node, with a token made for
+            # this cluster
+            "admin_port": 0, "admin_host": self.d.host,
+            "model": self.d.model, "host": self.d.host, "port": self.d.http_port, "grpc_port": self.d.grpc_port,
             "transport": self.d.transport, **{f"{tier}s": tuple(self.addresses[tier]) for tier in TIERS}})
-        self.router = RouterActor.options(num_cpus=ROUTER_CPUS, max_restarts=3).remote(config, self._admin_token)
+        self.router = RouterActor.options(num_cpus=ROUTER_CPUS, resources=self.d.router_resources or None,
+                                          max_restarts=3, max_task_retries=3).remote(config, self._admin_token)
         self.http_url, self.grpc_address, self.admin_url = ray.get(self.router.urls.remote(), timeout=timeout_s)
+
+    # ---- the registrar -----------------------------------------------------------------------------
+    def _register_forever(self) -> None:
+        while not self._stopping.wait(_REGISTER_PERIOD_S):
+            try:
+                self.register()
+            except Exception as err:  # noqa: BLE001 - a router restarting, a worker not answering yet: next round
+                log.warning("registering workers with the router: %s", err)
+
+    def register(self, wait_s: float = 0.5) -> None:
+        """One round: learn where the actors (and the router) serve now, then make the router's
+        list match (new addresses registered once they answer health, gone ones drained)."""
+        with self._lock:
+            self._learn_placements(wait_s)
+            have = self._admin("GET")["workers"]
+            for tier in TIERS:
+                want = {a for a in self.addresses[tier] if a}
+                known = {w["address"] for w in have.get(tier, [])}
+                for address in sorted(want - known):
+                    self._admin("POST", {"tier": tier, "address": address})
+                    log.info("registered %s %s with the router", tier, address)
+                for address in sorted(known - want):
+                    self._admin("DELETE", {"tier": tier, "address": address, "drain_timeout_s": _DEAD_WORKER_DRAIN_S})
+                    log.info("removed %s %s from the router (no actor serves there now)", tier, address)
+
+    def _learn_placements(self, wait_s: float) -> None:
+        """Ask every actor where it serves (one call in flight per actor: a restarting actor answers
+        once it serves again) and the router for its URLs; take the answers that came in ``wait_s``."""
+        slots = {id(a): (tier, a) for tier in TIERS for a in self.actors[tier]}
+        self._asked = {key: ref for key, ref in self._asked.items() if key in slots}  # removed actors
+        for key, (_, actor) in slots.items():
+            self._asked.setdefault(key, actor.placement.remote())
+        if self._router_asked is None:
+            self._router_asked = self.router.urls.remote()
+        refs = [*self._asked.values(), self._router_asked]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        done = set(ready)
+        for key, ref in list(self._asked.items()):
+            if ref not in done:
+                continue
+            del self._asked[key]
+            tier, actor = slots[key]
+            i = self.actors[tier].index(actor)
+            try:
+                self.addresses[tier][i], self.nodes[tier][i] = ray.get(ref)
+            except ray.exceptions.RayActorError as err:  # dead (restarting, or out of restarts): asked again next round
+                log.warning("%s actor %d is not serving: %s", tier, i, err)
+                self.addresses[tier][i] = self.nodes[tier][i] = ""
+        if self._router_asked in done:
+            ref, self._router_asked = self._router_asked, None
+            self.http_url, self.grpc_address, self.admin_url = ray.get(ref)
 
     # ---- run-time scaling --------------------------------------------------------------------------
     def scale(self, tier: str, replicas: int, timeout_s: float = 300.0) -> None:
         """Add workers (they register with the router) or remove the newest (drained first)."""
-        while len(self.actors[tier]) < replicas:
-            actor = self._add_worker(tier)
-            ray.get(actor.address.remote(), timeout=timeout_s)
-            self._admin("POST", {"tier": tier, "address": self.addresses[tier][-1]})
-        while len(self.actors[tier]) > replicas:
-            address, actor = self.addresses[tier].pop(), self.actors[tier].pop()
-            self._admin("DELETE", {"tier": tier, "address": address, "drain_timeout_s": 60})
-            ray.kill(actor, no_restart=True)
+        with self._lock:
+            while len(self.actors[tier]) < replicas:
+                actor = self._add_worker(tier)
+                self.addresses[tier][-1], self.nodes[tier][-1] = ray.get(actor.placement.remote(), timeout=timeout_s)
+                self._admin("POST", {"tier": tier, "address": self.addresses[tier][-1]})
+            while len(self.actors[tier]) > replicas:
+                address, actor = self.addresses[tier].pop(), self.actors[tier].pop()
+                self.nodes[tier].pop()
+                if address:
+                    self._admin("DELETE", {"tier": tier, "address": address, "drain_timeout_s": 60})
+                ray.kill(actor, no_restart=True)
 
-    def _admin(self, method: str, body: dict) -> dict:
-        req = urllib.request.Request(f"{self.admin_url}/admin/workers", data=json.dumps(body).encode(), method=method,
+    def _admin(self, method: str, body: dict | None = None) -> dict:
+        req = urllib.request.Request(f"{self.admin_url}/admin/workers", method=method,
+                                     data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {self._admin_token}"})
         with urllib.request.urlopen(req, timeout=120) as resp:
@@ -179,11 +277,16 @@ class RayEPDCluster:
             return json.loads(resp.read())
 
     def wait_healthy(self, timeout_s: float = 120.0) -> dict:
+        """The router's health once every tier's workers are the actors' current addresses, all
+        healthy."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 health = self.health()
-                if health["status"] == "ok" and all(w["healthy"] for ws in health["workers"].values() for w in ws):
+                current = all(sorted(w["address"] for w in health["workers"][t]) == sorted(self.addresses[t])
+                              for t in TIERS)
+                if current and health["status"] == "ok" and all(
+                        w["healthy"] for ws in health["workers"].values() for w in ws):
                     return health
             except OSError:
                 pass
@@ -191,6 +294,9 @@ class RayEPDCluster:
         raise TimeoutError(f"cluster not healthy within {timeout_s:.0f} s")
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._registrar is not None:
+            self._registrar.join(timeout=30)
         for actor in ([self.router] if self.router else []) + [a for t in TIERS for a in self.actors[t]]:
             try:
                 ray.get(actor.stop.remote(), timeout=15)
@@ -202,12 +308,6 @@ class RayEPDCluster:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self._group)
             self._group = None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
@@ -243,7 +343,7 @@ def deployment_from(config: ServeConfig) -> RayDeployment:
         if key in router:
             data[target] = router[key]
     data["router"] = deep_merge(data.get("router", {}), router)
-    data.setdefault("host", "127.0.0.1" if config.ray_address is None else "node")
+    data.setdefault("host", "127.0.0.1" if config.ray_address is None else NODE)
     tiers = data.setdefault("tiers", {})
     for tier in TIERS:
         spec = tiers.setdefault(tier, {})

@@ -22,7 +22,7 @@ class SizingError(RuntimeError):
 
 def actor_demands(d: RayDeployment) -> list[tuple[str, dict[str, float]]]:
     """(actor name, its resources) of every actor the deployment starts, the router included."""
-    out = [("router", {"CPU": ROUTER_CPUS})]
+    out = [("router", {"CPU": ROUTER_CPUS, **d.router_resources})]
     for tier in TIERS:
         spec = d.tiers[tier]
         need = {"CPU": spec.num_cpus, **({"GPU": spec.num_gpus} if spec.num_gpus else {}), **spec.resources}

@@ -75,6 +75,10 @@ def build_admin_app(workers, model: str, tokens):
             return error_response(err)
         return await call_next(request)
 
+    @app.get("/admin/workers")
+    async def list_workers():
+        return {"workers": {tier: [w.as_dict() for w in states] for tier, states in workers.workers.items()}}
+
     @app.post("/admin/workers")
     async def add_worker(body: dict = Body(...)):
         try:

@@ -31,6 +31,7 @@ from epd.bench.chaos import (
     worker_pids,
 )
 from tests.e2e.serve_process import ServeProcess, wait_until
+from tests.procs import descendants, gone
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen2-vl"
@@ -40,33 +41,8 @@ NO_FAULT_CLIENTS, NO_FAULT_REQUESTS, CHAOS_CLIENTS = 16, 128, 8
 SEED = int(os.environ.get("EPD_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 16))))
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (children start their own sessions; their parent stays)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def _assert_all_gone(pids: set[int]) -> None:
-    assert wait_until(lambda: all(_gone(p) for p in pids), 20), [p for p in pids if not _gone(p)]
+    assert wait_until(lambda: all(gone(p) for p in pids), 20), [p for p in pids if not gone(p)]
     left = [name for p in pids for name in segments_of(p)]
     assert not left, left
 
@@ -112,7 +88,7 @@ def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
     rng = random.Random(SEED)
     serve = ServeProcess("--model", MODEL, "--encoders", "2", "--prefills", "2", "--decodes", "2",
                          "--health-timeout-s", "2")
-    started = _descendants(serve.proc.pid)
+    started = descendants(serve.proc.pid)
     try:
         chat_list = chats(max_tokens=32, seed=SEED)
         refs = references(serve.base_url, MODEL, chat_list)
@@ -135,7 +111,7 @@ def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
         assert not clients.failures(), [f"{o.chat}: {o.status} {o.error}" for o in clients.failures()][:5]
         assert not mismatches(outcomes, refs)
         assert moves(serve.base_url).get("migrated", 0) >= 1, "no request was ever moved mid-stream"
-        started |= _descendants(serve.proc.pid)  # the restarted workers and the standbys made since
+        started |= descendants(serve.proc.pid)  # the restarted workers and the standbys made since
     finally:
         assert serve.stop() == 0, "\n".join(serve.lines[-30:])
     _assert_all_gone(started)
@@ -143,7 +119,7 @@ def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
 
 def test_killing_the_router_stops_epd_serve_and_leaves_no_orphans():
     serve = ServeProcess("--model", MODEL)
-    started = _descendants(serve.proc.pid)
+    started = descendants(serve.proc.pid)
     try:
         (_, router_pid), = worker_pids(serve.lines)["router"]
         assert router_pid in started

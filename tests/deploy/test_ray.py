@@ -1,5 +1,6 @@
 """EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end): a multimodal
-request through the HTTP API; a killed worker actor is restarted by Ray and serves again; a decode
+request through the HTTP API; a killed worker actor is restarted by Ray on a new port and the
+launcher registers it with the router again; a decode
 actor killed under streaming clients costs no request (they migrate, token for token); a tier
 scales up (new worker registers with the router) and down (drained first). Every process talks
 mutual TLS (the deployment's one ``tls`` block, certificates made here): a plain client is refused."""
@@ -69,17 +70,19 @@ def test_every_worker_talks_mutual_tls_only(cluster):
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, address)
 
 
-def test_killed_encoder_actor_is_restarted_and_serves_again(cluster):
+def test_killed_encoder_actor_is_restarted_and_registered_again(cluster):
     encoder = cluster.actors["encoder"][0]
-    old_pid = ray.get(encoder.pid.remote(), timeout=30)
+    old_pid, old_address = ray.get(encoder.pid.remote(), timeout=30), cluster.addresses["encoder"][0]
     ray.kill(encoder, no_restart=False)
-    # Ray restarts the actor in a new process on the same port; a call answers once it is serving
+    # Ray restarts the actor in a new process, on a port of its own; a call answers once it serves
     deadline = time.monotonic() + 180
     while ray.get(encoder.pid.remote(), timeout=180) == old_pid and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert ray.get(encoder.address.remote(), timeout=180) == cluster.addresses["encoder"][0]
+    new_address = ray.get(encoder.address.remote(), timeout=180)
+    assert new_address != old_address
+    # the registrar told the router: the new address is in rotation, the old one is gone
     health = cluster.wait_healthy(180)
-    assert health["workers"]["encoder"][0]["healthy"]
+    assert [w["address"] for w in health["workers"]["encoder"]] == [new_address] == cluster.addresses["encoder"]
     ask(cluster, 2)
 
 
@@ -104,8 +107,9 @@ def test_a_decode_actor_killed_mid_stream_costs_no_request_and_ray_restarts_it(c
     assert not mismatches(clients.snapshot(), refs)
     assert clients.num_ok >= done + 8
     assert sum(moves(cluster.http_url).values()) >= 1
-    assert ray.get(victim.pid.remote(), timeout=180) != old_pid  # restarted by Ray, on its own port
-    assert cluster.wait_healthy(180)["workers"]["decode"][0]["healthy"]
+    assert ray.get(victim.pid.remote(), timeout=180) != old_pid  # restarted by Ray, and registered again
+    health = cluster.wait_healthy(180)
+    assert sorted(w["address"] for w in health["workers"]["decode"]) == sorted(cluster.addresses["decode"])
     cluster.scale("decode", 1)
 
 

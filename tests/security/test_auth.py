@@ -180,6 +180,9 @@ def test_admin_api_needs_its_token_and_registers_only_live_epd_workers_of_its_mo
                     assert refused.status_code == 400, (name, refused.text)
                 accepted = await http.post("/admin/workers", json=body, headers=auth_header)
                 assert accepted.status_code == 200 and accepted.json()["healthy"]
+                assert (await http.get("/admin/workers")).status_code == 401  # the list is the admin's too
+                listed = (await http.get("/admin/workers", headers=auth_header)).json()["workers"]
+                assert [w["address"] for w in listed["encoder"]] == [addresses["good"]]
             assert [w.address for w in registry.workers["encoder"]] == [addresses["good"]]
             await registry.close()
         for server in servers:

@@ -46,7 +46,7 @@ def test_dead_encoder_fails_image_requests_fast_and_text_still_works(cluster):
         assert driver.chat(user_message("warm up", [make_image_bytes(40, 40, seed=1)]), PARAMS).token_ids
         kill(cluster, "encoder")
         start = time.monotonic()
-        with pytest.raises(EPDError, match="no healthy encoder worker to move it to"):
+        with pytest.raises(EPDError, match="no healthy encoder worker"):
             driver.chat(user_message("Describe.", [make_image_bytes(50, 50, seed=2)]), PARAMS)
         assert time.monotonic() - start < 15, "a dead encoder must not leave the request waiting for its timeout"
         assert len(driver.chat(user_message("Text only.", []), PARAMS).token_ids) == 4

@@ -6,6 +6,7 @@ another host inline. Real tier processes on this machine, each told which host i
 from __future__ import annotations
 
 import signal
+import threading
 
 import pytest
 
@@ -98,3 +99,35 @@ def test_a_configured_transport_still_wins(model_dir, expected):
         prefill = next(p for p in cluster.processes if p.tier == "prefill")
         assert _exported(prefill, "inline") > 0 and _exported(prefill, "shm") == 0
         assert _handoffs(router, "kv", "same_host") == 1
+
+
+def test_a_request_waits_for_a_restarting_tier_instead_of_a_503(model_dir, expected):
+    """No decode worker in rotation (the tier is restarting, as when a node is lost): a request that
+    comes meanwhile waits, within its queue budget, and is served once one is back."""
+    with LocalCluster(str(model_dir)) as cluster, \
+            SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                    decodes=cluster.decodes, health_period_s=0.2, queue_timeout_s=60) as router:
+        workers = router.pipeline.backend.workers
+        decode = next(p for p in cluster.processes if p.tier == "decode")
+        decode.proc.send_signal(signal.SIGKILL)
+        decode.proc.wait(10)
+        assert wait_until(lambda: not workers.candidates("decode"), 10)
+        outputs, errors = [], []
+
+        def ask() -> None:
+            try:
+                outputs.append(router.chat(CHAT, GREEDY))
+            except Exception as err:  # noqa: BLE001 - asserted below
+                errors.append(err)
+
+        asker = threading.Thread(target=ask)
+        asker.start()
+        asker.join(2.0)
+        assert asker.is_alive() and not errors, errors  # waiting, not refused
+        for _ in range(600):  # bounded: the decode worker is restarted, then the request finishes
+            cluster.supervise(max_restarts=1)
+            asker.join(0.2)
+            if not asker.is_alive():
+                break
+        assert not asker.is_alive()
+        assert not errors and outputs[0].token_ids == expected.token_ids

@@ -121,6 +121,7 @@ class DisaggregatedBackend:
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
         backoff = Backoff(job, self.config.queue_timeout_s)
         moves = Moves(job, self.config.max_migrations)
+        await self._until_in_rotation(job, backoff, reason="")  # a tier restarting: wait for it, not 503
         while True:
             try:
                 async with contextlib.aclosing(self._attempt(moves.job, backoff)) as outputs:
@@ -133,7 +134,7 @@ class DisaggregatedBackend:
                 self.moves[stage] += 1
                 log.warning("request %s: %s; moving it (%s, %d tokens streamed)", job.request_id, err.message,
                             stage, len(moves.job.output_token_ids))
-                await self._until_in_rotation(moves.job, backoff)
+                await self._until_in_rotation(moves.job, backoff, reason=" to move it to")
 
     async def _attempt(self, job: Job, backoff: Backoff) -> AsyncIterator[BackendOutput]:
         while True:
@@ -149,13 +150,14 @@ class DisaggregatedBackend:
                         yield output
                 return
 
-    async def _until_in_rotation(self, job: Job, backoff: Backoff) -> None:
-        """Before a move: every tier the request needs has a worker in rotation, or one comes back
-        (a restarted worker) within the queue budget and the deadline; else 503."""
+    async def _until_in_rotation(self, job: Job, backoff: Backoff, reason: str) -> None:
+        """Before the first dispatch and before a move: every tier the request needs has a worker in
+        rotation, or one comes back (a restarted worker, a node's actors placed again) within the
+        queue budget and the deadline; else 503. /health says ``degraded`` meanwhile."""
         tiers = TIERS if job.prompt.items else ("prefill", "decode")
         while missing := [tier for tier in tiers if not self.workers.candidates(tier)]:
             if not await backoff.pause(_ROTATION_POLL_S):
-                raise Unavailable(f"request {job.request_id}: no healthy {missing[0]} worker to move it to "
+                raise Unavailable(f"request {job.request_id}: no healthy {missing[0]} worker{reason} "
                                   f"({len(self.workers.workers[missing[0]])} configured)")
 
     async def _after_prefill(self, job: Job, prefill: WorkerState, result: common_pb2.PrefillResult,
@@ -213,7 +215,7 @@ class DisaggregatedBackend:
         healthy = {c.address for c in self.workers.candidates("encoder")}
         for index, item in enumerate(prompt.items):
             producing = self._encoding.get(item.mm_hash, ("", 0))[0]
-            address = producing if producing in healthy else self._pick("encoder", item.mm_hash)
+            address = producing if producing in healthy else self._pick("encoder", item.mm_hash, is_started=True)
             groups.setdefault(address, []).append(index)
         return groups
 
@@ -265,7 +267,7 @@ class DisaggregatedBackend:
         # KV in prefill's shared memory (or GPU) can only go to a decode worker on prefill's host
         host_id = prefill.host_id if needs_same_host(result.kv) else None
         while True:
-            with self._holding("decode", job.request_id, host_id=host_id) as decode:
+            with self._holding("decode", job.request_id, host_id=host_id, is_started=True) as decode:
                 self.handoffs["kv", _placement(prefill.host_id, decode.host_id)] += 1
                 call = decode.stub.Generate(request, timeout=job.remaining_s())
                 # a wedged decode (stopped, stalled) keeps the stream open: its call is cancelled
@@ -294,22 +296,30 @@ class DisaggregatedBackend:
 
     # ---- workers --------------------------------------------------------------------------------
     @contextlib.contextmanager
-    def _holding(self, tier: str, key: str = "", *, address: str | None = None, host_id: str | None = None):
+    def _holding(self, tier: str, key: str = "", *, address: str | None = None, host_id: str | None = None,
+                 is_started: bool = False):
         """Pick a worker (or take ``address``; with ``host_id``, one on that host) and count the
         request on it while the block runs. The state itself is held: a worker being drained stays
         reachable until we let go."""
-        worker = self.workers.get(tier, address or self._pick(tier, key, host_id))
+        worker = self.workers.get(tier, address or self._pick(tier, key, host_id, is_started=is_started))
         worker.in_flight += 1
         try:
             yield worker
         finally:
             worker.in_flight -= 1
 
-    def _pick(self, tier: str, key: str, host_id: str | None = None) -> str:
+    def _pick(self, tier: str, key: str, host_id: str | None = None, *, is_started: bool = False) -> str:
+        """A worker of ``tier`` in rotation (on ``host_id``'s host when given). Requests wait for every
+        tier they need before they start, so none here means the tier went out since: a request
+        already holding work elsewhere (``is_started``: its rows being encoded, its KV waiting)
+        moves, so it is dispatched again once a worker is back, within its queue budget and
+        deadline; one not started yet is refused (503)."""
         candidates = self.workers.candidates(tier, host_id)
         if not candidates and host_id is not None and self.workers.candidates(tier):
             # the tensor handed over cannot reach the others: dispatch the request again
             raise UpstreamError(f"no {tier} worker in rotation on host {host_id}, where the request's tensors are")
+        if not candidates and is_started:
+            raise UpstreamError(f"no {tier} worker in rotation to go on with the request")
         if not candidates:
             raise Unavailable(f"no healthy {tier} worker ({len(self.workers.workers[tier])} configured)")
         return self.policies[tier].pick(key, candidates)

@@ -8,6 +8,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+# Every Ray cluster the suite starts is its own, on loopback. Ray fixes a process's auth mode at
+# its first init: a test process that met a token-auth cluster rejects the calls of a later
+# cluster without tokens (its GCS then ends the new actors as unowned), so one mode for the run.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):

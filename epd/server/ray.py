@@ -303,7 +303,9 @@ class RayEPDCluster:
             except Exception:  # noqa: BLE001 - already dead: kill below anyway
                 pass
             ray.kill(actor, no_restart=True)
-        self.actors = {t: [] for t in TIERS}
+        # a stopped cluster holds no handle or pending reply (the registrar's): nothing of it is
+        # released later, into whatever Ray session this process has by then
+        self.actors, self.router, self._asked, self._router_asked = {t: [] for t in TIERS}, None, {}, None
         if self._group is not None:
             from ray.util.placement_group import remove_placement_group
             remove_placement_group(self._group)

@@ -104,7 +104,8 @@ class EngineConfig(_Config):
         (), description="decode batch sizes captured as CUDA graphs, on CUDA with attention_backend flashinfer "
                         "(empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs, at most 256)")
     attention_backend: Literal["auto", "sdpa", "flex", "flashinfer"] = Field(
-        "auto", description="attention backend: auto (flashinfer on CUDA where installed, else sdpa), sdpa (the "
+        "auto", description="attention backend: auto (flashinfer on CUDA where installed for a bf16 / fp16 model, "
+                            "else sdpa), sdpa (the "
                             "reference), flex (flex_attention over the paged cache in place) or flashinfer (CUDA)")
     dtype: Dtype = Field("auto", description="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)")
     device: Device = Field("auto", description="auto (CUDA when this process has it, else CPU), cpu, cuda or cuda:N")

@@ -108,6 +108,8 @@ def env(run: Run) -> dict:
 def fidelity(run: Run) -> dict:
     from tests.conftest import make_image_bytes
 
+    if run.device == "cuda":  # float32 against the CPU: no TF32 in cuDNN's convolutions (the patch embedding)
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     model_dir = write_preset_checkpoint("small-qwen2-vl", run.work / "small", seed=31)
     image = make_image_bytes(224, 168, seed=12)
     chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
@@ -166,6 +168,9 @@ def _random_llm(shape: tuple, device: str, dtype: torch.dtype) -> Qwen2ForCausal
 def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int, backend: str = "auto",
                  eager: bool = False) -> dict:
     dtype = torch.float32 if run.dry_run else torch.bfloat16
+    if run.device == "cuda":  # this row's peak only (not the previous phase's buffers)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     model = _random_llm(shape, run.device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
@@ -233,8 +238,22 @@ def decode(run: Run) -> dict:
 
 
 # ---- ipc -----------------------------------------------------------------------------------------
-def ipc(run: Run) -> dict:
+def _handoff_ms(run: Run, producer, transport: str, nbytes: int) -> float:
+    """Median of 5: import a fresh export of ``nbytes`` and read its last element."""
     from epd.transport import import_tensor
+
+    samples = []
+    for seed in range(5):
+        handle = producer.export(transport, "float32", (nbytes // 4,), seed=seed, device=run.device)
+        start = time.perf_counter()
+        with import_tensor(handle, device=run.device) as imported:
+            float(imported.tensor[-1])  # the first read waits for the bytes
+            run.sync()
+            samples.append(time.perf_counter() - start)
+    return round(statistics.median(samples) * 1e3, 3)
+
+
+def ipc(run: Run) -> dict:
     from tests.transport.helpers import ProducerProcess
 
     sizes = [4 * 1024, MiB] if run.dry_run else [4 * 1024, MiB, 16 * MiB, 128 * MiB, GiB]
@@ -245,15 +264,10 @@ def ipc(run: Run) -> dict:
         for transport in transports:
             rows = []
             for nbytes in sizes:
-                samples = []
-                for seed in range(5):
-                    handle = producer.export(transport, "float32", (nbytes // 4,), seed=seed, device=run.device)
-                    start = time.perf_counter()
-                    with import_tensor(handle, device=run.device) as imported:
-                        float(imported.tensor[-1])  # the first read waits for the bytes
-                        run.sync()
-                        samples.append(time.perf_counter() - start)
-                rows.append({"bytes": nbytes, "ms": round(statistics.median(samples) * 1e3, 3)})
+                try:
+                    rows.append({"bytes": nbytes, "ms": _handoff_ms(run, producer, transport, nbytes)})
+                except Exception as err:  # noqa: BLE001 - one size failing must not lose the others
+                    rows.append({"bytes": nbytes, "error": f"{type(err).__name__}: {err}"})
             out[transport] = rows
         if not run.dry_run:  # exports never imported must be freed when their lease ends
             before = producer.cuda_memory()

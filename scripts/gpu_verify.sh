@@ -54,8 +54,9 @@ status=0
 # every test marked cuda in these folders (the engine, its attention backends, the encoder, the transports)
 CUDA_TESTS="-m cuda tests/transport tests/encoder tests/engine"
 if [ -z "$ONLY" ]; then
-  # a 150 s cap on the whole pytest, 90 s on each test: the bench still gets its time
-  timeout 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --timeout=90 \
+  # a 150 s cap on the whole pytest, 90 s on each test: the bench still gets its time. SIGINT first,
+  # so pytest stops like on Ctrl-C and still writes its report and summary; SIGKILL 15 s later
+  timeout -s INT -k 15 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --timeout=90 \
     --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS -rs || status=1
 fi
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))

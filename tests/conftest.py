@@ -27,6 +27,21 @@ def _private_cache_dir(tmp_path_factory):
         os.environ["EPD_CACHE_DIR"] = old
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _float32_means_float32_on_cuda():
+    """CUDA tests compare float32 results with the CPU's: cuDNN's default TF32 convolutions (the
+    vision tower's patch embedding) would differ by ~1e-3 and could flip a greedy token. Set for
+    the whole session, before any module fixture captures a CUDA graph."""
+    import torch
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def make_image_bytes(width: int, height: int, seed: int = 0, fmt: str = "PNG") -> bytes:
     """A noise image (noise, so every patch differs and the vision tower sees real content)."""
     rng = np.random.default_rng(seed)

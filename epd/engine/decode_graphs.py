@@ -35,6 +35,14 @@ def smallest_bucket(buckets: list[int], batch: int) -> int | None:
     return next((b for b in sorted(buckets) if b >= batch), None)
 
 
+def graph_page_capacity(bucket: int, num_pages: int, block_size: int, max_model_len: int | None) -> int:
+    """Page indices one graph's step can list: every row its own pages (sequences sharing a cached
+    prefix each list the shared pages again, so the cache's page count is no bound), a row at most
+    ``max_model_len`` tokens' worth and never more than the cache; a padding row lists one."""
+    per_row = num_pages if max_model_len is None else min(num_pages, -(-max_model_len // block_size))
+    return bucket * max(per_row, 1)
+
+
 def pad_decode_metadata(host: HostPageMetadata, bucket: int, scratch_page: int,
                         block_size: int) -> HostPageMetadata:
     """A decode-only step of B sequences as ``bucket`` rows: each padding row has one token in the
@@ -78,7 +86,7 @@ class DecodeGraphRunner:
     """Owns the captured graphs of one ``ModelRunner`` (which allocates the scratch page)."""
 
     def __init__(self, runner, batch_sizes: list[int]) -> None:
-        from epd.engine.attention.flashinfer import FlashInferAttentionBackend
+        from epd.engine.attention.flashinfer import WORKSPACE_BYTES, FlashInferAttentionBackend
 
         if runner.device.type != "cuda" or runner.attention_backend != "flashinfer":
             raise ValueError("decode CUDA graphs need a CUDA engine with attention_backend flashinfer")
@@ -87,9 +95,12 @@ class DecodeGraphRunner:
         self.num_pages = runner.num_blocks + 1
         self._graphs: dict[int, _Graph] = {}
         pool = torch.cuda.graph_pool_handle()
+        # one split-KV scratch for every graph: one graph replays at a time, each planned just before
+        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=runner.device)
         for bucket in sorted(batch_sizes, reverse=True):  # largest first: the others fit in its pool
-            backend = FlashInferAttentionBackend(runner.backend.spec, graph_batch_size=bucket,
-                                                 max_pages=self.num_pages)
+            capacity = graph_page_capacity(bucket, self.num_pages, runner.block_size, runner.max_model_len)
+            backend = FlashInferAttentionBackend(runner.backend.spec, graph_batch_size=bucket, max_pages=capacity,
+                                                 workspace=workspace)
             self._graphs[bucket] = self._capture(_Graph(bucket, runner.device, backend), pool)
 
     @property

@@ -45,7 +45,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.target_device, dtype=dtype,
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids,
-                                  decode_graph_sizes=graph_sizes)
+                                  decode_graph_sizes=graph_sizes, max_model_len=config.max_model_len)
         self.sampler = Sampler()
         self.num_steps = 0
 

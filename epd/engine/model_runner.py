@@ -40,17 +40,18 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  attention_backend: str = "sdpa", mm_token_ids: tuple[int, ...] = (),
-                 decode_graph_sizes: tuple[int, ...] | list[int] = ()) -> None:
+                 decode_graph_sizes: tuple[int, ...] | list[int] = (), max_model_len: int | None = None) -> None:
         """``decode_graph_sizes``: decode batch sizes to capture as CUDA graphs (used on CUDA with
-        the flashinfer backend; elsewhere every step runs eager)."""
+        the flashinfer backend; elsewhere every step runs eager). ``max_model_len``: the longest
+        sequence, which bounds the pages a graph's row can list (None: the whole cache)."""
         cfg = model.config
         # in-vocab placeholders allow the one-lookup fusion path; empty -> OOV-safe path
         self.mm_token_ids = torch.tensor(mm_token_ids, dtype=torch.long) if mm_token_ids else None
         self.model = model
-        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_size, self.num_blocks, self.max_model_len = block_size, num_blocks, max_model_len
         self.device = torch.device(device)
         self.dtype = dtype
-        self.attention_backend = resolve_backend(attention_backend, self.device)
+        self.attention_backend = resolve_backend(attention_backend, self.device, dtype)
         self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype, block_size))
         self.block_tables = BlockTableMirror()

@@ -18,28 +18,28 @@ BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 4, 8, 2, 16, 64
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: [n, H, D], the last n of L positions; k, v: [L, KVH, D] -> [n, H, D], causal, query
     head h reading KV head h // (H / KVH), in float64."""
-    group, n, length = HEADS // KV_HEADS, q.shape[0], k.shape[0]
-    out = torch.empty(n, HEADS, DIM, dtype=torch.float64)
+    group, n, length, dim = HEADS // KV_HEADS, q.shape[0], k.shape[0], q.shape[-1]
+    out = torch.empty(n, HEADS, dim, dtype=torch.float64)
     for i in range(n):
         visible = length - n + i + 1
         for h in range(HEADS):
             kh, vh = k[:visible, h // group].double(), v[:visible, h // group].double()
-            out[i, h] = torch.softmax(kh @ q[i, h].double() / math.sqrt(DIM), dim=0) @ vh
+            out[i, h] = torch.softmax(kh @ q[i, h].double() / math.sqrt(dim), dim=0) @ vh
     return out.float()
 
 
-def _step(seed: int = 0):
-    """(starts, query lengths, block tables) of one step, decodes first."""
+def _step(seed: int = 0, block: int = BLOCK):
+    """(starts, query lengths, block tables) of one step with pages of ``block`` slots, decodes first."""
     rng = np.random.default_rng(seed)
     order = [int(b) for b in rng.permutation(NUM_BLOCKS)]
     shared = [order.pop() for _ in range(2)]  # a cached prefix of 2 full pages
     plan = [(0, 1), (6, 1), (12, 1), (3, 1),  # decodes: KV lengths 1, 7, 13, 4
             (0, 9),  # a first prefill chunk
             (10, 7),  # a later chunk: 10 tokens of context, 7 new
-            (2 * BLOCK, 5)]  # after a prefix hit on the shared pages
+            (2 * block, 5)]  # after a prefix hit on the shared pages
     tables = []
     for n, (start, num) in enumerate(plan):
-        pages = -(-(start + num) // BLOCK)
+        pages = -(-(start + num) // block)
         head = list(shared) if n == len(plan) - 1 else []
         tables.append(head + [order.pop() for _ in range(pages - len(head))])
     width = max(len(t) for t in tables)
@@ -100,6 +100,26 @@ def test_the_config_offers_exactly_the_registered_backends_and_auto_picks_by_dev
     offered = typing.get_args(EngineConfig.model_fields["attention_backend"].annotation)
     assert sorted(offered) == sorted([AUTO, *ATTENTION_BACKENDS.names()])
     assert resolve_backend("auto", "cpu") == "sdpa" and resolve_backend("flex", "cpu") == "flex"
+
+
+def test_auto_takes_flashinfer_on_cuda_only_for_the_dtypes_its_kernels_have(monkeypatch):
+    import importlib.util
+
+    from epd.engine.attention import resolve_backend
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else None)
+    assert resolve_backend("auto", "cuda", torch.bfloat16) == "flashinfer"
+    assert resolve_backend("auto", "cuda:1", torch.float16) == "flashinfer"
+    assert resolve_backend("auto", "cuda", torch.float32) == "sdpa"
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "sdpa"
+
+
+def test_flex_on_cuda_tiles_a_page_by_16_and_refuses_pages_it_cannot_tile():
+    from epd.engine.attention.flex import kernel_options
+    assert kernel_options(torch.device("cpu"), 4) is None
+    assert kernel_options(torch.device("cuda", 0), 16) == {"BLOCK_M": 16, "BLOCK_N": 16}
+    assert kernel_options(torch.device("cuda", 0), 64) == {"BLOCK_M": 16, "BLOCK_N": 16}
+    with pytest.raises(ValueError, match="multiple of 16, got 8"):
+        kernel_options(torch.device("cuda", 0), 8)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("flashinfer") is not None, reason="FlashInfer is here")

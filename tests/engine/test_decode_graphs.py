@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from epd.engine.attention import build_page_metadata
-from epd.engine.decode_graphs import decode_batch_buckets, pad_decode_metadata, smallest_bucket
+from epd.engine.decode_graphs import decode_batch_buckets, graph_page_capacity, pad_decode_metadata, smallest_bucket
 
 
 def test_buckets_are_small_powers_then_steps_of_eight_up_to_max_num_seqs():
@@ -35,6 +35,19 @@ def test_padding_rows_read_and_write_only_the_scratch_page():
         pad_decode_metadata(host, 2, scratch_page=99, block_size=16)
 
 
+def test_a_graphs_page_table_holds_every_row_at_its_longest_even_when_rows_share_pages():
+    # 8 rows of 4,096 tokens in 16-slot pages: 256 pages each, though the cache has only 300
+    # (rows that share a cached prefix each list its pages)
+    assert graph_page_capacity(8, num_pages=300, block_size=16, max_model_len=4096) == 8 * 256
+    assert graph_page_capacity(8, num_pages=100, block_size=16, max_model_len=4096) == 8 * 100  # no row has more
+    assert graph_page_capacity(4, num_pages=50, block_size=16, max_model_len=None) == 4 * 50
+    tables = np.array([[1, 2, 3], [1, 2, 4]], dtype=np.int32)  # a shared 2-page prefix
+    host, _ = build_page_metadata(tables, np.array([40, 40]), np.array([1, 1]), 16)
+    padded = pad_decode_metadata(host, 4, scratch_page=9, block_size=16)
+    assert len(padded.kv_indices) == 8 > 5  # more entries than distinct pages in use
+    assert len(padded.kv_indices) <= graph_page_capacity(4, num_pages=10, block_size=16, max_model_len=48)
+
+
 def test_a_cpu_engine_captures_nothing_and_keeps_its_pages():
     from epd.config import EngineConfig
     from epd.engine.llm_engine import LLMEngine
@@ -57,11 +70,14 @@ def test_greedy_tokens_from_decode_graphs_equal_the_eager_engines():
     from tests.fidelity.reference import user_message
     chats = [user_message(f"Say something about number {i}.", [make_image_bytes(64, 48, seed=i)] if i % 2 else [])
              for i in range(5)]  # 5 decodes: a padded bucket (8)
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    # bf16: FlashInfer has no float32 kernels. Graph and eager decode may split the KV differently
+    # (another rounding of the same sum), so a close call late in a random model's output could
+    # differ; a stale or misplaced page changes the tokens at once, so 8 tokens a request tell.
+    params = SamplingParams(max_tokens=8, temperature=0.0)
     outs = {}
     for eager in (True, False):
         llm = LLM(str(resolve_model("small-qwen2-vl")),
-                  engine_config=EngineConfig(device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16))
+                  engine_config=EngineConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=16))
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.chat(chats, params)]
     assert outs[False] == outs[True]

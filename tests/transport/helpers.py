@@ -52,7 +52,9 @@ class ChildProcess:
 
     def __init__(self, args: list[str], timeout_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), OMP_NUM_THREADS="1")
+        # the repository first, then what the caller's path had (a GPU check's wheels live there)
+        path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen([sys.executable, *args], cwd=REPO_ROOT, env=env, text=True, bufsize=1,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         SPAWNED_PIDS.add(self.proc.pid)

@@ -16,6 +16,7 @@ from tests.transport.helpers import make_tensor
 
 def main() -> None:
     store = TensorStore()
+    store.start_sweeper(0.25)  # as a worker does: exports nobody imports end with their lease
     server = serve_tensor_store(store)
     print("ADDRESS", store.address, flush=True)
     try:

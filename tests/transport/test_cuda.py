@@ -100,11 +100,12 @@ def test_a_producers_event_orders_the_consumer_after_its_stream(clock):
     producer recorded there, and the consumer, waiting on it, reads the finished rows."""
     from epd.transport import ready_event_after_writes
     side = torch.cuda.Stream()
-    with TensorStore(clock=clock) as store, torch.cuda.stream(side):
-        rows = torch.empty(4096, 1024, device="cuda")
-        torch.cuda._sleep(50_000_000)  # keep the side stream busy so the write lands late
-        rows.fill_(7.0)
-        ready = ready_event_after_writes(rows)
-        handle = store.export(rows, transport="cuda_ipc", ttl_s=10, ready_event=ready)
-    with import_tensor(handle, device="cuda") as imported:  # on the default stream
-        assert torch.all(imported.tensor == 7.0).item()
+    with TensorStore(clock=clock) as store:  # the import, in this process, finds the export in its store
+        with torch.cuda.stream(side):
+            rows = torch.empty(4096, 1024, device="cuda")
+            torch.cuda._sleep(50_000_000)  # keep the side stream busy so the write lands late
+            rows.fill_(7.0)
+            ready = ready_event_after_writes(rows)
+            handle = store.export(rows, transport="cuda_ipc", ttl_s=10, ready_event=ready)
+        with import_tensor(handle, device="cuda") as imported:  # on the default stream
+            assert torch.all(imported.tensor == 7.0).item()

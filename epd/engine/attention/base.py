@@ -47,11 +47,16 @@ ATTENTION_BACKENDS: Registry[type] = Registry("attention backend")
 AUTO = "auto"
 
 
-def resolve_backend(name: str, device: torch.device | str) -> str:
-    """``auto``: FlashInfer on CUDA where it is installed, else SDPA (the CPU's fastest here, and
-    the reference). ``flex`` stays opt-in on CUDA until a GPU run has measured it."""
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # its attention kernels' query/KV types
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``auto``: FlashInfer on CUDA where it is installed and the model runs in fp16 / bf16 (its
+    kernels have no float32 form), else SDPA (the CPU's fastest here, and the reference). ``flex``
+    stays opt-in on CUDA until a GPU run has measured it."""
     if name != AUTO:
         return name
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+    if torch.device(device).type == "cuda" and dtype in FLASHINFER_DTYPES \
+            and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
     return "sdpa"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from epd.engine.attention.base import ATTENTION_BACKENDS, AttentionSpec
+from epd.engine.attention.base import ATTENTION_BACKENDS, FLASHINFER_DTYPES, AttentionSpec
 from epd.engine.attention.metadata import AttentionMetadata, KVCache
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # FlashInfer's split-KV scratch; what vLLM gives it
@@ -29,12 +29,18 @@ def import_flashinfer():
 
 @ATTENTION_BACKENDS.register("flashinfer")
 class FlashInferAttentionBackend:
-    def __init__(self, spec: AttentionSpec, *, graph_batch_size: int | None = None, max_pages: int = 0) -> None:
+    def __init__(self, spec: AttentionSpec, *, graph_batch_size: int | None = None, max_pages: int = 0,
+                 workspace: torch.Tensor | None = None) -> None:
         """``graph_batch_size``: a decode-only backend for one captured CUDA graph of that many rows
         (FlashInfer's CUDA-graph wrapper, whose page-table buffers stay at fixed addresses;
-        ``max_pages`` sizes the indices buffer)."""
+        ``max_pages`` sizes the indices buffer). ``workspace``: a scratch shared with other
+        backends that never run at the same time (default: its own)."""
         self.spec = spec
+        self._workspace = workspace
         self._flashinfer = import_flashinfer()
+        if spec.dtype not in FLASHINFER_DTYPES:
+            raise ValueError(f"attention_backend flashinfer runs float16 / bfloat16 models, this one is {spec.dtype} "
+                             f"(use --dtype bfloat16, or attention_backend sdpa or flex)")
         self.graph_batch_size, self.max_pages = graph_batch_size, max_pages
         self._decode = self._prefill = None
         self._graph_buffers: tuple[torch.Tensor, ...] = ()
@@ -42,7 +48,8 @@ class FlashInferAttentionBackend:
 
     def _wrappers(self, device: torch.device):
         if self._decode is None:
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            workspace = self._workspace if self._workspace is not None else \
+                torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             if self.graph_batch_size is None:
                 self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
                                                                                    use_tensor_cores=True)

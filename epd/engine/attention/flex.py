@@ -50,12 +50,25 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=None)
 
 
+def kernel_options(device: torch.device, block_size: int) -> dict | None:
+    """On CUDA flex runs Triton kernels whose tiles must divide the block mask's blocks (one page
+    each); their default tiles (64-128 rows) divide no usual page size, so the tiles are set to 16
+    rows and keys, the smallest a Triton matrix product takes. The CPU kernel needs nothing."""
+    if device.type != "cuda":
+        return None
+    if block_size % 16:
+        raise ValueError(f"attention_backend flex on CUDA needs a KV block size that is a multiple of 16, got "
+                         f"{block_size} (--block-size)")
+    return {"BLOCK_M": 16, "BLOCK_N": 16}
+
+
 @dataclass
 class _FlexPlan:
     decode_mask: object | None  # BlockMask over [num_decodes, 1 query] x the cache
     prefill_mask: object | None  # BlockMask over [1, padded prefill queries] x the cache
     prefill_rows: torch.Tensor | None  # [prefill queries] int64: each query's row in the padded batch
     num_padded: int
+    kernel_options: dict | None  # the CUDA kernels' tiles (None on the CPU)
 
 
 class _IndexRows:
@@ -83,13 +96,14 @@ class FlexAttentionBackend:
         self._logical: torch.Tensor | None = None  # [num_blocks] int32: a page's index in its sequence
 
     def plan(self, meta: AttentionMetadata) -> None:
+        options = kernel_options(meta.block_tables.device, meta.block_size)  # refused here, before any layer
         decode_mask = prefill_mask = prefill_rows = None
         num_padded = 0
         if meta.num_decodes:
             decode_mask = self._decode_mask(meta)
         if meta.num_decodes < meta.num_seqs:
             prefill_mask, prefill_rows, num_padded = self._prefill_mask(meta)
-        meta.plan = _FlexPlan(decode_mask, prefill_mask, prefill_rows, num_padded)
+        meta.plan = _FlexPlan(decode_mask, prefill_mask, prefill_rows, num_padded, options)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -97,15 +111,16 @@ class FlexAttentionBackend:
         keys = kv_cache.k[layer_idx].transpose(0, 1).unsqueeze(0)  # [1, KVH, slots, D]: a view, no copy
         values = kv_cache.v[layer_idx].transpose(0, 1).unsqueeze(0)
         flex, plan, nd = _compiled_flex(), meta.plan, meta.num_decodes
+        options = plan.kernel_options
         out = torch.empty_like(q)
         if plan.decode_mask is not None:
             out[:nd] = flex(q[:nd].unsqueeze(2), keys, values, block_mask=plan.decode_mask, scale=scale,
-                            enable_gqa=True).squeeze(2)
+                            enable_gqa=True, kernel_options=options).squeeze(2)
         if plan.prefill_mask is not None:
             padded = q.new_zeros(plan.num_padded, q.shape[1], q.shape[2])
             padded[plan.prefill_rows] = q[nd:]
             o = flex(padded.transpose(0, 1).unsqueeze(0), keys, values, block_mask=plan.prefill_mask, scale=scale,
-                     enable_gqa=True)
+                     enable_gqa=True, kernel_options=options)
             out[nd:] = o[0].transpose(0, 1)[plan.prefill_rows]
         return out
 

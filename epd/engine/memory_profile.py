@@ -1,8 +1,8 @@
 """Sizing the KV cache from the device's memory (``gpu_memory_utilization``, vLLM's meaning): the
 cache gets what is left of that fraction of the GPU's memory after this process's peak over
 loading the weights and one profiled worst-case step (``max_num_batched_tokens`` prompt tokens
-spread over ``max_num_seqs`` sequences, each producing logits, plus the sampler's copies of them).
-Sized this way a 7B model on an H200 gets tens of GB of KV instead of the CPU default's 256 MiB."""
+spread over ``max_num_seqs`` sequences, each producing logits, plus the sampler's copies of them),
+and after what the decode CUDA graphs will hold. Sized this way a 7B model on an H200 gets tens of GB of KV instead of the CPU default's 256 MiB."""
 from __future__ import annotations
 
 import math
@@ -17,17 +17,35 @@ from epd.types import SamplingParams
 GiB = 1024**3
 
 
-def kv_budget_bytes(total_bytes: int, utilization: float, peak_bytes: int, reserved_bytes: int = 0) -> int:
-    """What the KV cache may take: ``utilization`` of the device minus the profiled peak and what
-    is reserved for others on the device (an encoder's output and cache budget: the same memory
-    the encoder's rows will take, so the two budgets are planned together)."""
-    budget = int(total_bytes * utilization) - peak_bytes - reserved_bytes
+def kv_budget_bytes(total_bytes: int, utilization: float, peak_bytes: int, reserved_bytes: int = 0,
+                    graph_bytes: int = 0) -> int:
+    """What the KV cache may take: ``utilization`` of the device minus the profiled peak, what is
+    reserved for others on the device (an encoder's output and cache budget: the same memory the
+    encoder's rows will take, so the two budgets are planned together) and what the decode CUDA
+    graphs will hold (captured after the cache is allocated)."""
+    budget = int(total_bytes * utilization) - peak_bytes - reserved_bytes - graph_bytes
     if budget <= 0:
         reserved = f" and {reserved_bytes / GiB:.1f} GiB reserved for the encoder" if reserved_bytes else ""
+        graphs = f", plus {graph_bytes / GiB:.1f} GiB for the decode CUDA graphs (--enforce-eager: none)" \
+            if graph_bytes else ""
         raise ValueError(f"gpu_memory_utilization={utilization} of {total_bytes / GiB:.1f} GiB leaves nothing for "
                          f"the KV cache: weights and one step's activations peak at {peak_bytes / GiB:.1f} GiB"
-                         f"{reserved}; raise gpu_memory_utilization or lower max_num_batched_tokens")
+                         f"{reserved}{graphs}; raise gpu_memory_utilization or lower max_num_batched_tokens")
     return budget
+
+
+def decode_graph_bytes(config, activation_bytes: int) -> int:
+    """What the decode CUDA graphs hold for good once captured: their memory pool (the activations
+    of the largest bucket's decode step, at most one profiled step's) and their shared split-KV
+    workspace. Zero where no graph is captured (not CUDA + FlashInfer, or ``enforce_eager``)."""
+    from epd.engine.attention import resolve_backend
+    from epd.engine.attention.flashinfer import WORKSPACE_BYTES
+
+    device = torch.device(config.target_device)
+    if config.enforce_eager or device.type != "cuda" or \
+            resolve_backend(config.attention_backend, device, config.torch_dtype) != "flashinfer":
+        return 0
+    return activation_bytes + WORKSPACE_BYTES
 
 
 def profile_step(model: torch.nn.Module, config, mm_token_ids: tuple[int, ...] = ()) -> None:
@@ -54,12 +72,14 @@ def kv_blocks_for_device_memory(model: torch.nn.Module, config, bytes_per_token:
     device = torch.device(config.target_device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
+    weights_bytes = torch.cuda.memory_allocated(device)
     profile_step(model, config, mm_token_ids)
     torch.cuda.synchronize(device)
     peak_bytes = torch.cuda.max_memory_allocated(device)
     torch.cuda.empty_cache()
     total_bytes = torch.cuda.get_device_properties(device).total_memory
-    budget = kv_budget_bytes(total_bytes, config.gpu_memory_utilization, peak_bytes, config.reserved_device_bytes)
+    budget = kv_budget_bytes(total_bytes, config.gpu_memory_utilization, peak_bytes, config.reserved_device_bytes,
+                             decode_graph_bytes(config, peak_bytes - weights_bytes))
     free_bytes, _ = torch.cuda.mem_get_info(device)
     if budget > free_bytes:  # another process holds part of the fraction asked for
         raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} asks {budget / GiB:.1f} GiB for the "

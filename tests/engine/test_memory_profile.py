@@ -23,6 +23,24 @@ def test_what_is_reserved_for_the_encoder_comes_off_the_kv_budget():
         kv_budget_bytes(80 * GiB, 0.9, 20 * GiB, 60 * GiB)
 
 
+def test_the_decode_graphs_memory_comes_off_the_kv_budget_where_graphs_are_captured(monkeypatch):
+    import importlib.util
+
+    from epd.engine.attention.flashinfer import WORKSPACE_BYTES
+    from epd.engine.memory_profile import decode_graph_bytes
+    assert kv_budget_bytes(80 * GiB, 0.9, 20 * GiB, 2 * GiB, 3 * GiB) == int(72 * GiB) - 25 * GiB
+    with pytest.raises(ValueError, match=r"plus 3.0 GiB for the decode CUDA graphs \(--enforce-eager: none\)"):
+        kv_budget_bytes(80 * GiB, 0.5, 38 * GiB, 0, 3 * GiB)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flashinfer" else None)
+    graphs = EngineConfig(device="cuda", dtype="bfloat16")
+    assert decode_graph_bytes(graphs, GiB) == GiB + WORKSPACE_BYTES
+    for none in (EngineConfig(device="cuda", dtype="bfloat16", enforce_eager=True),
+                 EngineConfig(device="cuda", dtype="float32"),  # sdpa: FlashInfer has no float32 kernels
+                 EngineConfig(device="cuda", dtype="bfloat16", attention_backend="sdpa"),
+                 EngineConfig(device="cpu")):
+        assert decode_graph_bytes(none, GiB) == 0
+
+
 def test_epd_llm_on_a_gpu_reserves_its_vision_towers_output_budget(monkeypatch):
     """In one process the vision tower's rows and the KV cache share the device: the engine is
     sized with the encoder's output budget (C) reserved, as an encoder tier would resolve it."""

@@ -1,6 +1,6 @@
 """What a CUDA machine says about EPD, as one JSON file (``scripts/gpu_verify.sh`` runs it).
 
-    python scripts/gpu_bench.py --out results.json [--only env,fidelity,decode,ipc] [--dry-run]
+    python scripts/gpu_bench.py --out results.json [--only env,fidelity,decode,ipc,encoder] [--dry-run]
                                 [--deadline-s 450]
 
 Phases, each recorded as it ends (the JSON is rewritten after every one, so a run cut short keeps
@@ -12,6 +12,8 @@ what it measured; a phase that fails records its error and the next one runs):
             made on the device), against the floor of reading weights + KV once per step
   ipc       a tensor from a producer process: cuda_ipc vs shm by size (consumer's import + first
             read), and whether exports never imported stay allocated after their lease ends
+  encoder   a Qwen2.5-VL-7B-sized vision tower over 1-8 images: eager vs CUDA-graph replay, capture
+            time, replay's error against eager
 ``--dry-run``: the same code on the CPU with tiny shapes, to check the script itself (CI runs it).
 A phase that starts past ``--deadline-s`` is skipped and says so.
 """
@@ -281,7 +283,69 @@ def ipc(run: Run) -> dict:
     return out
 
 
-PHASES = {"env": env, "fidelity": fidelity, "decode": decode, "ipc": ipc}
+# ---- encoder -------------------------------------------------------------------------------------
+# Qwen2.5-VL-7B's vision tower (the merger's output width stays the tiny preset's: it is one matmul)
+VISION_7B = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+             "fullatt_block_indexes": [7, 15, 23, 31]}
+
+
+def _vision_checkpoint(run: Run, dims: dict) -> Path:
+    """A Qwen2.5-VL checkpoint holding only a vision tower of ``dims`` with random weights: the
+    tiny preset's configs, the tower resized, its weights made on the device and saved once."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from epd.models.qwen2_vl.vision import _tower_class
+
+    path = write_preset_checkpoint("tiny-qwen2.5-vl", run.work / "vision", seed=3)
+    config = json.loads((path / "config.json").read_text())
+    config["vision_config"].update(dims)
+    (path / "config.json").write_text(json.dumps(config))
+    with torch.device(run.device):  # random init where it is fast
+        tower = _tower_class(config["model_type"])._from_config(AutoConfig.from_pretrained(path).vision_config)
+    state = {f"visual.{name}": t.detach().to(torch.bfloat16 if dims else torch.float32).contiguous()
+             for name, t in tower.state_dict().items()}
+    save_file({name: t.cpu() for name, t in state.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def encoder(run: Run) -> dict:
+    """A 7B-sized tower over 1, 4, 5 and 8 images of 1,024 patches: eager against CUDA-graph replay
+    (buckets of 1,024 x 1, 4,096 x 4 and 8,192 x 8 tokens x contexts), capture time, and how far
+    replay's rows are from eager's. The dry run times the tiny tower eager only (graphs need CUDA)."""
+    from epd.encoder.graphed_model import GraphedVisionEncoder
+    from epd.models.qwen2_vl.vision import QwenVisionEncoder
+    from tests.conftest import make_image_bytes
+
+    dims, counts, side = ({}, (1, 2), 112) if run.dry_run else (VISION_7B, (1, 4, 5, 8), 448)
+    dtype = torch.float32 if run.dry_run else torch.bfloat16
+    model = QwenVisionEncoder(_vision_checkpoint(run, dims), dtype=dtype, device=run.device)
+    images = [make_image_bytes(side, side, seed=i) for i in range(max(counts))]
+    out: dict = {"tower": dims or "tiny-qwen2.5-vl", "image_px": side}
+    graphed = None
+    if run.device == "cuda":
+        start = time.perf_counter()
+        graphed = GraphedVisionEncoder(model, ((1024, 1), (4096, 4), (8192, 8)), device=run.device)
+        out["capture_s"] = round(time.perf_counter() - start, 2)
+    rows = []
+    for n in counts:
+        pixel_values, grid_thw = model.preprocess(images[:n])
+        row = {"images": n, "tokens": int(grid_thw.prod(dim=-1).sum()),
+               "eager_ms": round(_median_s(lambda: model.encode(pixel_values, grid_thw), 3, run.sync) * 1e3, 2)}
+        if graphed is not None:
+            before = graphed.num_graph_batches
+            row["graph_ms"] = round(_median_s(lambda: graphed.encode(pixel_values, grid_thw), 3, run.sync) * 1e3, 2)
+            row["replayed"] = graphed.num_graph_batches > before  # False: no bucket fit, it ran eager
+            eager = model.encode(pixel_values, grid_thw)
+            replayed = graphed.encode(pixel_values, grid_thw)
+            row["max_rel_error"] = max(float((g.float() - e.float()).abs().max() / e.float().abs().max())
+                                       for g, e in zip(replayed, eager, strict=True))
+        rows.append(row)
+    out["rows"] = rows
+    return out
+
+
+PHASES = {"env": env, "fidelity": fidelity, "decode": decode, "ipc": ipc, "encoder": encoder}
 
 
 def main() -> int:

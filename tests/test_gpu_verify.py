@@ -26,10 +26,12 @@ def test_the_dry_run_writes_every_result(tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["dry_run"] is True
     phases = results["phases"]
-    assert sorted(phases) == ["decode", "env", "fidelity", "ipc"] and all(p["ok"] for p in phases.values()), phases
+    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc"] and all(p["ok"] for p in phases.values()), \
+        phases
     assert phases["fidelity"]["device_vs_cpu_fp32_greedy_identical"] is True
     assert phases["fidelity"]["bf16_vs_fp32_first_token_cosine"] >= 0.99
     assert phases["decode"]["tiny"][0]["tok_s"] > 0 and phases["ipc"]["shm"][0]["ms"] > 0
+    assert [r["tokens"] for r in phases["encoder"]["rows"]] == [64, 128]  # 112 px images: 8 x 8 patches each
     for name in ("cuda_tests.xml", "env.txt", "log.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
 

@@ -24,6 +24,12 @@ from epd.engine.attention.metadata import AttentionMetadata, HostPageMetadata, m
 MAX_CAPTURED_BATCH = 256
 
 
+def captures_decode_graphs(device: torch.device, attention_backend: str) -> bool:
+    """Where decode steps are captured: CUDA with FlashInfer (its CUDA-graph wrapper keeps the page
+    tables at fixed addresses); everywhere else every step runs eager."""
+    return device.type == "cuda" and attention_backend == "flashinfer"
+
+
 def decode_batch_buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every multiple of 8 up to ``max_num_seqs`` (capped at 256), vLLM's steps."""
     top = min(max_num_seqs, MAX_CAPTURED_BATCH)
@@ -88,7 +94,7 @@ class DecodeGraphRunner:
     def __init__(self, runner, batch_sizes: list[int]) -> None:
         from epd.engine.attention.flashinfer import WORKSPACE_BYTES, FlashInferAttentionBackend
 
-        if runner.device.type != "cuda" or runner.attention_backend != "flashinfer":
+        if not captures_decode_graphs(runner.device, runner.attention_backend):
             raise ValueError("decode CUDA graphs need a CUDA engine with attention_backend flashinfer")
         self.runner = runner
         self.scratch_page = runner.num_blocks  # the KV cache has one page past the block manager's

@@ -2,7 +2,8 @@
 cache gets what is left of that fraction of the GPU's memory after this process's peak over
 loading the weights and one profiled worst-case step (``max_num_batched_tokens`` prompt tokens
 spread over ``max_num_seqs`` sequences, each producing logits, plus the sampler's copies of them),
-and after what the decode CUDA graphs will hold. Sized this way a 7B model on an H200 gets tens of GB of KV instead of the CPU default's 256 MiB."""
+and after what the decode CUDA graphs will hold. Sized this way a 7B model on an H200 gets tens of
+GB of KV instead of the CPU default's 256 MiB."""
 from __future__ import annotations
 
 import math
@@ -40,10 +41,11 @@ def decode_graph_bytes(config, activation_bytes: int) -> int:
     workspace. Zero where no graph is captured (not CUDA + FlashInfer, or ``enforce_eager``)."""
     from epd.engine.attention import resolve_backend
     from epd.engine.attention.flashinfer import WORKSPACE_BYTES
+    from epd.engine.decode_graphs import captures_decode_graphs
 
     device = torch.device(config.target_device)
-    if config.enforce_eager or device.type != "cuda" or \
-            resolve_backend(config.attention_backend, device, config.torch_dtype) != "flashinfer":
+    backend = resolve_backend(config.attention_backend, device, config.torch_dtype)
+    if config.enforce_eager or not captures_decode_graphs(device, backend):
         return 0
     return activation_bytes + WORKSPACE_BYTES
 

@@ -18,6 +18,7 @@ from epd.engine.attention import (
     resolve_backend,
 )
 from epd.engine.block_tables import BlockTableMirror
+from epd.engine.decode_graphs import captures_decode_graphs
 from epd.engine.mm_inputs import SequenceMultimodal, positions_for_range
 from epd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from epd.multimodal.fuse import fuse_input_embeds
@@ -55,7 +56,7 @@ class ModelRunner:
         self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype, block_size))
         self.block_tables = BlockTableMirror()
-        graphs = list(decode_graph_sizes) if self.device.type == "cuda" and self.attention_backend == "flashinfer" else []
+        graphs = list(decode_graph_sizes) if captures_decode_graphs(self.device, self.attention_backend) else []
         self.kv_pages = num_blocks + (1 if graphs else 0)  # + the decode graphs' padding page, owned by no sequence
         self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, self.kv_pages * block_size,
                                          cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)

@@ -8,6 +8,7 @@ detokenizer as ``epd router``, on an event loop thread of its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterator
@@ -26,7 +27,13 @@ class SyncRouter:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-router", daemon=True)
         self._thread.start()
-        self.run(pipeline.start())
+        try:
+            self.run(pipeline.start())
+        except BaseException:
+            # a half-started backend (health tasks, channels) and this loop's thread would outlive us
+            with contextlib.suppress(Exception):
+                self.close()
+            raise
 
     @classmethod
     def over_workers(cls, model_dir: str | Path, *, encoders: list[str], prefills: list[str], decodes: list[str],
@@ -68,10 +75,15 @@ class SyncRouter:
         return self.pipeline.health()
 
     def close(self) -> None:
-        if self._loop.is_running():
+        if self._loop.is_closed():
+            return
+        try:
             self.run(self.pipeline.close())
+        finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> SyncRouter:
         return self

@@ -493,3 +493,22 @@ def test_the_sdk_asks_for_n_choices_and_gets_them_all(model_dir, tokenizer):
     assert [c.index for c in result.choices] == [0, 1, 2] and all(c.text == "AB" for c in result.choices)
     assert result.usage.completion_tokens == 6 and result.text == "AB"
     assert sorted({d.index for d in deltas}) == [0, 1]
+
+
+def test_a_sync_router_whose_backend_fails_to_start_leaves_no_thread_and_closes_the_backend(model_dir):
+    class FailsToStart(ScriptedBackend):
+        closed = False
+
+        async def start(self) -> None:
+            raise RuntimeError("no worker reachable")
+
+        async def close(self) -> None:
+            FailsToStart.closed = True
+
+    from epd.router.sync import SyncRouter
+    import threading
+    before = {t.ident for t in threading.enumerate() if t.name == "sync-router"}
+    with pytest.raises(RuntimeError, match="no worker reachable"):
+        SyncRouter(make_pipeline(model_dir, FailsToStart([[1]])))
+    assert FailsToStart.closed
+    assert not [t for t in threading.enumerate() if t.name == "sync-router" and t.ident not in before]

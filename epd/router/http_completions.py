@@ -191,6 +191,7 @@ class _TextOutput:
     def __init__(self, request_id: str, model: str, body: CompletionRequest, token_text, detokenize) -> None:
         self.request_id, self.model, self.created = request_id, model, int(time.time())
         self.echo, self.include_usage, self.num_logprobs = body.echo, body.include_usage, body.logprobs
+        self.continuous_usage = body.continuous_usage  # usage so far on every streamed chunk
         self.token_text, self.detokenize = token_text, detokenize
         self.prompt_text, self.prompt_token_ids = "", []
         self.pieces: list[str] = []
@@ -246,7 +247,7 @@ class _TextOutput:
                                   finish_reason=self.finish_reason if done else None,
                                   stop_reason=self.stop_reason if done else None)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
-                                  usage=self.usage() if usage else None)
+                                  usage=self.usage() if usage or self.continuous_usage else None)
 
 
 # ---- /tokenize, /detokenize, /version ----------------------------------------------------------------

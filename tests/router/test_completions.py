@@ -60,6 +60,21 @@ def test_streaming_echo_and_legacy_logprobs(served):
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
 
 
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_streamed_chunk(served):
+    _, _, client = served
+    chunks = list(client.completions.create(
+        model="tiny", prompt="Hi", stream=True, max_tokens=3,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert with_choices and all(c.usage is not None for c in with_choices)
+    completions = [c.usage.completion_tokens for c in with_choices]
+    assert completions == sorted(completions) and completions[0] >= 1 and completions[-1] == 3
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens} and chunks[-1].usage.prompt_tokens > 0
+    plain = list(client.completions.create(model="tiny", prompt="Hi", stream=True, max_tokens=3,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
 @pytest.mark.parametrize("fields, match", [
     ({"prompt": ["a", "b"]}, "one prompt per request"),
     ({"prompt": "x", "suffix": "y"}, "suffix must be unset"),

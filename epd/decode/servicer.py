@@ -14,6 +14,7 @@ from epd.engine.async_updates import AsyncUpdates
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
 from epd.protocol import decode_job_from_proto, logprobs_to_proto
 from epd.rpc import abort_with_async, remaining_s
+from epd.server.admission import HeldBytes
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import decode_pb2, decode_pb2_grpc
@@ -28,6 +29,7 @@ class _Stream:
 
     added: Future  # of the sequence, once the engine loop queued it
     imported: object  # the KV import (ImportedTensor)
+    held: HeldBytes  # the import's bytes in this worker's admission, given back with the import
     kv_written: bool = False  # the first update came: the KV is in our cache, the import is free
     finished: bool = False
 
@@ -39,16 +41,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         try:
             job = decode_job_from_proto(request.request, request.prefill)
-            with self.ctx.admission.hold(request.prefill.kv.nbytes):
-                await self._generate(job, request, context)
+            with self.ctx.admission.hold(request.prefill.kv.nbytes) as held:
+                await self._generate(job, request, context, held)
         except EPDError as err:
             self.metrics.count_failure(err)
             await abort_with_async(context, err)
 
-    async def _generate(self, job, request, context) -> None:
+    async def _generate(self, job, request, context, held: HeldBytes) -> None:
         timeout_s = remaining_s(context, self.config.request_timeout_s)
         imported = await self._import(job.request_id, request.prefill.kv, timeout_s)
-        stream = _Stream(None, imported)
+        stream = _Stream(None, imported, held)
         try:
             stream.added, _ = self.worker.start(job, imported.tensor, updates := AsyncUpdates())
             await self._queued(job.request_id, stream.added, timeout_s)
@@ -109,6 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     @staticmethod
     def _release(stream: _Stream) -> None:
         stream.imported.release_soon()  # idempotent; the producer is told from a background thread
+        stream.held.give_back()  # a long stream no longer counts KV it does not hold
 
     async def Health(self, request, context):
         engine = self.worker.engine

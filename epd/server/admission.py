@@ -36,11 +36,12 @@ class TierAdmission:
         self._check(imported_bytes)
         self.num_requests += 1
         self.imported_bytes += imported_bytes
+        held = HeldBytes(self, imported_bytes)
         try:
-            yield
+            yield held
         finally:
             self.num_requests -= 1
-            self.imported_bytes -= imported_bytes
+            held.give_back()
 
     def _check(self, imported_bytes: int) -> None:
         if self.draining:  # a call that raced the router's next health check: it goes elsewhere
@@ -51,3 +52,17 @@ class TierAdmission:
         if self.num_requests and self.imported_bytes + imported_bytes > self.max_imported_bytes:
             raise Overloaded(f"{self.tier} holds {self.imported_bytes} imported bytes; {imported_bytes} more would "
                              f"pass max_imported_bytes={self.max_imported_bytes}", retry_after_s=_RETRY_AFTER_S)
+
+
+class HeldBytes:
+    """The imported bytes one held request counts. ``give_back`` ends the count before the request
+    does: decode's KV is copied into its own cache at the first step, and the import is let go
+    then, while the stream goes on for many more tokens."""
+
+    def __init__(self, admission: TierAdmission, nbytes: int) -> None:
+        self.admission, self.nbytes = admission, nbytes
+
+    def give_back(self) -> None:
+        """Idempotent: the bytes are counted off once."""
+        self.admission.imported_bytes -= self.nbytes
+        self.nbytes = 0

@@ -201,3 +201,36 @@ def test_a_cancel_at_any_moment_frees_every_tier_within_a_second(router, cluster
     while _open_leases(cluster) and time.monotonic() < deadline_s:
         time.sleep(0.1)
     assert _open_leases(cluster) == {}
+
+
+def test_encode_calls_still_running_when_prefills_result_arrives_are_cancelled(router):
+    """An encoder's reply can lag its pushes; once prefill has answered, the call only holds the
+    encoder (its in-flight count, the router's note that it is producing those items)."""
+    backend = router.pipeline.backend
+    outcomes = []
+
+    def make(original):
+        async def encode(*args, **kwargs):
+            await original(*args, **kwargs)
+            try:
+                await asyncio.sleep(30)  # a reply that never comes in time
+                outcomes.append("ran on")
+            except asyncio.CancelledError:
+                outcomes.append("cancelled")
+                raise
+        return encode
+
+    unpatch = _patch(backend, "_encode_on", make)
+    try:
+        finish = router.run(_complete(router, _request(900, 3)))
+    finally:
+        unpatch()
+    deadline_s = time.monotonic() + 1.0
+    while not outcomes and time.monotonic() < deadline_s:
+        time.sleep(0.02)
+    assert finish == "length" and outcomes == ["cancelled"]
+    assert router.run(_encoding_of(backend)) == {}
+
+
+async def _encoding_of(backend) -> dict:
+    return dict(backend._encoding)

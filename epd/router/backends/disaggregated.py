@@ -200,8 +200,10 @@ class DisaggregatedBackend:
         except grpc.aio.AioRpcError as err:
             raise self._tier_error("prefill", prefill.address, err) from None
         finally:
+            # with a result every row prefill needed has arrived: an encode call still running (its
+            # reply late, an item prefill found in its prefix cache) only holds the encoder
+            encodes.cancel()
             if result is None:  # prefill aborts the request when its call is cancelled
-                encodes.cancel()
                 if call.cancel():
                     _release_unread_result(prefill, reader)
                     if reader is not None:

@@ -130,13 +130,15 @@ class _QueuedPush:
     delivered: asyncio.Future
     deadline_s: float  # event-loop time
     nbytes: int
+    abandoned: bool = False  # its caller was cancelled while it waited: nobody else frees its leases
 
 
 class PushBatcher:
     """Pushes to prefill workers, in as few calls as possible: what is queued for a worker while a
     call to it is in flight leaves together in the next call (under a burst, the results of one
     encoder batch). A caller cancelled meanwhile does not withdraw its pushes: they go, and a
-    prefill that no longer holds the request sends their leases back (``release`` them here).
+    prefill that no longer holds the request sends their leases back (``release`` them here); a
+    call that fails releases the leases of such callers here too.
 
     Users' embeddings go only to EPD prefill workers of this model: before its first push to an
     address, the batcher asks it for its health and refuses (``InvalidRequest``) an address that
@@ -156,12 +158,16 @@ class PushBatcher:
         loop = asyncio.get_running_loop()
         delivered = loop.create_future()
         delivered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when nobody waits
-        self._queued.setdefault(address, []).append(
-            _QueuedPush(pushes, delivered, loop.time() + timeout_s, sum(p.ByteSize() for p in pushes)))
+        queued = _QueuedPush(pushes, delivered, loop.time() + timeout_s, sum(p.ByteSize() for p in pushes))
+        self._queued.setdefault(address, []).append(queued)
         if address not in self._sending:
             self._sending.add(address)
             loop.create_task(self._send(address))
-        await asyncio.shield(delivered)
+        try:
+            await asyncio.shield(delivered)
+        except asyncio.CancelledError:
+            queued.abandoned = True
+            raise
 
     async def check_destination(self, address: str, timeout_s: float) -> None:
         """Raise ``InvalidRequest`` unless ``address`` answers as a prefill worker of this model."""
@@ -213,6 +219,9 @@ class PushBatcher:
             error = None
         except Exception as err:  # noqa: BLE001 - every caller of the batch hears it, none hangs
             error = err
+            # a caller still waiting frees its own leases on the error; a cancelled one cannot
+            if abandoned := [p.embedding.lease_id for q in batch if q.abandoned for p in q.pushes]:
+                self._release(abandoned)
         for queued in batch:
             if not queued.delivered.done():
                 queued.delivered.set_exception(error) if error is not None else queued.delivered.set_result(None)

@@ -174,3 +174,28 @@ def test_leases_a_prefill_refuses_go_back_to_the_encoders_store():
         finally:
             await server.stop(0)
     _run(run())
+
+
+def test_a_failed_push_whose_caller_left_gives_its_leases_back():
+    async def run():
+        prefill = _CountingPrefill()  # its gate stays shut: the call hangs until its deadline
+        server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
+        released: list[list[str]] = []
+        batcher = PushBatcher("m", release=released.append)
+        pushes = [common_pb2.EmbeddingPush(request_id="r", embedding=tensor_pb2.TensorHandle(lease_id="lease-a"))]
+        try:
+            caller = asyncio.create_task(batcher.push(address, pushes, 0.5))
+            while not prefill.calls:
+                await asyncio.sleep(0.01)
+            caller.cancel()  # the Encode call was cancelled while its push was in flight
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            for _ in range(100):  # the call fails at its 0.5 s deadline
+                if released:
+                    break
+                await asyncio.sleep(0.02)
+            assert released == [["lease-a"]]
+        finally:
+            prefill.gate.set()
+            await server.stop(0)
+    _run(run())

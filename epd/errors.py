@@ -17,6 +17,9 @@ RETRY_AFTER_KEY = "retry-after"  # gRPC trailing metadata with an Overloaded err
 # how an encoder names an item that does not decode: "image (content hash <hex>): <cause>"; the
 # router, which knows where each hash sits in its request, turns it into messages[i].content[j]
 UNDECODABLE_MARKER = "image (content hash"
+# how prefill names an item whose pushed tensor it could not import: "import failed for item <i>: ...";
+# the router, which knows which encoder it sent item i to, steers the request's next attempt away
+IMPORT_FAILED_MARKER = "import failed for item"
 
 class ErrorCode(enum.Enum):
     # value: (HTTP status, gRPC status name, OpenAI error type)

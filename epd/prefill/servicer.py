@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from epd.engine.async_updates import AsyncUpdates
-from epd.errors import EPDError
+from epd.errors import IMPORT_FAILED_MARKER, EPDError
 from epd.prefill.worker import PrefillResult, PrefillWorker
 from epd.protocol import logprobs_to_proto, prefill_job_from_proto
 from epd.rpc import abort_with_async, remaining_s
@@ -40,7 +40,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 with self.metrics.time_import(push.embedding):
                     imported = import_tensor(push.embedding, device=self.worker.engine.config.target_device)
             except TransportError as err:
-                self.worker.inbox.fail(push.request_id, f"item {push.item_index}: import failed: {err}")
+                self.worker.inbox.fail(push.request_id, f"{IMPORT_FAILED_MARKER} {push.item_index}: {err}")
                 continue
             # released from the engine thread when the request is done: without waiting for the encoder
             accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release_soon)

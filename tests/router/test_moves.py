@@ -44,3 +44,19 @@ def test_no_move_allowed_or_no_time_left_passes_the_tiers_error_on():
     assert raised.value is error
     with pytest.raises(UpstreamError):
         Moves(_job(deadline_in_s=-1.0), max_moves=3).move(error)
+
+
+def test_a_move_away_from_a_failed_producer_makes_the_next_attempts_avoid_it():
+    from epd.router.backends.disaggregated import _blaming_producer
+
+    moves = Moves(_job(), max_moves=3)
+    plain = UpstreamError("prefill 127.0.0.1:5 failed the request: worker gone")
+    assert _blaming_producer(plain, {0: "127.0.0.1:1"}) is plain
+    blamed = _blaming_producer(UpstreamError("prefill 127.0.0.1:5 failed the request: request r: embeddings "
+                                             "unusable: import failed for item 1: owner of epd_1_ab is gone"),
+                               {0: "127.0.0.1:1", 1: "127.0.0.1:2"})
+    assert blamed.producer == "127.0.0.1:2" and blamed.message.endswith("(rows from encoder 127.0.0.1:2)")
+    moves.move(plain)
+    assert moves.avoid == set()
+    moves.move(blamed)
+    assert moves.avoid == {"127.0.0.1:2"}

@@ -5,12 +5,15 @@ another host inline. Real tier processes on this machine, each told which host i
 (``--host-id``); output equals transformers through every placement."""
 from __future__ import annotations
 
+import os
+import re
 import signal
 import threading
 
 import pytest
 
 from epd.models.presets import write_preset_checkpoint
+from epd.shm_owners import SHM_DIR, unlink_quietly
 from epd.router.sync import SyncRouter
 from epd.server.local import LocalCluster
 from epd.types import SamplingParams
@@ -131,3 +134,27 @@ def test_a_request_waits_for_a_restarting_tier_instead_of_a_503(model_dir, expec
                 break
         assert not asker.is_alive()
         assert not errors and outputs[0].token_ids == expected.token_ids
+
+
+def test_a_request_moves_off_an_encoder_whose_rows_prefill_cannot_import(model_dir, expected):
+    """An encoder whose memory prefill cannot map (here its owner lock is gone, so its segments read
+    as a dead producer's) fails every request it serves. The request's move goes to the other
+    encoder, although its images' content hashes route to that one, and the answer is the same."""
+    with LocalCluster(str(model_dir), num_encoders=2, transport="shm") as cluster, \
+            SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                    decodes=cluster.decodes, max_migrations=3) as router:
+        backend = router.pipeline.backend
+        bad = next(p for p in cluster.processes if p.tier == "encoder")
+        policy = backend.policies["encoder"]
+        routed = policy.pick
+        # the images' hashes route to the bad encoder whenever it is a candidate
+        policy.pick = lambda key, candidates: bad.address if any(c.address == bad.address for c in candidates) \
+            else routed(key, candidates)
+        assert router.chat(CHAT, GREEDY).token_ids == expected.token_ids  # served there, from its memory
+        locks = [n for n in os.listdir(SHM_DIR) if re.fullmatch(rf"epd_{bad.proc.pid}_[0-9a-f]{{16}}", n)]
+        assert len(locks) == 1, locks
+        unlink_quietly(locks[0])
+
+        out = router.chat(CHAT, GREEDY)
+        assert out.prompt_token_ids == expected.prompt_token_ids and out.token_ids == expected.token_ids
+        assert dict(backend.moves) == {"redispatched": 1}  # one move, away from the bad encoder

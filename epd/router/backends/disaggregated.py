@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
@@ -30,6 +31,7 @@ import grpc
 
 from epd.config import RouterConfig
 from epd.errors import (
+    IMPORT_FAILED_MARKER,
     DeadlineExceeded,
     EPDError,
     ErrorCode,
@@ -47,6 +49,7 @@ from epd.router.backends.moves import (
     Backoff,
     CancelWhenLost,
     Moves,
+    ProducerFailed,
     WorkerLost,
     is_being_cancelled,
     lost_message,
@@ -124,7 +127,7 @@ class DisaggregatedBackend:
         await self._until_in_rotation(job, backoff, reason="")  # a tier restarting: wait for it, not 503
         while True:
             try:
-                async with contextlib.aclosing(self._attempt(moves.job, backoff)) as outputs:
+                async with contextlib.aclosing(self._attempt(moves.job, backoff, moves.avoid)) as outputs:
                     async for output in outputs:
                         moves.streamed(output)
                         yield output
@@ -136,12 +139,13 @@ class DisaggregatedBackend:
                             stage, len(moves.job.output_token_ids))
                 await self._until_in_rotation(moves.job, backoff, reason=" to move it to")
 
-    async def _attempt(self, job: Job, backoff: Backoff) -> AsyncIterator[BackendOutput]:
+    async def _attempt(self, job: Job, backoff: Backoff, avoid: set[str]) -> AsyncIterator[BackendOutput]:
+        """``avoid``: encoders whose rows failed this request before (used while others are in rotation)."""
         while True:
             # prefill stays counted (and reachable while drained) until decode took its KV or let go
             with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
                 try:
-                    result = await self._prefill(job, prefill, backoff)
+                    result = await self._prefill(job, prefill, backoff, avoid)
                 except Overloaded as err:  # that prefill is full: wait its hint, then ask again
                     await backoff.wait(err)
                     continue
@@ -177,20 +181,22 @@ class DisaggregatedBackend:
             if not is_finished:  # decode failed, or never started (client gone, no decode worker)
                 await _release_lease(prefill, result.kv)
 
-    async def _prefill(self, job: Job, prefill: WorkerState, backoff: Backoff) -> common_pb2.PrefillResult:
+    async def _prefill(self, job: Job, prefill: WorkerState, backoff: Backoff,
+                       avoid: set[str]) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
                                 output_token_ids=job.output_token_ids)
         request = prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport,
                                              kv_consumer_host_id=self._kv_consumer_host(prefill))
         call = prefill.stub.Prefill(request, timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
+        encoded_on: dict[int, str] = {}  # item index -> the encoder its rows come from
         try:
             accepted = await unless_lost(prefill, call.read())
             if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
             # registered there: from now on the encoders may push its rows
-            for address, indices in self._encoder_groups(job.prompt).items():
-                encodes.add(self._encode_on(address, job, indices, prefill.address, backoff),
+            for address, indices in self._encoder_groups(job.prompt, avoid).items():
+                encodes.add(self._encode_on(address, job, indices, prefill.address, backoff, encoded_on, avoid),
                             self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
             reply = await encodes.race(reader := asyncio.ensure_future(call.read()), prefill)
             if reply is grpc.aio.EOF or not reply.HasField("result"):
@@ -198,7 +204,7 @@ class DisaggregatedBackend:
             result = reply.result
             return result
         except grpc.aio.AioRpcError as err:
-            raise self._tier_error("prefill", prefill.address, err) from None
+            raise _blaming_producer(self._tier_error("prefill", prefill.address, err), encoded_on) from None
         finally:
             # with a result every row prefill needed has arrived: an encode call still running (its
             # reply late, an item prefill found in its prefix cache) only holds the encoder
@@ -211,13 +217,15 @@ class DisaggregatedBackend:
                 else:  # it had ended: its result may wait unread in the call's buffer
                     asyncio.ensure_future(_release_buffered_result(prefill, call, reader))
 
-    def _encoder_groups(self, prompt: ProcessedPrompt) -> dict[str, list[int]]:
-        """Items by the encoder their content hash routes to: a repeated image finds its cache."""
+    def _encoder_groups(self, prompt: ProcessedPrompt, avoid: set[str] = frozenset()) -> dict[str, list[int]]:
+        """Items by the encoder their content hash routes to: a repeated image finds its cache.
+        Encoders in ``avoid`` are passed over while another one is in rotation."""
         groups: dict[str, list[int]] = {}
-        healthy = {c.address for c in self.workers.candidates("encoder")}
+        healthy = {c.address for c in self._encoders(avoid)}
         for index, item in enumerate(prompt.items):
             producing = self._encoding.get(item.mm_hash, ("", 0))[0]
-            address = producing if producing in healthy else self._pick("encoder", item.mm_hash, is_started=True)
+            address = producing if producing in healthy else self._pick("encoder", item.mm_hash, is_started=True,
+                                                                         avoid=avoid)
             groups.setdefault(address, []).append(index)
         return groups
 
@@ -234,13 +242,14 @@ class DisaggregatedBackend:
         return done
 
     async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str,
-                         backoff: Backoff) -> None:
+                         backoff: Backoff, encoded_on: dict[int, str], avoid: set[str]) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
         prefill_host = self.workers.get("prefill", prefill_address).host_id
         request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
                                             transport=self.config.transport, consumer_host_id=prefill_host)
         unavailable = 0
         while True:
+            encoded_on.update(dict.fromkeys(indices, address))
             with self._holding("encoder", address=address) as encoder:
                 self.handoffs["embeddings", _placement(encoder.host_id, prefill_host)] += len(indices)
                 try:
@@ -257,7 +266,7 @@ class DisaggregatedBackend:
                 raise error
             # a restarted worker's first call can fail on the old connection; try again, on another
             # encoder when one is healthy
-            others = [c for c in self.workers.candidates("encoder") if c.address != address]
+            others = [c for c in self._encoders(avoid) if c.address != address]
             if others:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
@@ -310,13 +319,20 @@ class DisaggregatedBackend:
         finally:
             worker.in_flight -= 1
 
-    def _pick(self, tier: str, key: str, host_id: str | None = None, *, is_started: bool = False) -> str:
+    def _encoders(self, avoid: set[str]) -> list:
+        """Encoders in rotation, but for those in ``avoid`` (all of them when that leaves none)."""
+        candidates = self.workers.candidates("encoder")
+        return [c for c in candidates if c.address not in avoid] or candidates
+
+    def _pick(self, tier: str, key: str, host_id: str | None = None, *, is_started: bool = False,
+              avoid: set[str] = frozenset()) -> str:
         """A worker of ``tier`` in rotation (on ``host_id``'s host when given). Requests wait for every
         tier they need before they start, so none here means the tier went out since: a request
         already holding work elsewhere (``is_started``: its rows being encoded, its KV waiting)
         moves, so it is dispatched again once a worker is back, within its queue budget and
         deadline; one not started yet is refused (503)."""
         candidates = self.workers.candidates(tier, host_id)
+        candidates = [c for c in candidates if c.address not in avoid] or candidates
         if not candidates and host_id is not None and self.workers.candidates(tier):
             # the tensor handed over cannot reach the others: dispatch the request again
             raise UpstreamError(f"no {tier} worker in rotation on host {host_id}, where the request's tensors are")
@@ -344,6 +360,14 @@ class DisaggregatedBackend:
             log.info("%s %s refused a request: %s", tier, address, details)
             return error_type(f"{tier}: {details}")
         return UpstreamError(f"{tier} {address} failed the request: {details}")
+
+
+def _blaming_producer(error: EPDError, encoded_on: dict[int, str]) -> EPDError:
+    """Prefill's failure, as ``ProducerFailed`` naming the encoder when prefill could not import
+    the rows of an item (an encoder whose memory others cannot map fails every request it serves)."""
+    match = re.search(rf"{IMPORT_FAILED_MARKER} (\d+):", error.message)
+    producer = encoded_on.get(int(match[1])) if match and isinstance(error, UpstreamError) else None
+    return ProducerFailed(f"{error.message} (rows from encoder {producer})", producer) if producer else error
 
 
 def _placement(producer_host_id: str, consumer_host_id: str) -> str:

@@ -34,13 +34,25 @@ class Backoff:
         return True
 
 
+class ProducerFailed(UpstreamError):
+    """A tier failed the request because of what another worker made for it (prefill could not
+    import an encoder's rows): ``producer`` is that worker, which the request's next attempts avoid."""
+
+    def __init__(self, message: str, producer: str) -> None:
+        super().__init__(message)
+        self.producer = producer
+
+
 class Moves:
     """A request's moves off lost workers: what it streamed so far (the next attempt resumes after
-    it, under its own request id on the workers) and how many moves are left."""
+    it, under its own request id on the workers), how many moves are left, and the producers its
+    attempts avoid (an encoder whose rows could not be imported would be picked again by its
+    content hash on every move)."""
 
     def __init__(self, job: Job, max_moves: int) -> None:
         self.original, self.job, self.left, self.count = job, job, max_moves, 0
         self.tokens: list[int] = []
+        self.avoid: set[str] = set()
 
     def streamed(self, output: BackendOutput) -> None:
         self.tokens.extend(output.token_ids)
@@ -52,6 +64,8 @@ class Moves:
                 raise UpstreamError(f"{err.message} (after {self.count} moves, max_migrations reached)") from None
             raise err
         self.left, self.count = self.left - 1, self.count + 1
+        if isinstance(err, ProducerFailed):
+            self.avoid.add(err.producer)
         self.job = dataclasses.replace(self.original, request_id=f"{self.original.request_id}.m{self.count}",
                                        output_token_ids=tuple(self.tokens))
         return "migrated" if self.tokens else "redispatched"

@@ -86,8 +86,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                      is_same_host(self.ctx.host_id, request.kv_consumer_host_id),
                                      override=request.kv_transport or self.config.transport or None)
         with self.metrics.time_transfer(transport, "export", result.kv.nbytes):
+            # the router's key: a router that gives the call up with this result in flight frees it
             return self.store.export(result.kv, transport=transport, ttl_s=self.config.lease_ttl_s,
-                                     ready_event=result.kv_ready)
+                                     ready_event=result.kv_ready, consumer_hint=request.kv_release_key or None)
 
     async def Health(self, request, context):
         engine = self.worker.engine

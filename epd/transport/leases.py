@@ -32,6 +32,9 @@ _NUM_REMEMBERED_ENDED_LEASES = 65536
 # renewing pins the producer's memory this long at most, so one call (a bug, a huge ttl) can't pin
 # it for ever. Consumers renew well before expiry, so the cap costs them only more frequent calls.
 MAX_RENEW_TTL_S = 600.0
+# A Release by consumer key (``release_consumer`` over the wire) needs a key this long: keys are
+# random (128 bits in hex from the router), so nobody else's leases can be released by guessing one
+MIN_CONSUMER_KEY_CHARS = 32
 
 _LOCAL_STORES: weakref.WeakSet[TensorStore] = weakref.WeakSet()
 

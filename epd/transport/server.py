@@ -9,7 +9,7 @@ from epd.errors import InvalidRequest
 from epd.rpc import SERVER_OPTIONS, abort_with, add_port
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
-from epd.transport.leases import TensorStore
+from epd.transport.leases import MIN_CONSUMER_KEY_CHARS, TensorStore
 from epd.transport.nccl import nccl_unique_id
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -19,7 +19,11 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
         self.store = store
 
     def Release(self, request, context):
-        return tensor_pb2.ReleaseResponse(num_released=self.store.release(request.lease_ids))
+        released = self.store.release(request.lease_ids)
+        for key in request.consumer_keys:
+            if len(key) >= MIN_CONSUMER_KEY_CHARS:  # a short key could be guessed: someone else's leases
+                released += self.store.release_consumer(key)
+        return tensor_pb2.ReleaseResponse(num_released=released)
 
     def Renew(self, request, context):
         try:

@@ -57,3 +57,17 @@ def test_channels_are_shared_per_address_and_closed_together():
     assert get_channel("127.0.0.1:3") is get_channel("127.0.0.1:3")  # the process-wide pool
     with pytest.raises(ValueError, match="empty gRPC address"):
         pool.get("")
+
+
+def test_a_release_by_consumer_key_frees_that_keys_leases_and_a_short_key_frees_nothing(served):
+    from epd.v1 import tensor_pb2, tensor_pb2_grpc
+
+    key, other = "k" * 32, "o" * 32
+    served.export(torch.ones(3), transport="shm", ttl_s=10, consumer_hint=key)
+    served.export(torch.ones(3), transport="shm", ttl_s=10, consumer_hint=other)
+    short = served.export(torch.ones(3), transport="shm", ttl_s=10, consumer_hint="k")
+    stub = tensor_pb2_grpc.TensorStoreStub(get_channel(served.address))
+    assert stub.Release(tensor_pb2.ReleaseRequest(consumer_keys=["k", ""]), timeout=5).num_released == 0
+    assert stub.Release(tensor_pb2.ReleaseRequest(consumer_keys=[key]), timeout=5).num_released == 1
+    assert served.num_open_leases == 2
+    assert stub.Release(tensor_pb2.ReleaseRequest(lease_ids=[short.lease_id]), timeout=5).num_released == 1

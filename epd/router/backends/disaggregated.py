@@ -24,6 +24,7 @@ import collections
 import contextlib
 import logging
 import re
+import secrets
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
@@ -185,8 +186,10 @@ class DisaggregatedBackend:
                        avoid: set[str]) -> common_pb2.PrefillResult:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
                                 output_token_ids=job.output_token_ids)
+        release_key = secrets.token_hex(16)  # names this call's KV export at prefill (see the finally)
         request = prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport,
-                                             kv_consumer_host_id=self._kv_consumer_host(prefill))
+                                             kv_consumer_host_id=self._kv_consumer_host(prefill),
+                                             kv_release_key=release_key)
         call = prefill.stub.Prefill(request, timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
         encoded_on: dict[int, str] = {}  # item index -> the encoder its rows come from
@@ -210,12 +213,13 @@ class DisaggregatedBackend:
             # reply late, an item prefill found in its prefix cache) only holds the encoder
             encodes.cancel()
             if result is None:  # prefill aborts the request when its call is cancelled
-                if call.cancel():
-                    _release_unread_result(prefill, reader)
-                    if reader is not None:
-                        reader.cancel()
-                else:  # it had ended: its result may wait unread in the call's buffer
-                    asyncio.ensure_future(_release_buffered_result(prefill, call, reader))
+                call.cancel()
+                if reader is not None:
+                    reader.cancel()
+                # a result already exported (read, in flight, or unread in the call's buffer) has no
+                # other owner: free it by this call's key. Sent after the cancel on the same channel;
+                # an export still being made when the cancel lands is freed by prefill itself
+                asyncio.ensure_future(_release_by_key(prefill, release_key))  # not awaited: we may be cancelled
 
     def _encoder_groups(self, prompt: ProcessedPrompt, avoid: set[str] = frozenset()) -> dict[str, list[int]]:
         """Items by the encoder their content hash routes to: a repeated image finds its cache.
@@ -409,26 +413,14 @@ class _Encodes:
             task.cancel()
 
 
-def _release_unread_result(worker: WorkerState, reader: asyncio.Future | None) -> None:
-    """Prefill's result arrived just as the request was given up: its KV has no other owner."""
-    if reader is None or not reader.done() or reader.cancelled() or reader.exception() is not None:
-        return
-    _release_result_kv(worker, reader.result())
-
-
-async def _release_buffered_result(worker: WorkerState, call, reader: asyncio.Future | None) -> None:
-    """The call ended before the request was given up: read what it left unread, free its KV."""
-    _release_unread_result(worker, reader)
+async def _release_by_key(worker: WorkerState, key: str) -> None:
+    """Free whatever prefill exported for the call that carried ``key`` (the request was given up
+    before its result was taken): no wait for the lease's TTL."""
     try:
-        while (reply := await asyncio.wait_for(call.read(), _RELEASE_TIMEOUT_S)) is not grpc.aio.EOF:
-            _release_result_kv(worker, reply)
-    except (grpc.aio.AioRpcError, asyncio.TimeoutError, asyncio.InvalidStateError):
-        pass  # nothing readable left: the lease's TTL is the backstop
-
-
-def _release_result_kv(worker: WorkerState, reply) -> None:
-    if reply is not grpc.aio.EOF and reply.HasField("result") and reply.result.kv.lease_id:
-        asyncio.ensure_future(_release_lease(worker, reply.result.kv))  # not awaited: we may be cancelled
+        await tensor_pb2_grpc.TensorStoreStub(worker.channel).Release(
+            tensor_pb2.ReleaseRequest(consumer_keys=[key]), timeout=_RELEASE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:  # the lease expires on its own; this only frees it sooner
+        log.debug("could not release the KV of a given-up call at %s: %s", worker.address, err.code())
 
 
 async def _release_lease(worker: WorkerState, handle) -> None:

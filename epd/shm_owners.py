@@ -87,6 +87,34 @@ def owner_alive(name: str) -> bool:
     return False
 
 
+def own_names(prefix: str = SHM_PREFIX) -> set[str]:
+    """EPD segment and owner-lock names in /dev/shm that belong to this user (another program's
+    file that merely starts with the prefix, or another user's, is not ours to judge or unlink)."""
+    names = set()
+    try:
+        listing = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return names
+    for name in listing:
+        if _parse(name, prefix) is None:
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_uid == os.geteuid():
+                names.add(name)
+        except FileNotFoundError:
+            continue
+    return names
+
+
+def is_stale(name: str, prefix: str = SHM_PREFIX) -> bool:
+    """Whether the producer of ``name`` (a segment's or an owner lock's) is gone: its lock is free,
+    or there is no lock and its pid is not running."""
+    match = _parse(name, prefix)
+    if match is None:
+        raise ValueError(f"{name!r} is not an EPD shared-memory name")
+    return _owner_is_dead(f"{prefix}{match['pid']}_{match['owner']}", int(match["pid"]))
+
+
 def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
     """Unlink the segments (and owner locks) of producers that died without closing their store.
 
@@ -94,15 +122,8 @@ def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
     be unlinked from sticky /dev/shm anyway). Returns the names removed.
     """
     by_owner: dict[str, list[str]] = {}
-    for name in os.listdir(SHM_DIR):
+    for name in own_names(prefix):
         match = _parse(name, prefix)
-        if match is None:
-            continue
-        try:
-            if os.stat(os.path.join(SHM_DIR, name)).st_uid != os.geteuid():
-                continue
-        except FileNotFoundError:
-            continue
         lock_name = f"{prefix}{match['pid']}_{match['owner']}"
         by_owner.setdefault(lock_name, []).append(name)
     removed: list[str] = []

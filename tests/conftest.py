@@ -60,27 +60,21 @@ def make_video_bytes(num_frames: int = 12, fps: int = 4, width: int = 96, height
     return render_video(num_frames, fps, width, height, seed=seed, frames=frames)
 
 
-def _epd_segments() -> set[str]:
-    try:
-        return {name for name in os.listdir("/dev/shm") if name.startswith("epd_")}
-    except FileNotFoundError:
-        return set()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _no_shared_memory_left_behind():
     """Whole suite: every segment a test (or a worker it started) made is gone at the end."""
-    from epd.shm_owners import owner_alive
+    from epd.shm_owners import SHM_DIR, is_stale, own_names
 
-    before = _epd_segments()
+    before = own_names()
     yield
-    # a segment whose owner still lives in another process belongs to someone else running on this
-    # machine (another test session, a server), not to a worker this session started and stopped
-    leaked = sorted(name for name in _epd_segments() - before
-                    if not owner_alive(name) or name.startswith(f"epd_{os.getpid()}_"))
+    # only EPD names of this user; a segment whose producer still lives in another process belongs
+    # to someone else running on this machine (another test session, a server), not to a worker
+    # this session started and stopped
+    leaked = sorted(name for name in own_names() - before
+                    if is_stale(name) or name.startswith(f"epd_{os.getpid()}_"))
     for name in leaked:  # clean up even when failing, so the next run starts clean
         try:
-            os.unlink(os.path.join("/dev/shm", name))
+            os.unlink(os.path.join(SHM_DIR, name))
         except FileNotFoundError:
             pass
     assert not leaked, f"the test session left shared-memory segments in /dev/shm: {leaked}"

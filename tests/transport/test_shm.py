@@ -180,6 +180,32 @@ def test_a_live_owner_is_alive_by_its_segments_name_and_by_its_locks_own(clock):
     assert not owner_alive(segment) and not owner_alive(lock)
 
 
+
+def test_the_suites_leak_check_judges_only_epd_names_and_their_producers(clock):
+    """``own_names`` and ``is_stale`` (the session's leak check): another program's file that only
+    starts with ``epd_`` is not listed; a live store's segment and lock are not stale, a dead
+    pid's lock-less segment is."""
+    from epd.shm_owners import is_stale, own_names, owner_lock_name
+
+    foreign = f"epd_cache_{secrets.token_hex(4)}"
+    finished = subprocess.Popen(["true"])
+    finished.wait()
+    dead = f"epd_{finished.pid}_{secrets.token_hex(8)}_{secrets.token_hex(16)}"
+    for name in (foreign, dead):
+        os.close(_posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    store = TensorStore(clock=clock)
+    try:
+        segment = store.export(torch.zeros(16), transport="shm", ttl_s=10).shm.segment_name
+        names = own_names()
+        assert foreign not in names and {dead, segment, owner_lock_name(segment)} <= names
+        assert not is_stale(segment) and not is_stale(owner_lock_name(segment)) and is_stale(dead)
+        with pytest.raises(ValueError, match="not an EPD shared-memory name"):
+            is_stale(foreign)
+    finally:
+        store.close()
+        for name in (foreign, dead):
+            _posixshmem.shm_unlink("/" + name)
+
 # ---- zero-copy: tensors made in shared memory ------------------------------------------------------
 def test_a_tensor_made_in_shared_memory_exports_without_a_copy(store):
     rows = store.shared_empty((64, 8), torch.float32)

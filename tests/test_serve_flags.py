@@ -22,6 +22,20 @@ def test_a_positional_model_sets_both_the_router_and_the_workers():
         serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
 
 
+
+def test_a_flag_setting_configs_with_different_defaults_names_each_default_in_its_help():
+    from epd.config import WorkerConfig
+    from epd.server.serve import serve_command
+
+    help_text = " ".join(serve_command().parser.format_help().split())
+    router_s, worker_s = RouterConfig.model_fields["request_timeout_s"].default, \
+        WorkerConfig.model_fields["request_timeout_s"].default
+    assert router_s != worker_s
+    assert f"(default: {router_s} for router, {worker_s} for worker)" in help_text
+    assert "seconds between worker health checks (default: 1.0)" in help_text  # one default: shown once
+    config = serve_config_from_args(["tiny-qwen2-vl", "--request-timeout-s", "7"])
+    assert config.router.request_timeout_s == config.worker.request_timeout_s == 7
+
 def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
     import huggingface_hub.constants
     snapshot = tmp_path / "models--acme--vl-mini" / "snapshots" / ("a" * 40)

@@ -25,6 +25,9 @@ Path = tuple[str, ...]
 class _Flag:
     dest: str
     paths: list[Path] = field(default_factory=list)
+    action: argparse.Action | None = None
+    defaults: dict[Path, object] = field(default_factory=dict)  # config path -> the field's default there
+    description: str | None = None  # the first config's (the help keeps one)
 
 
 @dataclass
@@ -52,21 +55,23 @@ class Command:
 
     def _flag(self, name: str, path: Path, annotation, info) -> None:
         if name in self.flags:  # the same setting in several configs: one flag sets them all
-            self.flags[name].paths.append(path)
+            flag = self.flags[name]
+            flag.paths.append(path)
+            flag.defaults[path] = info.default
+            flag.action.help = _help(flag.description, flag.defaults, flag.action.help.endswith("(repeatable)"))
             return
         option, dest = "--" + name.replace("_", "-"), f"flag_{name}"
-        help_text = info.description or ""
-        if info.default is not None and info.default not in ((), ""):
-            help_text += f" (default: {info.default})"
+        defaults = {path: info.default}
         if _is_bool(annotation):
-            self.parser.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                                     help=help_text)
+            action = self.parser.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                                              help=_help(info.description, defaults))
         elif typing.get_origin(_base(annotation)) is tuple:  # repeatable, and each may be a comma list
-            self.parser.add_argument(option, dest=dest, default=None, action="append", metavar=_metavar(annotation),
-                                     help=help_text + " (repeatable)")
+            action = self.parser.add_argument(option, dest=dest, default=None, action="append",
+                                              metavar=_metavar(annotation), help=_help(info.description, defaults, True))
         else:
-            self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation), help=help_text)
-        self.flags[name] = _Flag(dest, [path])
+            action = self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation),
+                                              help=_help(info.description, defaults))
+        self.flags[name] = _Flag(dest, [path], action, defaults, info.description)
 
     def overrides(self, args: argparse.Namespace) -> dict:
         """The values given on the command line, as nested config data."""
@@ -138,3 +143,16 @@ def _metavar(annotation) -> str:
     if typing.get_origin(base) is dict:
         return "JSON|K=V,..."
     return {int: "N", float: "X", str: "TEXT"}.get(base, "VALUE")
+
+
+def _help(description: str | None, defaults: dict[Path, object], repeatable: bool = False) -> str:
+    """A flag's help: its description and its default; a flag that sets several configs whose
+    defaults differ names each (``--request-timeout-s``: the router's 300 s, each worker's 120 s)."""
+    shown = {path: value for path, value in defaults.items() if value is not None and value not in ((), "")}
+    text = description or ""
+    if len({repr(v) for v in shown.values()}) == 1:
+        text += f" (default: {next(iter(shown.values()))})"
+    elif shown:
+        text += " (default: " + ", ".join(f"{value} for {'.'.join(path[:-1]) or 'the command'}"
+                                          for path, value in shown.items()) + ")"
+    return text + (" (repeatable)" if repeatable else "")

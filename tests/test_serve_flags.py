@@ -22,7 +22,6 @@ def test_a_positional_model_sets_both_the_router_and_the_workers():
         serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
 
 
-
 def test_a_flag_setting_configs_with_different_defaults_names_each_default_in_its_help():
     from epd.config import WorkerConfig
     from epd.server.serve import serve_command
@@ -35,6 +34,7 @@ def test_a_flag_setting_configs_with_different_defaults_names_each_default_in_it
     assert "seconds between worker health checks (default: 1.0)" in help_text  # one default: shown once
     config = serve_config_from_args(["tiny-qwen2-vl", "--request-timeout-s", "7"])
     assert config.router.request_timeout_s == config.worker.request_timeout_s == 7
+
 
 def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
     import huggingface_hub.constants

@@ -33,7 +33,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
     def __init__(self, engine: EncoderEngine, ctx) -> None:
         self.engine, self.ctx = engine, ctx
         self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
-        self.pusher = PushBatcher(self.config.model, release=lambda ids: self.store.release(ids, unused=True))
+        self.pusher = PushBatcher(self.config.model,
+                                  release=lambda ids, unused: self.store.release(ids, unused=unused))
 
     async def Encode(self, request, context):
         try:
@@ -67,10 +68,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                              undo=lambda made: self.store.release([p.embedding.lease_id for p in made], unused=True))
         finally:
             self.engine.release(key)  # the handles hold the rows' memory (a lease, or a copy) from here
-        try:
+        try:  # a push that fails (or is never sent) gives its leases back itself
             await self.pusher.push(request.prefill_address, pushes, remaining_s(context, timeout_s))
         except Exception as err:  # noqa: BLE001 - the push failed: the rows will never be used
-            self.store.release([p.embedding.lease_id for p in pushes])
             if isinstance(err, InvalidRequest):
                 raise InvalidRequest(f"request {request_id}: {err.message}") from None
             why = f"{err.details() or err.code().name}" if isinstance(err, grpc.aio.AioRpcError) else repr(err)
@@ -130,21 +130,24 @@ class _QueuedPush:
     delivered: asyncio.Future
     deadline_s: float  # event-loop time
     nbytes: int
-    abandoned: bool = False  # its caller was cancelled while it waited: nobody else frees its leases
 
 
 class PushBatcher:
     """Pushes to prefill workers, in as few calls as possible: what is queued for a worker while a
     call to it is in flight leaves together in the next call (under a burst, the results of one
     encoder batch). A caller cancelled meanwhile does not withdraw its pushes: they go, and a
-    prefill that no longer holds the request sends their leases back (``release`` them here); a
-    call that fails releases the leases of such callers here too.
+    prefill that no longer holds the request sends their leases back. The batcher owns the leases
+    of what it is given until prefill takes them: it ``release``s those prefill refused or was
+    never sent (``unused=True``: nobody imported them) and those of a call that failed
+    (``unused=False``: prefill may have imported some before the failure), whether or not their
+    caller still waits.
 
     Users' embeddings go only to EPD prefill workers of this model: before its first push to an
     address, the batcher asks it for its health and refuses (``InvalidRequest``) an address that
     answers as anything else, so an Encode call naming a stranger's address sends it nothing."""
 
-    def __init__(self, model: str, *, release: Callable[[list[str]], object] = lambda lease_ids: None) -> None:
+    def __init__(self, model: str, *,
+                 release: Callable[[list[str], bool], object] = lambda lease_ids, unused: None) -> None:
         self.model, self._release = model, release
         self._queued: dict[str, list[_QueuedPush]] = {}
         self._sending: set[str] = set()
@@ -154,7 +157,11 @@ class PushBatcher:
     async def push(self, address: str, pushes: list, timeout_s: float) -> None:
         """Deliver ``pushes`` to the prefill worker at ``address``; raises its call's AioRpcError,
         or ``InvalidRequest`` when ``address`` is not a prefill worker of this model."""
-        await self.check_destination(address, timeout_s)
+        try:
+            await self.check_destination(address, timeout_s)
+        except BaseException:  # refused, or the caller left: nothing was sent
+            self._release([p.embedding.lease_id for p in pushes], True)
+            raise
         loop = asyncio.get_running_loop()
         delivered = loop.create_future()
         delivered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read even when nobody waits
@@ -163,11 +170,7 @@ class PushBatcher:
         if address not in self._sending:
             self._sending.add(address)
             loop.create_task(self._send(address))
-        try:
-            await asyncio.shield(delivered)
-        except asyncio.CancelledError:
-            queued.abandoned = True
-            raise
+        await asyncio.shield(delivered)  # a caller cancelled here leaves its pushes to the batch
 
     async def check_destination(self, address: str, timeout_s: float) -> None:
         """Raise ``InvalidRequest`` unless ``address`` answers as a prefill worker of this model."""
@@ -215,13 +218,11 @@ class PushBatcher:
         try:
             reply = await stub.PushEmbeddings(request, timeout=max(0.001, timeout_s))
             if reply.refused_lease_ids:  # late: the request is gone there; the rows are ours to free
-                self._release(list(reply.refused_lease_ids))
+                self._release(list(reply.refused_lease_ids), True)
             error = None
         except Exception as err:  # noqa: BLE001 - every caller of the batch hears it, none hangs
             error = err
-            # a caller still waiting frees its own leases on the error; a cancelled one cannot
-            if abandoned := [p.embedding.lease_id for q in batch if q.abandoned for p in q.pushes]:
-                self._release(abandoned)
+            self._release([p.embedding.lease_id for p in request.pushes], False)
         for queued in batch:
             if not queued.delivered.done():
                 queued.delivered.set_exception(error) if error is not None else queued.delivered.set_result(None)

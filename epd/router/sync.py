@@ -75,15 +75,14 @@ class SyncRouter:
         return self.pipeline.health()
 
     def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self.run(self.pipeline.close())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            if not self._thread.is_alive():
-                self._loop.close()
+        if self._loop.is_running():
+            try:
+                self.run(self.pipeline.close())
+            finally:
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                self._thread.join(10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()
 
     def __enter__(self) -> SyncRouter:
         return self

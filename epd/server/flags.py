@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
 
 from epd.config import ConfigError, deep_merge, load_config, load_yaml
 
@@ -58,7 +59,8 @@ class Command:
             flag = self.flags[name]
             flag.paths.append(path)
             flag.defaults[path] = info.default
-            flag.action.help = _help(flag.description, flag.defaults, flag.action.help.endswith("(repeatable)"))
+            flag.action.help = _help(flag.description, flag.defaults,
+                                     repeatable=flag.action.help.endswith("(repeatable)"))
             return
         option, dest = "--" + name.replace("_", "-"), f"flag_{name}"
         defaults = {path: info.default}
@@ -67,7 +69,8 @@ class Command:
                                               help=_help(info.description, defaults))
         elif typing.get_origin(_base(annotation)) is tuple:  # repeatable, and each may be a comma list
             action = self.parser.add_argument(option, dest=dest, default=None, action="append",
-                                              metavar=_metavar(annotation), help=_help(info.description, defaults, True))
+                                              metavar=_metavar(annotation),
+                                              help=_help(info.description, defaults, repeatable=True))
         else:
             action = self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation),
                                               help=_help(info.description, defaults))
@@ -145,14 +148,21 @@ def _metavar(annotation) -> str:
     return {int: "N", float: "X", str: "TEXT"}.get(base, "VALUE")
 
 
-def _help(description: str | None, defaults: dict[Path, object], repeatable: bool = False) -> str:
+def _help(description: str | None, defaults: dict[Path, object], *, repeatable: bool = False) -> str:
     """A flag's help: its description and its default; a flag that sets several configs whose
-    defaults differ names each (``--request-timeout-s``: the router's 300 s, each worker's 120 s)."""
-    shown = {path: value for path, value in defaults.items() if value is not None and value not in ((), "")}
+    defaults differ names each (``--request-timeout-s``: the router's 300 s, each worker's 120 s).
+    No default is shown for a field without one, or whose default is empty."""
+    values = {path: None if _is_empty(value) else value for path, value in defaults.items()}
     text = description or ""
-    if len({repr(v) for v in shown.values()}) == 1:
-        text += f" (default: {next(iter(shown.values()))})"
-    elif shown:
-        text += " (default: " + ", ".join(f"{value} for {'.'.join(path[:-1]) or 'the command'}"
-                                          for path, value in shown.items()) + ")"
+    if len({repr(v) for v in values.values()}) > 1:
+        text += " (default: " + ", ".join(f"{'none' if value is None else value} for "
+                                          f"{'.'.join(path[:-1]) or 'the command'}"
+                                          for path, value in values.items()) + ")"
+    elif (value := next(iter(values.values()))) is not None:
+        text += f" (default: {value})"
     return text + (" (repeatable)" if repeatable else "")
+
+
+def _is_empty(default) -> bool:
+    """No default to show: none, an empty one, or a field that has none (or makes it per instance)."""
+    return default is None or default is PydanticUndefined or (isinstance(default, (tuple, str)) and not default)

@@ -10,6 +10,8 @@ from epd.rpc import SERVER_OPTIONS, abort_with, add_port
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
 from epd.transport.leases import MIN_CONSUMER_KEY_CHARS, TensorStore
+
+MAX_CONSUMER_KEYS = 16
 from epd.transport.nccl import nccl_unique_id
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -19,6 +21,9 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
         self.store = store
 
     def Release(self, request, context):
+        if len(request.consumer_keys) > MAX_CONSUMER_KEYS:  # each key scans the open leases
+            abort_with(context, InvalidRequest(f"Release: at most {MAX_CONSUMER_KEYS} consumer_keys per call, got "
+                                               f"{len(request.consumer_keys)}", param="consumer_keys"))
         released = self.store.release(request.lease_ids)
         for key in request.consumer_keys:
             if len(key) >= MIN_CONSUMER_KEY_CHARS:  # a short key could be guessed: someone else's leases

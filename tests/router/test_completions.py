@@ -60,7 +60,6 @@ def test_streaming_echo_and_legacy_logprobs(served):
     assert logprobs.text_offset[0] == 0 and logprobs.text_offset[1] == len(logprobs.tokens[0])
 
 
-
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_streamed_chunk(served):
     _, _, client = served
     chunks = list(client.completions.create(
@@ -74,6 +73,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_streamed_chunk(ser
     plain = list(client.completions.create(model="tiny", prompt="Hi", stream=True, max_tokens=3,
                                            stream_options={"include_usage": True}))
     assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
 
 @pytest.mark.parametrize("fields, match", [
     ({"prompt": ["a", "b"]}, "one prompt per request"),

@@ -34,6 +34,7 @@ class _CountingPrefill(prefill_pb2_grpc.PrefillServicer):
         self.gate = asyncio.Event()
         self.health = common_pb2.HealthResponse(tier=tier, model=model)
         self.holds: set[str] = set()  # request ids it expects; the others' leases come back
+        self.health_gate: asyncio.Event | None = None  # set: Health waits for it
 
     async def PushEmbeddings(self, request, context):
         self.calls.append(len(request.pushes))
@@ -43,6 +44,8 @@ class _CountingPrefill(prefill_pb2_grpc.PrefillServicer):
                                                   refused_lease_ids=refused)
 
     async def Health(self, request, context):
+        if self.health_gate is not None:
+            await self.health_gate.wait()
         return self.health
 
 
@@ -165,13 +168,34 @@ def test_leases_a_prefill_refuses_go_back_to_the_encoders_store():
         prefill.holds = {"held"}
         server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
         released: list[list[str]] = []
-        batcher = PushBatcher("m", release=released.append)
+        batcher = PushBatcher("m", release=lambda ids, unused: released.append((ids, unused)))
         pushes = [common_pb2.EmbeddingPush(request_id=rid, embedding=tensor_pb2.TensorHandle(lease_id=lease))
                   for rid, lease in (("held", "lease-a"), ("gone", "lease-b"))]
         try:
             await batcher.push(address, pushes, 10)
-            assert released == [["lease-b"]]
+            assert released == [(["lease-b"], True)]  # refused: never imported
         finally:
+            await server.stop(0)
+    _run(run())
+
+
+def test_a_push_whose_caller_leaves_before_it_is_sent_gives_its_leases_back():
+    async def run():
+        prefill = _CountingPrefill()
+        prefill.health_gate = asyncio.Event()  # its health answer (the destination check) waits
+        server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
+        released: list = []
+        batcher = PushBatcher("m", release=lambda ids, unused: released.append((ids, unused)))
+        pushes = [common_pb2.EmbeddingPush(request_id="r", embedding=tensor_pb2.TensorHandle(lease_id="lease-c"))]
+        try:
+            caller = asyncio.create_task(batcher.push(address, pushes, 10))
+            await asyncio.sleep(0.2)
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            assert released == [(["lease-c"], True)] and prefill.calls == []
+        finally:
+            prefill.health_gate.set()
             await server.stop(0)
     _run(run())
 
@@ -181,7 +205,7 @@ def test_a_failed_push_whose_caller_left_gives_its_leases_back():
         prefill = _CountingPrefill()  # its gate stays shut: the call hangs until its deadline
         server, address = await _serve(prefill_pb2_grpc.add_PrefillServicer_to_server, prefill)
         released: list[list[str]] = []
-        batcher = PushBatcher("m", release=released.append)
+        batcher = PushBatcher("m", release=lambda ids, unused: released.append((ids, unused)))
         pushes = [common_pb2.EmbeddingPush(request_id="r", embedding=tensor_pb2.TensorHandle(lease_id="lease-a"))]
         try:
             caller = asyncio.create_task(batcher.push(address, pushes, 0.5))
@@ -194,7 +218,7 @@ def test_a_failed_push_whose_caller_left_gives_its_leases_back():
                 if released:
                     break
                 await asyncio.sleep(0.02)
-            assert released == [["lease-a"]]
+            assert released == [(["lease-a"], False)]  # the call failed: prefill may have imported it
         finally:
             prefill.gate.set()
             await server.stop(0)

@@ -243,7 +243,9 @@ def test_a_result_in_flight_when_the_router_gives_the_call_up_is_freed_at_once(r
     from epd.router.backends import disaggregated
 
     async def race(self, reader, prefill):
-        reader.cancel()  # the result will not be read
+        # called right after the reader task was made, before it ran: cancelled now, it never reads
+        # (a read already under way would cancel the call itself, and prefill would export nothing)
+        reader.cancel()
         deadline_s = time.monotonic() + 30
         while "prefill" not in await asyncio.to_thread(_open_leases, cluster):
             assert time.monotonic() < deadline_s, "prefill never exported the KV"

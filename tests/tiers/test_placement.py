@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from epd.models.presets import write_preset_checkpoint
-from epd.shm_owners import SHM_DIR, unlink_quietly
 from epd.router.sync import SyncRouter
 from epd.server.local import LocalCluster
+from epd.shm_owners import SHM_DIR, unlink_quietly
 from epd.types import SamplingParams
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import wait_until

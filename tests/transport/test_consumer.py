@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -71,3 +72,6 @@ def test_a_release_by_consumer_key_frees_that_keys_leases_and_a_short_key_frees_
     assert stub.Release(tensor_pb2.ReleaseRequest(consumer_keys=[key]), timeout=5).num_released == 1
     assert served.num_open_leases == 2
     assert stub.Release(tensor_pb2.ReleaseRequest(lease_ids=[short.lease_id]), timeout=5).num_released == 1
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Release(tensor_pb2.ReleaseRequest(consumer_keys=[key] * 17), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 16" in refused.value.details()

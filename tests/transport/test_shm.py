@@ -180,7 +180,6 @@ def test_a_live_owner_is_alive_by_its_segments_name_and_by_its_locks_own(clock):
     assert not owner_alive(segment) and not owner_alive(lock)
 
 
-
 def test_the_suites_leak_check_judges_only_epd_names_and_their_producers(clock):
     """``own_names`` and ``is_stale`` (the session's leak check): another program's file that only
     starts with ``epd_`` is not listed; a live store's segment and lock are not stale, a dead
@@ -205,6 +204,7 @@ def test_the_suites_leak_check_judges_only_epd_names_and_their_producers(clock):
         store.close()
         for name in (foreign, dead):
             _posixshmem.shm_unlink("/" + name)
+
 
 # ---- zero-copy: tensors made in shared memory ------------------------------------------------------
 def test_a_tensor_made_in_shared_memory_exports_without_a_copy(store):

@@ -95,6 +95,7 @@ class DisaggregatedBackend:
         # tensors handed from tier to tier, by (stage, placement): same_host (shm / CUDA IPC) or
         # cross_host (inline / NCCL), as the router placed the pair
         self.handoffs: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._background: set[asyncio.Task] = set()  # calls sent on behalf of requests that are gone
 
     async def start(self) -> None:
         await self.workers.start()
@@ -108,7 +109,17 @@ class DisaggregatedBackend:
     async def close(self) -> None:
         if self.discovery is not None:
             await self.discovery.close()
+        if self._background:  # releases still on their way: let them reach the workers first
+            await asyncio.wait(set(self._background), timeout=_RELEASE_TIMEOUT_S)
+            for task in self._background:
+                task.cancel()
         await self.workers.close()
+
+    def _in_background(self, coro) -> None:
+        """Run ``coro`` without waiting for it (the caller may be cancelled), kept until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def health(self) -> dict:
         counts = self.workers.healthy_counts()
@@ -179,8 +190,10 @@ class DisaggregatedBackend:
                     is_finished = bool(output.finish_reason)
                     yield output
         finally:
-            if not is_finished:  # decode failed, or never started (client gone, no decode worker)
-                await _release_lease(prefill, result.kv)
+            if not is_finished and result.kv.lease_id:  # decode failed, or never started (client gone,
+                # no decode worker); a handle without a lease carried its bytes: nothing is held
+                self._in_background(_release(prefill, tensor_pb2.ReleaseRequest(lease_ids=[result.kv.lease_id]),
+                                             f"KV lease {result.kv.lease_id}"))
 
     async def _prefill(self, job: Job, prefill: WorkerState, backoff: Backoff,
                        avoid: set[str]) -> common_pb2.PrefillResult:
@@ -210,7 +223,7 @@ class DisaggregatedBackend:
             raise _blaming_producer(self._tier_error("prefill", prefill.address, err), encoded_on) from None
         finally:
             # with a result every row prefill needed has arrived: an encode call still running (its
-            # reply late, an item prefill found in its prefix cache) only holds the encoder
+            # reply not back yet) only holds the encoder
             encodes.cancel()
             if result is None:  # prefill aborts the request when its call is cancelled
                 call.cancel()
@@ -218,8 +231,11 @@ class DisaggregatedBackend:
                     reader.cancel()
                 # a result already exported (read, in flight, or unread in the call's buffer) has no
                 # other owner: free it by this call's key. Sent after the cancel on the same channel;
-                # an export still being made when the cancel lands is freed by prefill itself
-                asyncio.ensure_future(_release_by_key(prefill, release_key))  # not awaited: we may be cancelled
+                # an export still being made when the cancel lands is freed by prefill itself. A
+                # call prefill never accepted exported nothing.
+                if reader is not None:
+                    self._in_background(_release(prefill, tensor_pb2.ReleaseRequest(consumer_keys=[release_key]),
+                                                 "the KV of a given-up call"))
 
     def _encoder_groups(self, prompt: ProcessedPrompt, avoid: set[str] = frozenset()) -> dict[str, list[int]]:
         """Items by the encoder their content hash routes to: a repeated image finds its cache.
@@ -413,25 +429,15 @@ class _Encodes:
             task.cancel()
 
 
-async def _release_by_key(worker: WorkerState, key: str) -> None:
-    """Free whatever prefill exported for the call that carried ``key`` (the request was given up
-    before its result was taken): no wait for the lease's TTL."""
+async def _release(worker: WorkerState, request: tensor_pb2.ReleaseRequest, what: str) -> None:
+    """Give tensors back to the worker that made them (a KV decode never took, the export of a call
+    given up: ``consumer_keys``): no wait for their TTL, which remains the backstop."""
     try:
-        await tensor_pb2_grpc.TensorStoreStub(worker.channel).Release(
-            tensor_pb2.ReleaseRequest(consumer_keys=[key]), timeout=_RELEASE_TIMEOUT_S)
-    except grpc.aio.AioRpcError as err:  # the lease expires on its own; this only frees it sooner
-        log.debug("could not release the KV of a given-up call at %s: %s", worker.address, err.code())
-
-
-async def _release_lease(worker: WorkerState, handle) -> None:
-    """Give a handle back to the worker that made it (decode never took it): no wait for its TTL."""
-    if not handle.lease_id:
-        return  # the bytes travelled inside the handle: nothing is held
-    try:
-        await tensor_pb2_grpc.TensorStoreStub(worker.channel).Release(
-            tensor_pb2.ReleaseRequest(lease_ids=[handle.lease_id]), timeout=_RELEASE_TIMEOUT_S)
-    except grpc.aio.AioRpcError as err:  # the lease expires on its own; this only frees it sooner
-        log.debug("could not release KV lease %s at %s: %s", handle.lease_id, worker.address, err.code())
+        await tensor_pb2_grpc.TensorStoreStub(worker.channel).Release(request, timeout=_RELEASE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        log.debug("could not release %s at %s: %s", what, worker.address, err.code())
+    except grpc.aio.UsageError:  # its channel was closed (the worker removed, the router stopping)
+        log.debug("could not release %s at %s: channel closed", what, worker.address)
 
 
 def _prefix_key(prompt: ProcessedPrompt) -> str:

@@ -3,23 +3,27 @@
     python scripts/gpu_bench.py --out results.json [--only env,fidelity,decode,ipc,encoder] [--dry-run]
                                 [--deadline-s 450]
 
-Phases, each recorded as it ends (the JSON is rewritten after every one, so a run cut short keeps
-what it measured; a phase that fails records its error and the next one runs):
+Phases, in this order, each recorded as it ends (the JSON is rewritten after every one, and the
+decode phase after every row, so a run cut short keeps what it measured; a phase that fails
+records its error and the next one runs; decode, the longest, goes last):
   env       torch / CUDA versions, the device, its copy bandwidth and bf16 matmul rate (the ceilings)
   fidelity  the engine on the device against the engine on the CPU (fp32 greedy token ids, one
             image), bf16 first-token logits against fp32 at > 3,000 prompt tokens, seeded sampling
-  decode    decode tokens/s at batch 32 and 128 of a 1.5B- and a 7B-shaped LLM (random bf16 weights
-            made on the device), against the floor of reading weights + KV once per step
   ipc       a tensor from a producer process: cuda_ipc vs shm by size (consumer's import + first
             read), and whether exports never imported stay allocated after their lease ends
   encoder   a Qwen2.5-VL-7B-sized vision tower over 1-8 images: eager vs CUDA-graph replay, capture
             time, replay's error against eager
+  decode    decode tokens/s at batch 32 and 128 of a 1.5B- and a 7B-shaped LLM (random bf16 weights
+            made on the device), against the floor of reading weights + KV once per step
 ``--dry-run``: the same code on the CPU with tiny shapes, to check the script itself (CI runs it).
-A phase that starts past ``--deadline-s`` is skipped and says so.
+A phase (or a decode row) that would start past ``--deadline-s`` is skipped and says so. The
+script imports EPD (and with it transformers) inside ``main``: a failing import is recorded in the
+JSON as ``import_error`` rather than lost.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import platform
@@ -35,13 +39,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from epd.config import EngineConfig  # noqa: E402
-from epd.engine.llm_engine import LLMEngine  # noqa: E402
-from epd.llm import LLM  # noqa: E402
-from epd.models.presets import write_preset_checkpoint  # noqa: E402
-from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig  # noqa: E402
-from epd.types import SamplingParams  # noqa: E402
-
 GiB, MiB = 1024**3, 1024**2
 # (hidden, intermediate, layers, heads, kv heads): Qwen2-1.5B's and Qwen2-VL-7B's language models
 SHAPES = {"1.5b": (1536, 8960, 28, 12, 2), "7b": (3584, 18944, 28, 28, 4)}
@@ -56,8 +53,17 @@ class Run:
         self.results: dict = {"dry_run": dry_run, "phases": {}}
         self.work = Path(tempfile.mkdtemp(prefix="epd-gpu-bench-"))
 
+    @property
+    def past_deadline(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def partial(self, name: str, data: dict) -> None:
+        """What a long phase measured so far, on disk before it goes on."""
+        self.results["phases"][name] = {"partial": True, **data}
+        self.out.write_text(json.dumps(self.results, indent=2))
+
     def phase(self, name: str, fn) -> None:
-        if time.monotonic() > self.deadline:
+        if self.past_deadline:
             self.results["phases"][name] = {"skipped": "past the deadline"}
         else:
             start = time.monotonic()
@@ -108,6 +114,10 @@ def env(run: Run) -> dict:
 
 # ---- fidelity ------------------------------------------------------------------------------------
 def fidelity(run: Run) -> dict:
+    from epd.config import EngineConfig
+    from epd.llm import LLM
+    from epd.models.presets import write_preset_checkpoint
+    from epd.types import SamplingParams
     from tests.conftest import make_image_bytes
 
     if run.device == "cuda":  # float32 against the CPU: no TF32 in cuDNN's convolutions (the patch embedding)
@@ -150,7 +160,9 @@ def fidelity(run: Run) -> dict:
 
 
 # ---- decode --------------------------------------------------------------------------------------
-def _random_llm(shape: tuple, device: str, dtype: torch.dtype) -> Qwen2ForCausalLM:
+def _random_llm(shape: tuple, device: str, dtype: torch.dtype):
+    from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
+
     hidden, inter, layers, heads, kv = shape
     half = hidden // heads // 2
     cfg = Qwen2TextConfig(vocab_size=151_936 if hidden > 64 else 1024, hidden_size=hidden, intermediate_size=inter,
@@ -167,24 +179,47 @@ def _random_llm(shape: tuple, device: str, dtype: torch.dtype) -> Qwen2ForCausal
     return model.eval()
 
 
+def _free_device_memory(run: Run) -> None:
+    """Engines hold reference cycles: without a collection a finished row's model and KV stay
+    allocated, and the next (7B) row runs out of memory."""
+    gc.collect()
+    if run.device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the next row's peak only
+
+
 def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int, backend: str = "auto",
                  eager: bool = False) -> dict:
+    _free_device_memory(run)
+    model = _random_llm(shape, run.device, torch.float32 if run.dry_run else torch.bfloat16)
+    try:
+        return _timed_decode(run, model, batch, prompt_len, steps, backend, eager)
+    finally:
+        del model
+        _free_device_memory(run)
+
+
+def _timed_decode(run: Run, model, batch: int, prompt_len: int, steps: int, backend: str, eager: bool) -> dict:
+    from epd.config import EngineConfig
+    from epd.engine.llm_engine import LLMEngine
+    from epd.types import SamplingParams
+
     dtype = torch.float32 if run.dry_run else torch.bfloat16
-    if run.device == "cuda":  # this row's peak only (not the previous phase's buffers)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    model = _random_llm(shape, run.device, dtype)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cfg = model.config
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
-    context = prompt_len + steps + 4
+    budget_tokens = max(2048, prompt_len)
+    # sequences start decoding while later ones are still prefilled (a step per budget of prompt
+    # tokens): every one must still be running through the warm-up and timed steps
+    max_tokens = steps + 2 + -(-batch * prompt_len // budget_tokens) + 8
+    context = prompt_len + max_tokens
     engine = LLMEngine(model, EngineConfig(device=run.device, dtype="float32" if run.dry_run else "bfloat16",
                                            max_num_seqs=batch, max_model_len=context + 16,
-                                           max_num_batched_tokens=max(2048, prompt_len),
+                                           max_num_batched_tokens=budget_tokens,
                                            kv_cache_bytes=int(kv_per_token * batch * (context + 32) * 1.1),
                                            attention_backend=backend, enforce_eager=eager),
                        eos_token_ids=())
-    params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
     for _ in range(batch):
         engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=generator).tolist(), params)
@@ -193,22 +228,23 @@ def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int
     for _ in range(2):  # warm-up steps
         engine.step()
     run.sync()
+    running = []
     start = time.perf_counter()
     for _ in range(steps):
+        running.append(len(engine.scheduler.running))  # each makes one token in this step
         engine.step()
     run.sync()
-    step_s = (time.perf_counter() - start) / steps
+    elapsed_s = time.perf_counter() - start
+    step_s = elapsed_s / steps
     kv_bytes = batch * (prompt_len + steps // 2) * kv_per_token
     bandwidth = run.results.get("bandwidth_gb_s", 4300.0) * 1e9
     floor_s = (weight_bytes + kv_bytes) / bandwidth
     out = {"batch": batch, "backend": engine.runner.attention_backend, "graphs": engine.runner.graphs is not None,
-           "ms_per_step": round(step_s * 1e3, 2), "tok_s": round(batch / step_s, 1),
+           "running_min": min(running), "ms_per_step": round(step_s * 1e3, 2),
+           "tok_s": round(sum(running) / elapsed_s, 1),
            "floor_ms": round(floor_s * 1e3, 2), "fraction_of_floor": round(floor_s / step_s, 3)}
     if run.device == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
-        del engine, model
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
     return out
 
 
@@ -218,8 +254,8 @@ def _variants(run: Run, first_shape: bool) -> list[tuple[str, bool]]:
     if run.dry_run:
         return [("sdpa", True)]
     have_flashinfer = importlib.util.find_spec("flashinfer") is not None
-    if not first_shape:
-        return [("auto", False), ("sdpa", True)]
+    if not first_shape:  # without FlashInfer auto is SDPA: one row says it
+        return [("auto", False), ("sdpa", True)] if have_flashinfer else [("sdpa", True)]
     return [("sdpa", True), ("flex", True)] + ([("flashinfer", True), ("flashinfer", False)] if have_flashinfer else [])
 
 
@@ -228,14 +264,17 @@ def decode(run: Run) -> dict:
     batches, prompt_len, steps = ((4,), 32, 4) if run.dry_run else ((32, 128), 512, 20)
     out = {}
     for n, (name, shape) in enumerate(shapes.items()):
-        rows = []
+        rows = out[name] = []
         for backend, eager in _variants(run, n == 0):
             for b in batches:
+                if run.past_deadline:
+                    rows.append({"batch": b, "backend": backend, "eager": eager, "skipped": "past the deadline"})
+                    continue
                 try:
                     rows.append(_decode_rate(run, shape, b, prompt_len, steps, backend, eager))
                 except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
                     rows.append({"batch": b, "backend": backend, "eager": eager, "error": f"{type(err).__name__}: {err}"})
-        out[name] = rows
+                run.partial("decode", out)
     return out
 
 
@@ -295,6 +334,7 @@ def _vision_checkpoint(run: Run, dims: dict) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from epd.models.presets import write_preset_checkpoint
     from epd.models.qwen2_vl.vision import _tower_class
 
     path = write_preset_checkpoint("tiny-qwen2.5-vl", run.work / "vision", seed=3)
@@ -345,7 +385,7 @@ def encoder(run: Run) -> dict:
     return out
 
 
-PHASES = {"env": env, "fidelity": fidelity, "decode": decode, "ipc": ipc, "encoder": encoder}
+PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode}
 
 
 def main() -> int:
@@ -361,6 +401,14 @@ def main() -> int:
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device here; use --dry-run to check the script on the CPU")
     run = Run(args.out, args.dry_run, args.deadline_s)
+    try:  # EPD and transformers, once: a version mismatch among the carried wheels is one clear line
+        import epd.llm  # noqa: F401
+    except Exception as err:  # noqa: BLE001 - recorded, then the run ends
+        run.results["import_error"] = f"{type(err).__name__}: {err}"
+        run.results["trace"] = traceback.format_exc()[-3000:]
+        args.out.write_text(json.dumps(run.results, indent=2))
+        print(f"gpu_bench: importing EPD failed: {run.results['import_error']}", flush=True)
+        return 1
     for name in args.only.split(","):
         run.phase(name, PHASES[name])
     failed = [name for name, result in run.results["phases"].items() if result.get("ok") is False]

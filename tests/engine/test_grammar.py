@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import pytest
 
 from epd.config import EngineConfig
@@ -16,6 +15,8 @@ from epd.errors import InvalidRequest
 from epd.llm import LLM
 from epd.models.presets import resolve_model
 from epd.types import SamplingParams, StructuredOutput
+
+jsonschema = pytest.importorskip("jsonschema")  # a test dependency (the GPU image has none: it skips there)
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,

@@ -60,3 +60,21 @@ def test_a_move_away_from_a_failed_producer_makes_the_next_attempts_avoid_it():
     assert moves.avoid == set()
     moves.move(blamed)
     assert moves.avoid == {"127.0.0.1:2"}
+
+
+def test_a_blamed_producer_is_passed_over_for_a_pause_that_doubles_while_blames_come_in_a_row():
+    from epd.router.backends.moves import Suspects
+
+    now = [100.0]
+    suspects = Suspects(base_s=30.0, max_s=600.0, clock=lambda: now[0])
+    assert suspects.blame("e1") == 30.0 and suspects.current() == {"e1"}
+    now[0] += 31.0
+    assert suspects.current() == set() and suspects.remaining_s("e1") == 0.0  # traffic goes back
+    assert suspects.blame("e1") == 60.0  # failed again soon after: a longer pause
+    assert suspects.blame("e1") == 120.0 and suspects.remaining_s("e1") == 120.0
+    for _ in range(5):
+        suspects.blame("e1")
+    assert suspects.remaining_s("e1") == 600.0  # capped
+    now[0] += 601.0 + 600.0
+    assert suspects.blame("e1") == 30.0  # a blame long after the last starts over
+    assert suspects.blame("e2") == 30.0 and suspects.current() == {"e1", "e2"}

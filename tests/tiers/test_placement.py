@@ -139,7 +139,8 @@ def test_a_request_waits_for_a_restarting_tier_instead_of_a_503(model_dir, expec
 def test_a_request_moves_off_an_encoder_whose_rows_prefill_cannot_import(model_dir, expected):
     """An encoder whose memory prefill cannot map (here its owner lock is gone, so its segments read
     as a dead producer's) fails every request it serves. The request's move goes to the other
-    encoder, although its images' content hashes route to that one, and the answer is the same."""
+    encoder, although its images' content hashes route to that one, and the answer is the same;
+    later requests pass the encoder over from the start."""
     with LocalCluster(str(model_dir), num_encoders=2, transport="shm") as cluster, \
             SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                     decodes=cluster.decodes, max_migrations=3) as router:
@@ -158,3 +159,8 @@ def test_a_request_moves_off_an_encoder_whose_rows_prefill_cannot_import(model_d
         out = router.chat(CHAT, GREEDY)
         assert out.prompt_token_ids == expected.prompt_token_ids and out.token_ids == expected.token_ids
         assert dict(backend.moves) == {"redispatched": 1}  # one move, away from the bad encoder
+        # the next request passes it over from the start: no move
+        assert router.chat(CHAT, GREEDY).token_ids == expected.token_ids
+        assert dict(backend.moves) == {"redispatched": 1}
+        passed_over = {w["address"]: w.get("passed_over_s", 0) for w in backend.health()["workers"]["encoder"]}
+        assert passed_over[bad.address] > 0 and sum(passed_over.values()) == passed_over[bad.address]

@@ -51,6 +51,7 @@ from epd.router.backends.moves import (
     CancelWhenLost,
     Moves,
     ProducerFailed,
+    Suspects,
     WorkerLost,
     is_being_cancelled,
     lost_message,
@@ -96,6 +97,7 @@ class DisaggregatedBackend:
         # cross_host (inline / NCCL), as the router placed the pair
         self.handoffs: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task] = set()  # calls sent on behalf of requests that are gone
+        self.suspects = Suspects()  # encoders whose rows prefill could not import: every request passes them over
 
     async def start(self) -> None:
         await self.workers.start()
@@ -124,8 +126,11 @@ class DisaggregatedBackend:
     def health(self) -> dict:
         counts = self.workers.healthy_counts()
         ok = all(counts.get(tier, 0) > 0 for tier in TIERS)
-        return {"status": "ok" if ok else "degraded",
-                "workers": {tier: [w.as_dict() for w in states] for tier, states in self.workers.workers.items()}}
+        workers = {tier: [w.as_dict() for w in states] for tier, states in self.workers.workers.items()}
+        for worker in workers.get("encoder", []):
+            if paused_s := self.suspects.remaining_s(worker["address"]):
+                worker["passed_over_s"] = round(paused_s, 1)  # its rows could not be imported lately
+        return {"status": "ok" if ok else "degraded", "workers": workers}
 
     def refresh_metrics(self, metrics) -> None:
         metrics.refresh_cluster(self.workers.workers)
@@ -139,12 +144,16 @@ class DisaggregatedBackend:
         await self._until_in_rotation(job, backoff, reason="")  # a tier restarting: wait for it, not 503
         while True:
             try:
-                async with contextlib.aclosing(self._attempt(moves.job, backoff, moves.avoid)) as outputs:
+                avoid = moves.avoid | self.suspects.current()
+                async with contextlib.aclosing(self._attempt(moves.job, backoff, avoid)) as outputs:
                     async for output in outputs:
                         moves.streamed(output)
                         yield output
                 return
             except UpstreamError as err:  # a tier lost or failed the request: move it, if it may
+                if isinstance(err, ProducerFailed):
+                    log.warning("encoder %s: prefill could not import its rows; every request passes it over "
+                                "for %.0f s", err.producer, self.suspects.blame(err.producer))
                 stage = moves.move(err)
                 self.moves[stage] += 1
                 log.warning("request %s: %s; moving it (%s, %d tokens streamed)", job.request_id, err.message,
@@ -152,7 +161,8 @@ class DisaggregatedBackend:
                 await self._until_in_rotation(moves.job, backoff, reason=" to move it to")
 
     async def _attempt(self, job: Job, backoff: Backoff, avoid: set[str]) -> AsyncIterator[BackendOutput]:
-        """``avoid``: encoders whose rows failed this request before (used while others are in rotation)."""
+        """``avoid``: encoders to pass over while others are in rotation (their rows failed this request
+        before, or any request lately)."""
         while True:
             # prefill stays counted (and reachable while drained) until decode took its KV or let go
             with self._holding("prefill", _prefix_key(job.prompt)) as prefill:

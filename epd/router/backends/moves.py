@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+from collections.abc import Callable
 
 from epd.errors import Overloaded, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
@@ -41,6 +43,39 @@ class ProducerFailed(UpstreamError):
     def __init__(self, message: str, producer: str) -> None:
         super().__init__(message)
         self.producer = producer
+
+
+class Suspects:
+    """Producers whose output a consumer could not use (prefill could not import an encoder's rows),
+    passed over by every request for a while, not only by the one that failed: such an encoder
+    answers health as usual, so rotation keeps it, and hash affinity would send each new request
+    there to pay a move. A blame pauses it ``base_s``, doubled for each blame in a row (one within
+    ``max_s`` of the last) up to ``max_s``; when the pause ends traffic goes back, and one more
+    failure pauses it again. Passing over is a preference: with no other producer it is used."""
+
+    def __init__(self, base_s: float = 30.0, max_s: float = 600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.base_s, self.max_s, self.clock = base_s, max_s, clock
+        self._until: dict[str, float] = {}
+        self._streak: dict[str, tuple[int, float]] = {}  # address -> (blames in a row, last blame)
+
+    def blame(self, address: str) -> float:
+        """-> how long ``address`` is now passed over, in seconds."""
+        now = self.clock()
+        count, last = self._streak.get(address, (0, -float("inf")))
+        count = count + 1 if now - last <= self.max_s else 1
+        self._streak[address] = (count, now)
+        pause_s = min(self.base_s * 2 ** (count - 1), self.max_s)
+        self._until[address] = now + pause_s
+        return pause_s
+
+    def remaining_s(self, address: str) -> float:
+        return max(0.0, self._until.get(address, 0.0) - self.clock())
+
+    def current(self) -> set[str]:
+        """The addresses passed over now."""
+        now = self.clock()
+        return {address for address, until in self._until.items() if until > now}
 
 
 class Moves:

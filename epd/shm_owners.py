@@ -112,7 +112,7 @@ def is_stale(name: str, prefix: str = SHM_PREFIX) -> bool:
     match = _parse(name, prefix)
     if match is None:
         raise ValueError(f"{name!r} is not an EPD shared-memory name")
-    return _owner_is_dead(f"{prefix}{match['pid']}_{match['owner']}", int(match["pid"]))
+    return _owner_is_dead(_lock_name(match, prefix), int(match["pid"]))
 
 
 def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
@@ -123,9 +123,7 @@ def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
     """
     by_owner: dict[str, list[str]] = {}
     for name in own_names(prefix):
-        match = _parse(name, prefix)
-        lock_name = f"{prefix}{match['pid']}_{match['owner']}"
-        by_owner.setdefault(lock_name, []).append(name)
+        by_owner.setdefault(_lock_name(_parse(name, prefix), prefix), []).append(name)
     removed: list[str] = []
     for lock_name, names in by_owner.items():
         if _owner_is_dead(lock_name, int(_parse(lock_name, prefix)["pid"])):
@@ -134,6 +132,11 @@ def cleanup_stale_segments(prefix: str = SHM_PREFIX) -> list[str]:
                 unlink_quietly(name)
                 removed.append(name)
     return removed
+
+
+def _lock_name(match: re.Match, prefix: str) -> str:
+    """The owner lock of a parsed segment or lock name (a lock names itself)."""
+    return f"{prefix}{match['pid']}_{match['owner']}"
 
 
 def _owner_is_dead(lock_name: str, pid: int) -> bool:

@@ -29,6 +29,7 @@ class _Flag:
     action: argparse.Action | None = None
     defaults: dict[Path, object] = field(default_factory=dict)  # config path -> the field's default there
     description: str | None = None  # the first config's (the help keeps one)
+    repeatable: bool = False
 
 
 @dataclass
@@ -59,22 +60,22 @@ class Command:
             flag = self.flags[name]
             flag.paths.append(path)
             flag.defaults[path] = info.default
-            flag.action.help = _help(flag.description, flag.defaults,
-                                     repeatable=flag.action.help.endswith("(repeatable)"))
+            flag.action.help = _help(flag.description, flag.defaults, repeatable=flag.repeatable)
             return
         option, dest = "--" + name.replace("_", "-"), f"flag_{name}"
         defaults = {path: info.default}
+        repeatable = typing.get_origin(_base(annotation)) is tuple
         if _is_bool(annotation):
             action = self.parser.add_argument(option, dest=dest, action=argparse.BooleanOptionalAction, default=None,
                                               help=_help(info.description, defaults))
-        elif typing.get_origin(_base(annotation)) is tuple:  # repeatable, and each may be a comma list
+        elif repeatable:  # and each may be a comma list
             action = self.parser.add_argument(option, dest=dest, default=None, action="append",
                                               metavar=_metavar(annotation),
                                               help=_help(info.description, defaults, repeatable=True))
         else:
             action = self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation),
                                               help=_help(info.description, defaults))
-        self.flags[name] = _Flag(dest, [path], action, defaults, info.description)
+        self.flags[name] = _Flag(dest, [path], action, defaults, info.description, repeatable)
 
     def overrides(self, args: argparse.Namespace) -> dict:
         """The values given on the command line, as nested config data."""

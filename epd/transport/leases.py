@@ -35,6 +35,7 @@ MAX_RENEW_TTL_S = 600.0
 # A Release by consumer key (``release_consumer`` over the wire) needs a key this long: keys are
 # random (128 bits in hex from the router), so nobody else's leases can be released by guessing one
 MIN_CONSUMER_KEY_CHARS = 32
+MAX_CONSUMER_KEYS = 16  # per Release call: each key scans the open leases
 
 _LOCAL_STORES: weakref.WeakSet[TensorStore] = weakref.WeakSet()
 

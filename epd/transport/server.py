@@ -9,9 +9,7 @@ from epd.errors import InvalidRequest
 from epd.rpc import SERVER_OPTIONS, abort_with, add_port
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
-from epd.transport.leases import MIN_CONSUMER_KEY_CHARS, TensorStore
-
-MAX_CONSUMER_KEYS = 16
+from epd.transport.leases import MAX_CONSUMER_KEYS, MIN_CONSUMER_KEY_CHARS, TensorStore
 from epd.transport.nccl import nccl_unique_id
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
@@ -21,7 +19,7 @@ class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):
         self.store = store
 
     def Release(self, request, context):
-        if len(request.consumer_keys) > MAX_CONSUMER_KEYS:  # each key scans the open leases
+        if len(request.consumer_keys) > MAX_CONSUMER_KEYS:
             abort_with(context, InvalidRequest(f"Release: at most {MAX_CONSUMER_KEYS} consumer_keys per call, got "
                                                f"{len(request.consumer_keys)}", param="consumer_keys"))
         released = self.store.release(request.lease_ids)

@@ -47,7 +47,7 @@ def test_no_move_allowed_or_no_time_left_passes_the_tiers_error_on():
 
 
 def test_a_move_away_from_a_failed_producer_makes_the_next_attempts_avoid_it():
-    from epd.router.backends.disaggregated import _blaming_producer
+    from epd.router.backends.moves import blaming_producer as _blaming_producer
 
     moves = Moves(_job(), max_moves=3)
     plain = UpstreamError("prefill 127.0.0.1:5 failed the request: worker gone")

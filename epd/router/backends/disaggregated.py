@@ -23,7 +23,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import re
 import secrets
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
@@ -32,7 +31,6 @@ import grpc
 
 from epd.config import RouterConfig
 from epd.errors import (
-    IMPORT_FAILED_MARKER,
     DeadlineExceeded,
     EPDError,
     ErrorCode,
@@ -52,6 +50,7 @@ from epd.router.backends.moves import (
     Moves,
     ProducerFailed,
     Suspects,
+    blaming_producer,
     WorkerLost,
     is_being_cancelled,
     lost_message,
@@ -230,20 +229,18 @@ class DisaggregatedBackend:
             result = reply.result
             return result
         except grpc.aio.AioRpcError as err:
-            raise _blaming_producer(self._tier_error("prefill", prefill.address, err), encoded_on) from None
+            raise blaming_producer(self._tier_error("prefill", prefill.address, err), encoded_on) from None
         finally:
             # with a result every row prefill needed has arrived: an encode call still running (its
             # reply not back yet) only holds the encoder
             encodes.cancel()
             if result is None:  # prefill aborts the request when its call is cancelled
                 call.cancel()
-                if reader is not None:
+                if reader is not None:  # a call prefill never accepted exported nothing
                     reader.cancel()
-                # a result already exported (read, in flight, or unread in the call's buffer) has no
-                # other owner: free it by this call's key. Sent after the cancel on the same channel;
-                # an export still being made when the cancel lands is freed by prefill itself. A
-                # call prefill never accepted exported nothing.
-                if reader is not None:
+                    # a result already exported (read, in flight, or unread in the call's buffer) has
+                    # no other owner: free it by this call's key. Sent after the cancel on the same
+                    # channel; an export still being made when the cancel lands is freed by prefill
                     self._in_background(_release(prefill, tensor_pb2.ReleaseRequest(consumer_keys=[release_key]),
                                                  "the KV of a given-up call"))
 
@@ -350,9 +347,7 @@ class DisaggregatedBackend:
             worker.in_flight -= 1
 
     def _encoders(self, avoid: set[str]) -> list:
-        """Encoders in rotation, but for those in ``avoid`` (all of them when that leaves none)."""
-        candidates = self.workers.candidates("encoder")
-        return [c for c in candidates if c.address not in avoid] or candidates
+        return _passing_over(self.workers.candidates("encoder"), avoid)
 
     def _pick(self, tier: str, key: str, host_id: str | None = None, *, is_started: bool = False,
               avoid: set[str] = frozenset()) -> str:
@@ -361,8 +356,7 @@ class DisaggregatedBackend:
         already holding work elsewhere (``is_started``: its rows being encoded, its KV waiting)
         moves, so it is dispatched again once a worker is back, within its queue budget and
         deadline; one not started yet is refused (503)."""
-        candidates = self.workers.candidates(tier, host_id)
-        candidates = [c for c in candidates if c.address not in avoid] or candidates
+        candidates = _passing_over(self.workers.candidates(tier, host_id), avoid)
         if not candidates and host_id is not None and self.workers.candidates(tier):
             # the tensor handed over cannot reach the others: dispatch the request again
             raise UpstreamError(f"no {tier} worker in rotation on host {host_id}, where the request's tensors are")
@@ -392,12 +386,9 @@ class DisaggregatedBackend:
         return UpstreamError(f"{tier} {address} failed the request: {details}")
 
 
-def _blaming_producer(error: EPDError, encoded_on: dict[int, str]) -> EPDError:
-    """Prefill's failure, as ``ProducerFailed`` naming the encoder when prefill could not import
-    the rows of an item (an encoder whose memory others cannot map fails every request it serves)."""
-    match = re.search(rf"{IMPORT_FAILED_MARKER} (\d+):", error.message)
-    producer = encoded_on.get(int(match[1])) if match and isinstance(error, UpstreamError) else None
-    return ProducerFailed(f"{error.message} (rows from encoder {producer})", producer) if producer else error
+def _passing_over(candidates: list, avoid: set[str]) -> list:
+    """The candidates not in ``avoid``, or all of them when that leaves none (a preference)."""
+    return [c for c in candidates if c.address not in avoid] or candidates
 
 
 def _placement(producer_host_id: str, consumer_host_id: str) -> str:

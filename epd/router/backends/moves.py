@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import time
 from collections.abc import Callable
 
-from epd.errors import Overloaded, UpstreamError
+from epd.errors import IMPORT_FAILED_MARKER, EPDError, Overloaded, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
 from epd.router.workers import WorkerState
 
@@ -43,6 +44,14 @@ class ProducerFailed(UpstreamError):
     def __init__(self, message: str, producer: str) -> None:
         super().__init__(message)
         self.producer = producer
+
+
+def blaming_producer(error: EPDError, encoded_on: dict[int, str]) -> EPDError:
+    """Prefill's failure, as ``ProducerFailed`` naming the encoder when prefill could not import
+    the rows of an item (``encoded_on``: item index -> the encoder it was sent to)."""
+    match = re.search(rf"{IMPORT_FAILED_MARKER} (\d+):", error.message)
+    producer = encoded_on.get(int(match[1])) if match and isinstance(error, UpstreamError) else None
+    return ProducerFailed(f"{error.message} (rows from encoder {producer})", producer) if producer else error
 
 
 class Suspects:

@@ -2,29 +2,28 @@
 
 Each tier runs as ``python -m epd <tier> --port 0 ...`` and prints ``EPD_READY <tier> <address>``
 once serving; the launcher waits for those lines (bounded) and keeps draining the output so a
-chatty worker can never block on a full pipe. Validated configs reach the children as YAML files
-(mode 0600) in a private directory that is removed with the cluster.
+chatty worker can never block on a full pipe. Validated configs reach the children as YAML through
+a pipe (``--config /dev/fd/N``): nothing on disk, so nothing is left behind however this process
+ends, and API keys never touch a file. Every child dies with this process (``epd.server.parent``).
 """
 from __future__ import annotations
 
 import json
 import os
 import random
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import yaml
 from pydantic import BaseModel
 
+from epd.server.parent import child_environment
 from epd.server.process import READY_PREFIX
 from epd.shm_owners import cleanup_stale_segments
 from epd.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
@@ -45,6 +44,7 @@ class TierProcess:
     restart_at_s: float | None = None  # monotonic time a dead worker is due to restart
     given_up: bool = False  # dead, restarted max_restarts times: left down
     args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
+    config_fd: int | None = None  # a standby's: where the worker config waits for it (--config /dev/fd/N)
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -59,6 +59,27 @@ class TierProcess:
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(self.log_lines[-n:])
+
+
+def _config_pipe(config: BaseModel) -> int:
+    """-> the read end of a pipe that holds ``config`` as YAML, for a child to read as
+    ``--config /dev/fd/N``. A thread writes it (a config past the pipe's buffer would block here
+    otherwise) and ends when the child has read it all or is gone."""
+    read_fd, write_fd = os.pipe()
+    data = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)).encode()
+
+    def write() -> None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(write_fd, view):]
+        except OSError:  # the child exited without reading: nothing to hand over
+            pass
+        finally:
+            os.close(write_fd)
+
+    threading.Thread(target=write, name="config-pipe", daemon=True).start()
+    return read_fd
 
 
 def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -> int | None:
@@ -129,9 +150,7 @@ class LocalCluster:
         self.threads_per_tier = threads
         self.env = {**given_env, **({EPD_NUM_THREADS: str(threads)} if threads else {}), **(env or {})}
         self.processes: list[TierProcess] = []
-        self._config_dir: Path | None = None
         self._worker_config = worker_config
-        self._worker_config_path: Path | None = None
         self.standby = standby
         self._standbys: dict[str, TierProcess] = {}
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
@@ -194,13 +213,15 @@ class LocalCluster:
         """Start the router over the running workers; its ready line names the HTTP URL and the
         public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
         ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win)."""
-        args = ["--config", str(self._write_config("router", config))] if config is not None else []
+        config_fd = _config_pipe(config) if config is not None else None
+        args = ["--config", f"/dev/fd/{config_fd}"] if config_fd is not None else []
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
                  "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
                  "--decodes", ",".join(self.decodes), *extra_args]
         if self.transport:
             args += ["--transport", self.transport]
-        proc = self._spawn("router", args, with_defaults=False)
+        proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
+                           config_fd=config_fd)
         self.processes.append(proc)
         proc._ready.wait(timeout_s)
         if proc.address is None:
@@ -244,7 +265,7 @@ class LocalCluster:
         port = int(p.address.rsplit(":", 1)[1])
         standby = self._standbys.pop(p.tier, None)
         if standby is not None and standby.proc.poll() is None:
-            fresh = self._activate(standby, self._worker_argv(p.tier, p.args, port=port))
+            fresh = self._activate(standby, self._worker_argv(p.tier, p.args, port=port, config_fd=standby.config_fd))
             self._standbys[p.tier] = self._spawn_standby(p.tier)  # for the next death
         else:  # none kept (or it died): a cold start
             fresh = self._spawn(p.tier, p.args, port=port)
@@ -252,7 +273,11 @@ class LocalCluster:
         return fresh
 
     def _spawn_standby(self, tier: str) -> TierProcess:
-        return self._popen(tier, [sys.executable, "-m", "epd.server.standby", tier], stdin=subprocess.PIPE)
+        config_fd = _config_pipe(self._worker_config) if self._worker_config is not None else None
+        standby = self._popen(tier, [sys.executable, "-m", "epd.server.standby", tier], stdin=subprocess.PIPE,
+                              config_fd=config_fd)
+        standby.config_fd = config_fd  # the same number in the standby: its worker reads the config there
+        return standby
 
     @staticmethod
     def _activate(standby: TierProcess, argv: list[str]) -> TierProcess:
@@ -264,65 +289,68 @@ class LocalCluster:
             pass  # it died just now: supervision sees the exit and restarts again
         return standby
 
-    def _write_config(self, name: str, config: BaseModel) -> Path:
-        """A validated config as YAML a child loads with ``--config`` (private dir, mode 0600)."""
-        if self._config_dir is None:
-            self._config_dir = Path(tempfile.mkdtemp(prefix="epd-configs-"))
-        path = self._config_dir / f"{name}.yaml"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True), f)
-        return path
-
-    def _spawn(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> TierProcess:
-        if with_defaults and port == 0:
-            port = port_outside_ephemeral_range()
-        p = self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, with_defaults, port)])
+    def _spawn(self, tier: str, args: Sequence[str] = (), port: int = 0) -> TierProcess:
+        port = port or port_outside_ephemeral_range()
+        config_fd = _config_pipe(self._worker_config) if self._worker_config is not None else None
+        p = self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, port, config_fd)],
+                        config_fd=config_fd)
         p.args = tuple(args)
         return p
 
-    def _worker_argv(self, tier: str, args: Sequence[str] = (), with_defaults: bool = True, port: int = 0) -> list[str]:
-        """``epd <tier> ...``'s arguments, the tier first."""
+    def _worker_argv(self, tier: str, args: Sequence[str] = (), port: int = 0,
+                     config_fd: int | None = None) -> list[str]:
+        """``epd <tier> ...``'s arguments, the tier first; ``config_fd``: where it reads the worker config."""
         cmd = [tier]
-        if with_defaults and self._worker_config is not None:
-            if self._worker_config_path is None:  # one file for every tier
-                self._worker_config_path = self._write_config("worker", self._worker_config)
-            cmd += ["--config", str(self._worker_config_path)]
-        cmd += ["--model", self.model]
-        if with_defaults:  # each worker's own listeners: never two on one port
-            cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *self.tier_args.get(tier, ())]
-            if self.transport:
-                cmd += ["--transport", self.transport]
+        if config_fd is not None:
+            cmd += ["--config", f"/dev/fd/{config_fd}"]
+        # each worker's own listeners: never two on one port
+        cmd += ["--model", self.model, "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0",
+                *self.tier_args.get(tier, ())]
+        if self.transport:
+            cmd += ["--transport", self.transport]
         return cmd + list(args)
 
-    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL) -> TierProcess:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
-                                text=True, env=self.env, start_new_session=True)
+    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL, config_fd: int | None = None) -> TierProcess:
+        """Start ``cmd``; it dies with this process (``epd.server.parent``); ``config_fd``: a pipe's
+        read end it inherits (closed here once it has it)."""
+        try:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True,
+                                    env=child_environment(self.env), start_new_session=True,
+                                    pass_fds=(config_fd,) if config_fd is not None else ())
+        finally:
+            if config_fd is not None:
+                os.close(config_fd)
         tp = TierProcess(tier, proc)
         threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
         return tp
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        # the router first: it stops taking requests before the workers go away. A worker drains on
-        # SIGTERM (drain_timeout_s, 25 s): once the router is gone its calls are cancelled, so that
-        # wait is short unless something else still calls it
-        self.processes.sort(key=lambda p: p.tier != "router")
-        self.processes += self._standbys.values()
-        self._standbys.clear()
-        for p in self.processes:
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGTERM)
+        """The router first (SIGTERM: it lets its streams finish), then the workers with SIGINT:
+        each drains what it still holds (its calls from the router are cancelled by now, so that
+        is short) but skips the DRAINING notice that SIGTERM gives routers, as none is left to see
+        it. Whatever is still running at ``timeout_s`` is killed."""
         deadline = time.monotonic() + timeout_s
-        for p in self.processes:
+        routers = [p for p in self.processes if p.tier == "router"]
+        workers = [p for p in self.processes if p.tier != "router"]
+        self._signal_and_wait(routers, signal.SIGTERM, deadline)
+        self._signal_and_wait(workers, signal.SIGINT, deadline, others=list(self._standbys.values()))
+        self._standbys.clear()
+        self.processes.clear()
+
+    @staticmethod
+    def _signal_and_wait(processes: list[TierProcess], sig: signal.Signals, deadline: float,
+                         others: Sequence[TierProcess] = ()) -> None:
+        """``sig`` to ``processes`` (SIGTERM to ``others``: standbys, which only wait on stdin),
+        then wait for all of them until ``deadline``; a process still running then is killed."""
+        for p, how in [(p, sig) for p in processes] + [(p, signal.SIGTERM) for p in others]:
+            if p.proc.poll() is None:
+                p.proc.send_signal(how)
+        for p in [*processes, *others]:
             try:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(p.proc.pid, signal.SIGKILL)
                 p.proc.wait(5)
-        self.processes.clear()
-        if self._config_dir is not None:
-            shutil.rmtree(self._config_dir, ignore_errors=True)
-            self._config_dir = self._worker_config_path = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()

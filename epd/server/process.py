@@ -1,12 +1,15 @@
 """What every EPD process does the same way: log format, open-file limit, the ready line launchers
-wait for, and a clean stop on SIGTERM/SIGINT."""
+wait for, and a clean stop on SIGTERM/SIGINT or when its launcher dies."""
 from __future__ import annotations
 
+import enum
 import logging
 import resource
 import signal
 import sys
 import threading
+
+from epd.server.parent import watch_parent
 
 READY_PREFIX = "EPD_READY"  # "EPD_READY <tier> <address> [more fields]": the launcher's signal
 
@@ -38,9 +41,26 @@ def announce_ready(tier: str, *fields: str) -> None:
     print(" ".join((READY_PREFIX, tier, *fields)), flush=True)
 
 
-def wait_for_stop_signal() -> None:
-    """Block until SIGTERM or SIGINT (main thread only)."""
+class Stop(enum.Enum):
+    """Why a process stops: how much of a graceful stop it owes."""
+
+    TERM = "SIGTERM"  # a supervisor's (Kubernetes, Ray, epd serve to the router): drain, routers told
+    INT = "SIGINT"  # Ctrl-C, or a launcher that stopped the router first: drain, nobody left to tell
+    PARENT_GONE = "launcher gone"  # its launcher died: no one to drain for, stop at once
+
+
+def wait_for_stop() -> Stop:
+    """Block until SIGTERM, SIGINT or the death of the launcher that started this process
+    (``epd.server.parent``); main thread only. -> which came first."""
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    received: list[Stop] = []
+
+    def on(reason: Stop) -> None:
+        received.append(reason)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, lambda *_: on(Stop.TERM))
+    signal.signal(signal.SIGINT, lambda *_: on(Stop.INT))
+    watch_parent(lambda: on(Stop.PARENT_GONE))
     stop.wait()
+    return received[0]

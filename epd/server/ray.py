@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import secrets
 import signal
 import threading
@@ -22,6 +23,7 @@ import urllib.request
 import ray
 
 from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.server.parent import descendants, reap_with_me
 from epd.server.ray_sizing import ROUTER_CPUS, SizingError, demand_breakdown, check_fits, fit_local
 
 
@@ -321,6 +323,9 @@ def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
         signal.signal(sig, lambda *_: stop.set())
     if config.ray_address is None:  # the one-node Ray started here: the tiers share its CPUs
         deployment = fit_local(deployment, ray.cluster_resources().get("CPU", 0.0))
+        # and it ends with this process, however it ends: a driver killed hard takes Ray's head
+        # processes with it but leaves their agents running
+        reap_with_me(sorted(descendants(os.getpid())))
     cluster = RayEPDCluster(deployment)
     try:
         cluster.start(timeout_s=config.timeout_s)

@@ -18,6 +18,7 @@ import uvicorn
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.server.flags import Command, load, run_or_exit
+from epd.server.parent import watch_parent
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
 
 log = logging.getLogger("epd.router")
@@ -163,12 +164,16 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     if handle_signals:
         loop = asyncio.get_running_loop()
 
-        def stop() -> None:  # both APIs stop taking requests now and finish what they stream, up to the grace
+        def stop(grace_s: float = config.shutdown_grace_s) -> None:
+            """Both APIs stop taking requests now and finish what they stream, up to ``grace_s``."""
             server.should_exit = True
+            server.force_exit = server.force_exit or grace_s == 0
             if not grpc_stopping:
-                grpc_stopping.append(asyncio.ensure_future(grpc_server.stop(grace=config.shutdown_grace_s)))
+                grpc_stopping.append(asyncio.ensure_future(grpc_server.stop(grace=grace_s)))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop)
+        # its launcher died: the clients' requests can not be finished by workers that go with it
+        watch_parent(lambda: loop.call_soon_threadsafe(stop, 0.0))
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)

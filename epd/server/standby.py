@@ -12,6 +12,9 @@ import importlib
 import json
 import os
 import sys
+import threading
+
+from epd.server.parent import watch_parent
 
 STANDBY_READY = "EPD_STANDBY ready"
 _TIERS = ("encoder", "prefill", "decode")
@@ -26,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"usage: python -m epd.server.standby {{{','.join(_TIERS)}}}, got {argv}", file=sys.stderr)
         return 2
     tier = argv[0]
+    # it holds nothing yet: with its launcher gone it just goes too (once a worker, the worker's own
+    # watch stops it cleanly instead)
+    became_worker = threading.Event()
+    watch_parent(lambda: None if became_worker.is_set() else os._exit(0))
     for name in (*_PRELOAD, f"epd.{tier}.servicer"):
         try:
             importlib.import_module(name)
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # as a cold-started worker's: it never reads stdin
+    became_worker.set()
     from epd.cli import main as epd_main
     return epd_main(args)
 

@@ -29,7 +29,7 @@ from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.metrics import TierMetrics
-from epd.server.process import announce_ready, configure_logging, raise_open_files_limit, wait_for_stop_signal
+from epd.server.process import Stop, announce_ready, configure_logging, raise_open_files_limit, wait_for_stop
 from epd.tls import MutualTls, use_for_process
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 from epd.transport.choose import local_host_id
@@ -95,9 +95,10 @@ class RunningTier:
     on_stop: Callable[[], None]
     admission: TierAdmission | None = None
 
-    def drain(self, timeout_s: float) -> bool:
+    def drain(self, timeout_s: float, notice_s: float = _DRAIN_NOTICE_S) -> bool:
         """Take no new request (health says DRAINING: routers stop sending and move on) and wait up
-        to ``timeout_s`` for the held ones to finish. Returns whether they all did."""
+        to ``timeout_s`` for the held ones to finish, answering DRAINING for at least ``notice_s``.
+        Returns whether they all did."""
         if self.admission is None:
             return True
         self.admission.draining = True
@@ -109,12 +110,12 @@ class RunningTier:
         # answer DRAINING long enough for every router's health check to see it (they poll about
         # once a second): a router that knows lets the calls it is still reading end on their own
         # instead of moving them when this process goes
-        time.sleep(max(0.0, min(_DRAIN_NOTICE_S, deadline - time.monotonic()) - (time.monotonic() - start)))
+        time.sleep(max(0.0, min(notice_s, deadline - time.monotonic()) - (time.monotonic() - start)))
         return self.admission.num_requests == 0
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 2.0) -> None:
         log.info("stopping %s at %s", self.tier, self.address)
-        self.server.stop(grace_s=2)
+        self.server.stop(grace_s=grace_s)
         self.on_stop()
 
 
@@ -178,12 +179,19 @@ def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
 
 
 def main(tier: str, argv: list[str] | None = None) -> None:
-    """``epd <tier>``: start the tier, print the ready line, serve until SIGTERM/SIGINT."""
+    """``epd <tier>``: start the tier, print the ready line, serve until SIGTERM/SIGINT or the death
+    of its launcher. SIGTERM (a supervisor's: Kubernetes, Ray) drains: the held requests finish, and
+    health answers DRAINING for a while so that every router sees it; SIGINT (Ctrl-C, or a launcher
+    that stopped the router first: nobody is left to watch) drains without that notice. A launcher's
+    death stops it at once: no router is left to take what a drain would finish."""
     configure_logging()
     config = run_or_exit(f"epd {tier}", lambda: worker_config_from_args(tier, argv))
     running = start_tier(tier, config)
     announce_ready(tier, running.address, f"metrics={running.metrics_url}")
-    wait_for_stop_signal()
-    if not running.drain(config.drain_timeout_s):  # a supervisor's SIGTERM (Kubernetes, epd serve): finish first
+    how = wait_for_stop()
+    if how is Stop.PARENT_GONE:
+        running.stop(grace_s=0)  # its shared memory is unlinked on the way out (on_stop)
+        return
+    if not running.drain(config.drain_timeout_s, _DRAIN_NOTICE_S if how is Stop.TERM else 0.0):
         log.warning("%s still held requests after %.0f s of draining; stopping anyway", tier, config.drain_timeout_s)
     running.stop()

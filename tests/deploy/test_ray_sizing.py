@@ -4,6 +4,7 @@ started itself, tiers without their own num_cpus share the node."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,12 +49,11 @@ def test_an_actor_larger_than_every_node_is_named_even_when_the_total_fits():
 
 
 @pytest.mark.slow
-def test_epd_serve_on_ray_refuses_an_oversized_deployment_in_seconds(tmp_path, tmp_path_factory):
+def test_epd_serve_on_ray_refuses_an_oversized_deployment_in_seconds(tmp_path, short_tmp):
     """The command a user runs: a sizing error is one line within seconds, not a hang."""
     config = tmp_path / "ray.yaml"
     config.write_text("tiers:\n  encoder: {num_cpus: 64}\n")
-    # a short private temp dir: Ray's socket paths must fit AF_UNIX's 107 characters
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))}
+    env = {**os.environ, "RAY_TMPDIR": str(short_tmp("ray"))}
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "epd", "serve", "--launcher", "ray", "--ray-config", str(config),
                            "--port", "0", "--grpc-port", "0"], capture_output=True, text=True, timeout=120,
@@ -66,14 +66,14 @@ def test_epd_serve_on_ray_refuses_an_oversized_deployment_in_seconds(tmp_path, t
 
 
 @pytest.mark.slow
-def test_epd_serve_on_ray_serves_on_this_small_machine_with_shared_cpus(tmp_path_factory):
+def test_epd_serve_on_ray_serves_on_this_small_machine_with_shared_cpus(short_tmp):
     """Three tiers at one CPU each and the router used to ask 3.5 CPUs of a 2-CPU machine and hang;
     on the one-node Ray it starts itself, the launcher shares the node instead."""
     import openai
 
     from tests.e2e.serve_process import ServeProcess
 
-    serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(tmp_path_factory.mktemp("ray"))})
+    serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(short_tmp("ray"))})
     try:
         client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="x", max_retries=0, timeout=120)
         out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=4, messages=[{"role": "user",
@@ -81,3 +81,25 @@ def test_epd_serve_on_ray_serves_on_this_small_machine_with_shared_cpus(tmp_path
         assert out.usage.completion_tokens == 4
     finally:
         assert serve.stop() == 0, "\n".join(serve.lines[-20:])
+
+
+@pytest.mark.slow
+def test_epd_serve_on_ray_killed_hard_leaves_no_process_and_no_shared_memory(short_tmp):
+    """The driver killed with SIGKILL: Ray ends the actors (their owner is gone) and its head
+    processes, and the reaper started with the one-node Ray ends Ray's agents, which would outlive
+    the driver; nothing of EPD's is left in /dev/shm."""
+    from epd.bench.chaos import segments_of
+    from tests.e2e.serve_process import ServeProcess, wait_until
+    from tests.procs import descendants, gone
+
+    serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(short_tmp("ray"))})
+    tree = descendants(serve.proc.pid)
+    try:
+        os.kill(serve.proc.pid, signal.SIGKILL)
+        assert wait_until(lambda: all(gone(pid) for pid in tree), 10, period_s=0.1), \
+            [open(f"/proc/{pid}/cmdline").read()[:80] for pid in tree if not gone(pid)]
+        assert not [name for pid in tree for name in segments_of(pid)]
+    finally:
+        for pid in tree:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)

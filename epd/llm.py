@@ -41,7 +41,8 @@ class LLM:
                                               device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
         self.engine = LLMEngine(load_llm_for(self.model_dir, self.engine_config), self._sized_beside_the_vision_tower(),
-                                eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids, tokenizer=self.tokenizer)
+                                eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids,
+                                load_tokenizer=lambda: self.tokenizer)
         self.allowed_local_media_path = allowed_local_media_path
 
     def _sized_beside_the_vision_tower(self) -> EngineConfig:

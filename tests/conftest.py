@@ -78,3 +78,26 @@ def _no_shared_memory_left_behind():
         except FileNotFoundError:
             pass
     assert not leaked, f"the test session left shared-memory segments in /dev/shm: {leaked}"
+
+
+# Seconds each slow module took in a whole run on the 2-core CI box (`--durations=0`, summed per
+# file; refresh now and then). Only the order of work uses them: under pytest-xdist each worker
+# takes the next whole module, and starting with the longest keeps one worker from finishing a
+# long module alone at the end (longest-processing-time-first). A module not listed goes last.
+_MODULE_SECONDS_FILE = os.path.join(os.path.dirname(__file__), "module_seconds.txt")
+
+
+def _module_seconds() -> dict[str, float]:
+    seconds = {}
+    with open(_MODULE_SECONDS_FILE) as f:
+        for line in f:
+            if line.strip() and not line.startswith("#"):
+                value, path = line.split()
+                seconds[path] = float(value)
+    return seconds
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    seconds = _module_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: a module's order stays

@@ -7,16 +7,35 @@ import urllib.request
 from epd.bench.metrics import metric_sum, parse_prometheus
 
 
-def scrape(url: str, timeout_s: float = 10.0) -> dict:
+def scrape(url: str, timeout_s: float = 10.0) -> str:
+    """The exposition text of a real /metrics (``sample_sum`` reads it)."""
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return parse_prometheus(resp.read().decode())
+        return resp.read().decode()
 
 
-def sample_sum(exposition: str | bytes | dict, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples carrying ``labels`` (0 when there are none)."""
-    parsed = exposition if isinstance(exposition, dict) else parse_prometheus(
-        exposition.decode() if isinstance(exposition, bytes) else exposition)
-    return metric_sum(parsed, name, **labels) or 0.0
+def sample_sum(exposition: str | bytes, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples carrying ``labels`` (0 when the metric has none with them).
+    A metric the exposition does not declare at all is an error (``KeyError`` naming it): a renamed
+    or removed metric must fail a test that expects it to be 0, not pass it."""
+    text = exposition.decode() if isinstance(exposition, bytes) else exposition
+    if not _declares(text, name):
+        raise KeyError(f"no metric {name!r} in this exposition (renamed or gone?); it declares: "
+                       f"{sorted(_declared_families(text))}")
+    return metric_sum(parse_prometheus(text), name, **labels) or 0.0
+
+
+def _declared_families(text: str) -> set[str]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {family.name for family in text_string_to_metric_families(text)}
+
+
+def _declares(text: str, sample_name: str) -> bool:
+    """Whether some family in ``text`` has samples called ``sample_name`` (its own name, or a
+    counter's ``_total``, a histogram's ``_count`` / ``_sum`` / ``_bucket`` ...), even with none now."""
+    families = _declared_families(text)
+    return any(sample_name == family or (sample_name.startswith(family) and sample_name[len(family):] in _DERIVED)
+               for family in families)
 
 
 def every_registry(model_name: str = "test-model") -> dict[str, object]:
@@ -35,7 +54,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     encoder = SimpleNamespace(
         cache=SimpleNamespace(metrics=SimpleNamespace(hits=0, misses=0, bytes=0, evictions=0)),
         num_forwards=0, num_encoded_items=0, scheduler=SimpleNamespace(num_waiting_requests=0))
-    store = SimpleNamespace(num_open_leases=0, open_bytes=0)
+    store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 
     router = RouterMetrics(model_name)
     router.refresh_moves({"migrated": 1})

@@ -1,13 +1,18 @@
 """``scripts/gpu_verify.sh --dry-run``: the one-command GPU check runs on the CPU, end to end (its
 pytest of the CUDA tests, which skip here, and every bench phase with tiny shapes), and writes the
-files a GPU run would; so the first CUDA machine finds a script that works."""
+files a GPU run would; so the first CUDA machine finds a script that works. On the CPU its
+"device" is the CPU: the comparisons it makes are of the CPU with itself, so what is checked here is
+the run's shape (every phase, every file, the JSON's fields) and that a failing phase is reported
+as failed, not the figures."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -20,20 +25,53 @@ def _verify(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_the_dry_run_writes_every_result(tmp_path):
+def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path):
     done = _verify(tmp_path, "--dry-run")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["dry_run"] is True
+    # the phases, and the copy bandwidth the ipc phase measured (the decode phase's bound reads it)
+    assert sorted(results) == ["bandwidth_gb_s", "dry_run", "phases"] and results["dry_run"] is True
+    assert results["bandwidth_gb_s"] > 0
     phases = results["phases"]
     assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc"] and all(p["ok"] for p in phases.values()), \
         phases
+    for name, phase in phases.items():  # every phase says how it went and how long it took
+        assert phase["ok"] is True and isinstance(phase["seconds"], float) and "partial" not in phase, (name, phase)
+    suite = ElementTree.parse(tmp_path / "cuda_tests.xml").getroot().find("testsuite")
+    assert int(suite.get("tests")) > 20 and int(suite.get("errors")) == int(suite.get("failures")) == 0
+    assert int(suite.get("skipped")) == int(suite.get("tests"))  # no CUDA here: every one skips, none is lost
     assert phases["fidelity"]["device_vs_cpu_fp32_greedy_identical"] is True
     assert phases["fidelity"]["bf16_vs_fp32_first_token_cosine"] >= 0.99
     assert phases["decode"]["tiny"][0]["tok_s"] > 0 and phases["ipc"]["shm"][0]["ms"] > 0
     assert [r["tokens"] for r in phases["encoder"]["rows"]] == [64, 128]  # 112 px images: 8 x 8 patches each
     for name in ("cuda_tests.xml", "env.txt", "log.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("gpu_bench", ROOT / "scripts" / "gpu_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_failing_phase_is_reported_as_failed_and_the_next_still_runs(tmp_path):
+    bench = _bench_module()
+    run = bench.Run(tmp_path / "results.json", dry_run=True, deadline_s=60)
+
+    def broken(_run):
+        raise RuntimeError("the kernel refused")
+
+    run.phase("broken", broken)
+    run.phase("fine", lambda _run: {"ms": 1.5})
+    written = json.loads((tmp_path / "results.json").read_text())["phases"]
+    assert written["broken"]["ok"] is False and written["broken"]["error"] == "RuntimeError: the kernel refused"
+    assert "the kernel refused" in written["broken"]["trace"]
+    assert written["fine"] == {"ok": True, "ms": 1.5, "seconds": written["fine"]["seconds"]}
+    assert bench.failed_phases(run.results) == ["broken"]
+    late = bench.Run(tmp_path / "late.json", dry_run=True, deadline_s=-1)
+    late.phase("fine", lambda _run: {"ms": 1.5})
+    assert json.loads((tmp_path / "late.json").read_text())["phases"]["fine"] == {"skipped": "past the deadline"}
 
 
 def test_an_unknown_argument_is_refused(tmp_path):

@@ -5,6 +5,7 @@ multimodal (no pixels, embeddings or grids). It never preempts: it could not rec
 whose images it never saw, so a request waits (FIFO, no polling) until its budget fits."""
 from __future__ import annotations
 
+import functools
 import queue
 from concurrent.futures import Future
 from pathlib import Path
@@ -29,7 +30,7 @@ class DecodeWorker:
         cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, cfg), cfg, eos_token_ids=(),
-                                                 tokenizer=load_tokenizer(model_dir)),
+                                                 load_tokenizer=functools.partial(load_tokenizer, model_dir)),
                                name="decode-loop",
                                threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -70,10 +71,12 @@ def check_grammar(structured: StructuredOutput) -> None:
 
 
 class GrammarCompiler:
-    """Matchers for one model's vocabulary; thread-safe, the tokenizer view built on first use."""
+    """Matchers for one model's vocabulary; thread-safe. The tokenizer is loaded, and llguidance's
+    view of it built, at the first grammar: most workers never see one, and a Qwen tokenizer costs
+    over a second of CPU and a hundred MB to load."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, load_tokenizer: Callable[[], object], vocab_size: int) -> None:
+        self._load_tokenizer, self.vocab_size = load_tokenizer, vocab_size
         self._lock = threading.Lock()
         self._ll_tokenizer = None
 
@@ -95,7 +98,7 @@ class GrammarCompiler:
             if self._ll_tokenizer is None:
                 from llguidance.hf import from_tokenizer
 
-                self._ll_tokenizer = from_tokenizer(self._tokenizer, n_vocab=self.vocab_size)
+                self._ll_tokenizer = from_tokenizer(self._load_tokenizer(), n_vocab=self.vocab_size)
             return self._ll_tokenizer
 
 

@@ -3,6 +3,8 @@ cache, its scheduler and sampler; tiers and ``epd.LLM`` drive it (through ``Engi
 other threads submit work)."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from epd.config import EngineConfig
@@ -21,10 +23,12 @@ from epd.types import MultimodalItemSpan, SamplingParams
 
 class LLMEngine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, *, eos_token_ids: tuple[int, ...],
-                 mm_token_ids: tuple[int, ...] = (), on_finish=None, tokenizer=None) -> None:
-        """``tokenizer``: the model's, for structured output (grammars are compiled against it);
-        without one a request with structured output is refused."""
-        self.grammar_compiler = GrammarCompiler(tokenizer, model.config.vocab_size) if tokenizer is not None else None
+                 mm_token_ids: tuple[int, ...] = (), on_finish=None,
+                 load_tokenizer: Callable[[], object] | None = None) -> None:
+        """``load_tokenizer``: -> the model's tokenizer, for structured output (grammars are compiled
+        against it; called at the first one); without it a request with structured output is refused."""
+        self.grammar_compiler = GrammarCompiler(load_tokenizer, model.config.vocab_size) \
+            if load_tokenizer is not None else None
         cfg = model.config
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize

@@ -7,6 +7,7 @@ GB of KV instead of the CPU default's 256 MiB."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +51,16 @@ def decode_graph_bytes(config, activation_bytes: int) -> int:
     return activation_bytes + WORKSPACE_BYTES
 
 
-def profile_step(model: torch.nn.Module, config, mm_token_ids: tuple[int, ...] = ()) -> None:
+@dataclass(frozen=True)
+class ProfiledStep:
+    """What the worst-case step ran: ``num_seqs`` prompts of ``tokens_each`` tokens, each sampling."""
+
+    num_seqs: int
+    tokens_each: int
+    logits_shape: tuple[int, ...]  # [num_seqs, vocab]: one row per sequence, as the sampler sees them
+
+
+def profile_step(model: torch.nn.Module, config, mm_token_ids: tuple[int, ...] = ()) -> ProfiledStep:
     """Run the worst-case step once on a KV cache just big enough for it (then dropped)."""
     num_seqs = max(1, min(config.max_num_seqs, config.max_num_batched_tokens))
     tokens_each = max(1, config.max_num_batched_tokens // num_seqs)
@@ -65,7 +75,9 @@ def profile_step(model: torch.nn.Module, config, mm_token_ids: tuple[int, ...] =
         chunks.append(ScheduledChunk(seq, 0, tokens_each))
     logits, _ = runner.execute(SchedulerOutput(chunks=chunks))
     torch.softmax(logits.float(), dim=-1).cumsum_(dim=-1)  # the sampler's [seqs, vocab] float32 copies
+    profiled = ProfiledStep(num_seqs, tokens_each, tuple(logits.shape))
     del runner, logits
+    return profiled
 
 
 def kv_blocks_for_device_memory(model: torch.nn.Module, config, bytes_per_token: int,

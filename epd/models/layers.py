@@ -5,6 +5,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+
+class skipping_init(TorchFunctionMode):
+    """``with torch.device("meta"), skipping_init(): model = Model(cfg)``: the layers' own random
+    init (``torch.nn.init.*`` in their ``reset_parameters``) is not run; every weight is loaded from
+    the checkpoint afterwards. Why: on meta tensors that init runs torch's Python reference kernels,
+    whose first call imports torch._dynamo, about a second of every worker's start for numbers
+    nobody reads. A torch function mode, so it holds for this thread only."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -70,7 +85,9 @@ class MRotaryEmbedding(nn.Module):
         self.mrope_section = list(mrope_section)
 
     def _inv_freq(self) -> torch.Tensor:
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float) / self.head_dim
+        # computed on the CPU even inside a ``torch.device("meta")`` block: arithmetic on meta
+        # tensors runs torch's Python reference kernels (see ``skipping_init``)
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device="cpu") / self.head_dim
         return 1.0 / (self.rope_theta ** exponents)
 
     def reset_buffers(self) -> None:

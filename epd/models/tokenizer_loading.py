@@ -1,14 +1,43 @@
 """Load a checkpoint's tokenizer and make sure it carries a chat template."""
 from __future__ import annotations
 
+import copy
+import threading
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from epd.models.checkpoint import read_chat_template
 
+# Loading is slow (a Qwen tokenizer.json is ~19 MB of JSON, parsed by transformers and again by the
+# Rust tokenizer: ~1.4 s of CPU), and one process may need the same tokenizer more than once (the
+# router and the in-process engine of --aggregated; every pipeline a test builds). Loaded once per
+# process and checkpoint state; each caller gets its own shallow copy, so what it sets on it (a
+# chat template override) stays its own, while the immutable Rust tokenizer is shared.
+_LOADED: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
 
 def load_tokenizer(model_dir: Path):
+    if not Path(model_dir).is_dir():  # not a checkpoint directory: transformers says what is wrong
+        return _load(Path(model_dir))
+    key = _state_of(Path(model_dir))
+    with _LOCK:
+        tokenizer = _LOADED.get(key)
+        if tokenizer is None:
+            tokenizer = _LOADED[key] = _load(Path(model_dir))
+    return copy.copy(tokenizer)
+
+
+def _state_of(model_dir: Path) -> tuple:
+    """The checkpoint directory and what its tokenizer files are now: a rewritten checkpoint (a
+    preset rebuilt in place) is loaded again."""
+    files = sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in model_dir.iterdir()
+                   if p.is_file() and not p.name.endswith((".safetensors", ".bin", ".pt")))
+    return str(model_dir.resolve()), tuple(files)
+
+
+def _load(model_dir: Path):
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         template = read_chat_template(model_dir)

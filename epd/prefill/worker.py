@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -75,7 +76,8 @@ class PrefillWorker:
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, engine_config), engine_config,
                                                  eos_token_ids=(), mm_token_ids=self.spec.mm_token_ids,
-                                                 on_finish=self._on_finish, tokenizer=load_tokenizer(model_dir)),
+                                                 on_finish=self._on_finish,
+                                                 load_tokenizer=functools.partial(load_tokenizer, model_dir)),
                                name="prefill-loop",
                                threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
         self.engine = self.loop.engine

@@ -53,6 +53,10 @@ class TierMetrics:
     def watch_store(self, store) -> None:
         self.live("epd_open_leases", "Tensor leases this worker holds for consumers", lambda: store.num_open_leases)
         self.live("epd_open_lease_bytes", "Bytes held under open leases", lambda: store.open_bytes)
+        self.counts.add_labelled("epd_lease_ends", "Tensor leases ended, by how: released by their consumer, expired "
+                                 "(unrenewed past their TTL: a consumer that died or never released), closed (the "
+                                 "worker stopped)", ["reason"],
+                                 lambda: [((reason,), n) for reason, n in sorted(store.num_ended_by_reason.items())])
 
     def watch_engine(self, engine) -> None:
         sched, bm = engine.scheduler, engine.block_manager

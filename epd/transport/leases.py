@@ -14,7 +14,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +69,9 @@ class TensorStore:
         self._lock = threading.Lock()
         self._leases: dict[str, _Lease] = {}
         self._ended: OrderedDict[str, tuple[str, float]] = OrderedDict()  # lease_id -> (reason, when_s)
+        # leases ended so far, by how (released / expired / closed): many "expired" are consumers
+        # that died or forgot to release, and memory held for a TTL longer than it had to be
+        self.num_ended_by_reason: Counter[str] = Counter()
         self._open_bytes = 0
         self._states: dict[str, Any] = {}  # per-transport producer state (shm arena, NCCL senders)
         self._closed = False
@@ -243,6 +246,7 @@ class TensorStore:
             return None
         self._open_bytes -= lease.nbytes
         self._ended[lease_id] = (reason, self.clock() if ended_s is None else ended_s)
+        self.num_ended_by_reason[reason] += 1
         while len(self._ended) > _NUM_REMEMBERED_ENDED_LEASES:
             self._ended.popitem(last=False)
         return lease

@@ -114,7 +114,7 @@ def test_failures_are_counted_not_fatal(tmp_path):
 
 
 def test_max_duration_stops_issuing_and_cancels_at_the_grace_deadline(tmp_path):
-    core = DelayCore(first_delay_s=0.01, itl_s=0.2)  # 50 tokens: 10 s per request
+    core = DelayCore(first_delay_s=0.01, itl_s=1.0)  # 50 tokens: 50 s per request
     with serve_fake(core) as (url, _):
         out = tmp_path / "deadline"
         t0 = time.monotonic()
@@ -127,11 +127,11 @@ def test_max_duration_stops_issuing_and_cancels_at_the_grace_deadline(tmp_path):
             time.sleep(0.05)
         assert core.active == 0
     assert rc == 1  # nothing completed
-    assert elapsed < 4
+    assert elapsed < 25, elapsed  # cut at 0.5 + 0.3 s, not waited for: one request alone takes 50 s
     c = _summary(out)["runs"][0]["client"]
     assert c["completed"] == 0 and c["cancelled"] == c["num_requests"] >= 1
     assert c["not_sent"] == 100 - c["num_requests"] and c["not_sent"] > 80
-    assert 0.7 <= c["duration_s"] <= 1.5
+    assert 0.7 <= c["duration_s"] < 25  # from the first request to the cut, not to a request's end
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert all(r["status"] == "cancelled" and r["ttft_s"] is not None for r in records)
 

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+import helm_python as helm
+import kubernetes_validate as kv
 import pytest
 import yaml
 
@@ -20,8 +22,6 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
-helm = pytest.importorskip("helm_python", reason="needs helm-python-sdk (the test extra)")
-kv = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the test extra)")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "epd"
@@ -183,15 +183,44 @@ BAD_VALUES = {
     "ingress path not absolute": {"router": {"ingress": {"enabled": True, "hosts": [{"paths": [{"path": "v1"}]}]}}},
     "ingress tls without a secret": {"router": {"ingress": {"enabled": True, "tls": [{"hosts": ["a.example"]}]}}},
 }
+# what each refusal must name (the value's place, or the property): a refusal for another reason fails
+BAD_VALUES_NAMED = {
+    "negative replicas": "/encoder/replicas",
+    "zero replicas": "/decode/replicas",
+    "unknown transport": "/transport",
+    "missing model": "missing property 'model'",
+    "missing model source": "missing property 'source'",
+    "unknown model source": "/model/source",
+    "unknown preset": "/model/preset",
+    "pvc without claim": "/model/pvc/claimName",
+    "hostPath without path": "/model/hostPath/path",
+    "relative model path": "/model/path",
+    "typo in engine config": "'kv_cache_byte' not allowed",
+    "chart-managed worker field": "'port' not allowed",
+    "bad dtype": "/gpu/dtype",
+    "unknown routing policy": "/router/config/encoder_policy",
+    "negative queue": "/router/config/max_queued_requests",
+    "bad port": "/workerPorts/grpc",
+    "unknown top-level key": "'replicas' not allowed",
+    "non-numeric gpus": "/gpu/count",
+    "bad hpa bounds": "/encoder/autoscaling/minReplicas",
+    "tls without a secret": "/tls/secretName",
+    "api keys without a key name": "/apiKeys/key",
+    "chart-managed tls in a tier": "'tls' not allowed",
+    "unknown discovery": "/router/discovery",
+    "spread without a topology key": "missing property 'topologyKey'",
+    "ingress path not absolute": "/router/ingress/hosts/0/paths/0/path",
+    "ingress tls without a secret": "missing property 'secretName'",
+}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_VALUES))
 def test_schema_rejects_bad_values(case):
-    values = BAD_VALUES[case]
+    values, named = BAD_VALUES[case], re.escape(BAD_VALUES_NAMED[case])
     with helm.Chart.load(CHART) as chart:
-        with pytest.raises(helm.HelmValuesError):
+        with pytest.raises(helm.HelmValuesError, match=named):
             chart.validate_schema(values)
-    with pytest.raises(helm.HelmValuesError):
+    with pytest.raises(helm.HelmValuesError, match=named):
         render(values)
     report = helm.lint(CHART, values, strict=True)
     assert report["errors"], f"lint accepted {case}: {values}"

@@ -10,23 +10,23 @@ import base64
 import threading
 import time
 
+import openai
 import pytest
+import ray
 
 from tests.conftest import make_image_bytes
 
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, short_tmp):
     from epd.config import RayDeployment, TierSpec, TlsConfig
     from epd.server.ray import RayEPDCluster
     from tests.security.certs import issue, make_pki
 
     ray.init(num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-             _temp_dir=str(tmp_path_factory.mktemp("ray")), log_to_driver=False)
+             _temp_dir=str(short_tmp("ray")), log_to_driver=False)
     spec = TierSpec(replicas=1, num_cpus=1, max_restarts=2)
     pki = tmp_path_factory.mktemp("pki")
     identity = issue(pki, make_pki(pki, "ray"), "worker")
@@ -43,18 +43,37 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def ask(cluster, seed: int) -> str:
-    image = base64.b64encode(make_image_bytes(64, 48, seed=seed)).decode()
+@pytest.fixture(scope="module")
+def llm():
+    """The in-process engine on the same model (itself held to transformers by the fidelity tests):
+    what every answer through the Ray deployment must equal, token for token."""
+    from epd.llm import LLM
+    return LLM("tiny-qwen2-vl")
+
+
+def ask(cluster, llm, seed: int) -> str:
+    """One greedy image chat through the deployment's HTTP API; its token ids must equal the
+    in-process engine's for the same chat."""
+    from epd.types import SamplingParams
+    from tests.fidelity.reference import user_message
+
+    image_bytes = make_image_bytes(64, 48, seed=seed)
+    image = base64.b64encode(image_bytes).decode()
     client = openai.OpenAI(base_url=f"{cluster.http_url}/v1", api_key="x", max_retries=0, timeout=120)
-    out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=6, temperature=0, messages=[{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
-        {"type": "text", "text": "What is it?"}]}])
+    content = [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+               {"type": "text", "text": "What is it?"}]
+    out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=6, temperature=0,
+                                         messages=[{"role": "user", "content": content}],
+                                         extra_body={"return_token_ids": True})
+    expected = llm.chat(user_message("What is it?", [image_bytes]), SamplingParams(max_tokens=6))[0]
+    assert out.choices[0].model_extra.get("token_ids") == expected.token_ids, seed
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
     assert out.choices[0].finish_reason in ("length", "stop")
     return out.choices[0].message.content
 
 
-def test_multimodal_request_through_http(cluster):
-    ask(cluster, 1)
+def test_multimodal_request_through_http(cluster, llm):
+    ask(cluster, llm, 1)
 
 
 def test_every_worker_talks_mutual_tls_only(cluster):
@@ -70,7 +89,7 @@ def test_every_worker_talks_mutual_tls_only(cluster):
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, address)
 
 
-def test_killed_encoder_actor_is_restarted_and_registered_again(cluster):
+def test_killed_encoder_actor_is_restarted_and_registered_again(cluster, llm):
     encoder = cluster.actors["encoder"][0]
     old_pid, old_address = ray.get(encoder.pid.remote(), timeout=30), cluster.addresses["encoder"][0]
     ray.kill(encoder, no_restart=False)
@@ -83,7 +102,7 @@ def test_killed_encoder_actor_is_restarted_and_registered_again(cluster):
     # the registrar told the router: the new address is in rotation, the old one is gone
     health = cluster.wait_healthy(180)
     assert [w["address"] for w in health["workers"]["encoder"]] == [new_address] == cluster.addresses["encoder"]
-    ask(cluster, 2)
+    ask(cluster, llm, 2)
 
 
 def test_a_decode_actor_killed_mid_stream_costs_no_request_and_ray_restarts_it(cluster):
@@ -118,19 +137,19 @@ def _in_flight(cluster, tier: str, index: int) -> int:
     return next(w["in_flight"] for w in cluster.health()["workers"][tier] if w["address"] == address)
 
 
-def test_scale_decode_up_and_down(cluster):
+def test_scale_decode_up_and_down(cluster, llm):
     cluster.scale("decode", 2)
     health = cluster.wait_healthy(180)
     assert len(health["workers"]["decode"]) == 2
     for seed in range(3, 6):
-        ask(cluster, seed)
+        ask(cluster, llm, seed)
     # scale down while requests keep coming: the removed worker drains, nothing is dropped
     errors: list[Exception] = []
 
     def traffic():
         for seed in range(10, 16):
             try:
-                ask(cluster, seed)
+                ask(cluster, llm, seed)
             except Exception as err:  # noqa: BLE001 - asserted below
                 errors.append(err)
 
@@ -140,7 +159,7 @@ def test_scale_decode_up_and_down(cluster):
     worker.join(300)
     assert not errors, errors
     assert len(cluster.health()["workers"]["decode"]) == 1
-    ask(cluster, 7)
+    ask(cluster, llm, 7)
 
 
 def test_prefill_and_decode_were_packed_on_one_node(cluster):

@@ -19,14 +19,14 @@ import base64
 import time
 from pathlib import Path
 
+import openai
 import pytest
+import ray
 
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import wait_until
 from tests.procs import gone
 
-ray = pytest.importorskip("ray")
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 HEAD, ENCODER_NODE, PD_NODES = "127.0.0.5", "127.0.0.2", ("127.0.0.3", "127.0.0.4")
@@ -45,18 +45,18 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster(short_tmp):
     from ray.cluster_utils import Cluster
 
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")  # no token auth inside the test's own cluster
         # Cluster() records its address under $RAY_TMPDIR/ray whatever temp_dir says: keep that private too
-        private_tmp = tmp_path_factory.mktemp("raytmp")
+        private_tmp = short_tmp("raytmp")
         (private_tmp / "ray").mkdir()
         env.setenv("RAY_TMPDIR", str(private_tmp))
         cluster = Cluster(initialize_head=True, head_node_args={
             "node_ip_address": HEAD, "num_cpus": 1, "resources": {"router_node": 1}, "include_dashboard": False,
-            "temp_dir": str(tmp_path_factory.mktemp("ray")),
+            "temp_dir": str(short_tmp("ray")),
             # a dead raylet is noticed in ~2 s instead of ~30 s
             "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4}})
         try:
@@ -119,9 +119,8 @@ def test_every_actor_serves_on_its_own_node(epd):
 
 
 def test_an_image_chat_across_nodes_equals_transformers(epd, model_dir):
-    from epd.bench.metrics import metric_sum, parse_prometheus
     from tests.fidelity.reference import ReferenceModel
-    from tests.prom import scrape
+    from tests.prom import sample_sum, scrape
 
     def url(image: bytes) -> dict:
         return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}}
@@ -139,23 +138,17 @@ def test_an_image_chat_across_nodes_equals_transformers(epd, model_dir):
     assert out.choices[0].model_extra["token_ids"] == ref.token_ids
 
     # the rows crossed nodes inline; the KV stayed on its node, in shared memory
-    router = parse_prometheus(urlopen_text(f"{epd.http_url}/metrics"))
-    assert metric_sum(router, "epd_tensor_handoffs_total", stage="embeddings", placement="cross_host") >= 3
-    assert (metric_sum(router, "epd_tensor_handoffs_total", stage="embeddings", placement="same_host") or 0) == 0
-    assert metric_sum(router, "epd_tensor_handoffs_total", stage="kv", placement="same_host") >= 1
+    router = scrape(f"{epd.http_url}/metrics")
+    assert sample_sum(router, "epd_tensor_handoffs_total", stage="embeddings", placement="cross_host") >= 3
+    assert sample_sum(router, "epd_tensor_handoffs_total", stage="embeddings", placement="same_host") == 0
+    assert sample_sum(router, "epd_tensor_handoffs_total", stage="kv", placement="same_host") >= 1
     encoder = scrape(ray.get(epd.actors["encoder"][0].metrics_url.remote(), timeout=30))
     assert _host(ray.get(epd.actors["encoder"][0].metrics_url.remote(), timeout=30).split("/metrics")[0]) == \
         ENCODER_NODE
-    assert metric_sum(encoder, "epd_transfer_bytes_total", transport="inline", direction="export") > 0
-    assert not metric_sum(encoder, "epd_transfer_bytes_total", transport="shm", direction="export")
+    assert sample_sum(encoder, "epd_transfer_bytes_total", transport="inline", direction="export") > 0
+    assert sample_sum(encoder, "epd_transfer_bytes_total", transport="shm", direction="export") == 0
     prefill = scrape(ray.get(epd.actors["prefill"][0].metrics_url.remote(), timeout=30))
-    assert metric_sum(prefill, "epd_transfer_bytes_total", transport="shm", direction="export") > 0
-
-
-def urlopen_text(url: str) -> str:
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        return resp.read().decode()
+    assert sample_sum(prefill, "epd_transfer_bytes_total", transport="shm", direction="export") > 0
 
 
 def test_a_node_lost_under_streams_costs_no_request(epd, ray_cluster):

@@ -43,7 +43,7 @@ def media_dir(tmp_path_factory):
 def server(model_dir, media_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text(ROUTER_YAML)
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m",
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", "--no-standby",
                          "--allowed-local-media-path", str(media_dir),
                          "--config", str(config), "--allow-private-network")  # http images from a loopback server
     yield serve

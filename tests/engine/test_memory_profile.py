@@ -58,10 +58,28 @@ def test_epd_llm_on_a_gpu_reserves_its_vision_towers_output_budget(monkeypatch):
     assert llm._sized_beside_the_vision_tower() is llm.engine_config  # no device memory to plan on a CPU
 
 
+def _allocated_bytes(run) -> tuple[object, int]:
+    """``run()``'s result and the bytes its CPU tensors allocated in all (torch's profiler: no
+    device counter on a CPU, and the total grows with the activations as the peak does)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = run()
+    return result, sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+
+
 def test_the_profiled_step_runs_the_worst_case_batch():
-    config = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
-    model = load_llm_for(resolve_model("tiny-qwen2-vl"), config)
-    profile_step(model, config)  # 4 sequences of 25 tokens, each sampling: no error, nothing kept
+    """max_num_batched_tokens spread over max_num_seqs sequences, each with its logits row; a
+    larger budget profiles a larger step (the figure the KV cache is sized from grows with it)."""
+    small = EngineConfig(device="cpu", dtype="float32", max_num_seqs=4, max_num_batched_tokens=100)
+    large = small.model_copy(update={"max_num_seqs": 8, "max_num_batched_tokens": 400})
+    model = load_llm_for(resolve_model("tiny-qwen2-vl"), small)
+    vocab = model.config.vocab_size
+    profiled, small_bytes = _allocated_bytes(lambda: profile_step(model, small))
+    assert (profiled.num_seqs, profiled.tokens_each, profiled.logits_shape) == (4, 25, (4, vocab))
+    profiled, large_bytes = _allocated_bytes(lambda: profile_step(model, large))
+    assert (profiled.num_seqs, profiled.tokens_each, profiled.logits_shape) == (8, 50, (8, vocab))
+    # twice the rows of logits and sampler copies, four times the tokens through the layers
+    assert large_bytes > 1.8 * small_bytes, (small_bytes, large_bytes)
 
 
 def test_the_fraction_is_validated():

@@ -16,6 +16,10 @@ from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
 
 MIN_COSINE = 0.99
+# leading greedy tokens ours in bf16 shares with transformers in float32 (4 of 32 on this random
+# small model, whose near-even logits flip soon in any bf16; 0 with the rotary frequencies rounded
+# to bf16): a bar of its own, so a poor bf16 in transformers too cannot lower ours
+MIN_BF16_AGREEMENT = 3
 
 
 def test_rotary_frequencies_stay_float32_through_to():
@@ -95,7 +99,8 @@ def test_bf16_greedy_agreement_with_transformers_in_bf16_is_reported(model_dir, 
     kernel orders, fused or not), so token identity is not expected the way it is in float32: the
     agreements are recorded (``record_property``; printed with -s): ours in bf16 against
     transformers in bf16, and each against transformers in float32. Ours must stay at least as close
-    to the float32 reference as transformers' own bf16 is, give or take two tokens."""
+    to the float32 reference as transformers' own bf16 is, give or take two tokens, and above a floor
+    of its own."""
     from tests.fidelity.reference import ReferenceModel
     images = [make_image_bytes(224, 168, seed=13)]
     messages = user_message("Describe the image in detail.", images)
@@ -111,3 +116,4 @@ def test_bf16_greedy_agreement_with_transformers_in_bf16_is_reported(model_dir, 
         record_property(name, value)
     print(f"leading identical greedy tokens of 32: {agreement}")
     assert agreement["ours_bf16_vs_transformers_fp32"] >= agreement["transformers_bf16_vs_fp32"] - 2, agreement
+    assert agreement["ours_bf16_vs_transformers_fp32"] >= MIN_BF16_AGREEMENT, agreement

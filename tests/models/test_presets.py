@@ -208,17 +208,6 @@ def test_processor_without_torchvision_rejects_video(tiny):
         tiny[3](text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[[_image(56, 56)] * 2])
 
 
-def test_auto_processor_loads_where_torchvision_is_installed(tiny):
-    pytest.importorskip("torchvision")
-    from transformers import AutoProcessor
-
-    _, path, _, processor = tiny
-    auto = AutoProcessor.from_pretrained(path)
-    image = _image(333, 517)
-    assert auto(images=[image], text=["<|vision_start|><|image_pad|><|vision_end|>"])["input_ids"] == \
-        processor(images=[image], text=["<|vision_start|><|image_pad|><|vision_end|>"])["input_ids"]
-
-
 # --- slower: small presets, explicit seeds, concurrent writers ---
 
 

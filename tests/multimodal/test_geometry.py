@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from epd.multimodal.geometry import (
     ImageGeometry,
@@ -22,8 +23,7 @@ from epd.multimodal.geometry import (
 from epd.multimodal.media import MediaError
 
 # transformers 5.x without torchvision: the PIL backend is the processor we can run.
-hf_qwen2_vl = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-HFProcessor = hf_qwen2_vl.Qwen2VLImageProcessorPil
+HFProcessor = Qwen2VLImageProcessorPil
 
 SMALL = {"min_pixels": 3136, "max_pixels": 200704}  # 256 cells: keeps huge images cheap
 DEFAULT: dict = {}

@@ -42,8 +42,9 @@ def test_no_move_allowed_or_no_time_left_passes_the_tiers_error_on():
     with pytest.raises(UpstreamError) as raised:
         Moves(_job(), max_moves=0).move(error)
     assert raised.value is error
-    with pytest.raises(UpstreamError):
+    with pytest.raises(UpstreamError) as raised:  # out of time: the same error, not a move budget's
         Moves(_job(deadline_in_s=-1.0), max_moves=3).move(error)
+    assert raised.value is error
 
 
 def test_a_move_away_from_a_failed_producer_makes_the_next_attempts_avoid_it():

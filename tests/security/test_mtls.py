@@ -77,7 +77,8 @@ def secured(model_dir, pki, tmp_path_factory):
     secrets_dir = tmp_path_factory.mktemp("secrets")
     (secrets_dir / "keys").write_text(f"# rotated by writing this file\n{FILE_KEY}\n")
     (secrets_dir / "admin").write_text(ADMIN_TOKEN + "\n")
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", *pki["cluster"].flags(),
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", "--no-standby",
+                         *pki["cluster"].flags(),
                          "--api-key-file", str(secrets_dir / "keys"), "--admin-port", "0",
                          "--admin-token-file", str(secrets_dir / "admin"), env={"EPD_API_KEY": ENV_KEY})
     try:

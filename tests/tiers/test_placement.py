@@ -41,7 +41,7 @@ def expected(model_dir):
     return ReferenceModel(model_dir).generate(CHAT, [IMG_A, IMG_B, IMG_A], max_new_tokens=GREEDY.max_tokens)
 
 
-def _metrics(process) -> dict:
+def _metrics(process) -> str:
     return scrape(next(f.split("=", 1)[1] for f in process.ready_fields if f.startswith("metrics=")))
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from epd.models.checkpoint import iter_weights, read_config
-from epd.models.layers import PackedLinear, default_weight_loader
+from epd.models.layers import PackedLinear, default_weight_loader, skipping_init
 from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
 from epd.models.spec import MultimodalSpec
 from epd.multimodal.processor_kwargs import MediaSettings
@@ -89,7 +89,7 @@ def build_llm(model_class: type, cfg, model_dir: Path, *, device: str, dtype: to
     """``model_class(cfg)`` with the checkpoint's weights, straight to ``device`` in ``dtype``, one
     checkpoint tensor at a time: no float32 copy of the whole model on the host first (30 GB for a
     7B model)."""
-    with torch.device("meta"):
+    with torch.device("meta"), skipping_init():
         model = model_class(cfg).to(dtype)  # on meta: no memory yet
     model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
     if cfg.tie_word_embeddings:

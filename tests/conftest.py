@@ -16,8 +16,13 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache_dir(tmp_path_factory):
-    # presets and the built tokenizer are cached here, never in the user's home
-    path = os.environ.get("EPD_CACHE_DIR_FOR_TESTS") or str(tmp_path_factory.mktemp("epd-cache"))
+    # presets and the built tokenizer are cached here, never in the user's home; pytest-xdist's
+    # workers share one (their temp dirs sit side by side; presets are written atomically, so two
+    # workers building one preset at once end with one complete copy)
+    shared = tmp_path_factory.getbasetemp().parent / "epd-cache" if os.environ.get("PYTEST_XDIST_WORKER") else None
+    if shared is not None:
+        shared.mkdir(exist_ok=True)
+    path = os.environ.get("EPD_CACHE_DIR_FOR_TESTS") or str(shared or tmp_path_factory.mktemp("epd-cache"))
     old = os.environ.get("EPD_CACHE_DIR")
     os.environ["EPD_CACHE_DIR"] = path
     yield path

@@ -31,9 +31,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _export_preset(args: argparse.Namespace) -> int:
+    from epd.models.null.checkpoint import NULL_PRESETS, write_null_checkpoint
     from epd.models.presets import write_preset_checkpoint
 
-    path = write_preset_checkpoint(args.name, Path(args.out_dir), seed=args.seed)
+    if args.name in NULL_PRESETS:  # the zero-cost model: no weights, so no seed
+        if args.seed is not None:
+            raise ValueError(f"{args.name} has no weights: --seed does not apply to it")
+        path = write_null_checkpoint(Path(args.out_dir), NULL_PRESETS[args.name])
+    else:
+        path = write_preset_checkpoint(args.name, Path(args.out_dir), seed=args.seed)
     print(path)
     return 0
 

@@ -186,6 +186,9 @@ PRESETS: dict[str, PresetSpec] = {
 def resolve_model(path_or_preset: str | Path) -> Path:
     """A checkpoint directory as is, or a preset name → its cached checkpoint (written once)."""
     text = str(path_or_preset)
+    from epd.models.null.checkpoint import NULL_PRESETS, resolve_null_preset
+    if text in NULL_PRESETS:  # the zero-cost model: no weights, nothing computed
+        return resolve_null_preset(text)
     if text in PRESETS:
         out_dir = epd_cache_dir() / "presets" / text
         if not _is_current(out_dir, PRESETS[text], PRESETS[text].seed):
@@ -200,7 +203,8 @@ def resolve_model(path_or_preset: str | Path) -> Path:
         raise ValueError(f"model path {path} is a file; expected a checkpoint directory or a preset name")
     if _looks_like_a_hub_id(text):
         return _from_hub_cache(text)
-    raise ValueError(f"model {text!r} is neither a directory nor a preset; presets: {', '.join(PRESETS)}")
+    raise ValueError(f"model {text!r} is neither a directory nor a preset; presets: "
+                     f"{', '.join([*PRESETS, *NULL_PRESETS])}")
 
 
 def _looks_like_a_hub_id(text: str) -> bool:

@@ -14,6 +14,7 @@ _FAMILIES = {
     "qwen2_vl": "epd.models.qwen2_vl.family:QWEN2_VL",
     "qwen2_5_vl": "epd.models.qwen2_vl.family:QWEN2_5_VL",
     "qwen3_vl": "epd.models.qwen3_vl.family:QWEN3_VL",
+    "epd_null_vl": "epd.models.null.family:NULL_VL",  # the zero-cost model (a benchmark tool)
 }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from epd.models.checkpoint import read_chat_template
+from epd.models.checkpoint import read_chat_template, read_config
 
 # Loading is slow (a Qwen tokenizer.json is ~19 MB of JSON, parsed by transformers and again by the
 # Rust tokenizer: ~1.4 s of CPU), and one process may need the same tokenizer more than once (the
@@ -29,6 +29,18 @@ def load_tokenizer(model_dir: Path):
     return copy.copy(tokenizer)
 
 
+def _config_unless_known(model_dir: Path) -> dict:
+    """A checkpoint of a model_type transformers does not know (the zero-cost model's): its
+    tokenizer files alone say which tokenizer, and transformers is not asked to read its config
+    (it would warn that the model may not load)."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_file = model_dir / "config.json"
+    model_type = read_config(model_dir).get("model_type") if config_file.is_file() else None
+    return {} if model_type is None or model_type in CONFIG_MAPPING else {"config": PretrainedConfig()}
+
+
 def _state_of(model_dir: Path) -> tuple:
     """The checkpoint directory and what its tokenizer files are now: a rewritten checkpoint (a
     preset rebuilt in place) is loaded again."""
@@ -38,7 +50,7 @@ def _state_of(model_dir: Path) -> tuple:
 
 
 def _load(model_dir: Path):
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **_config_unless_known(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         template = read_chat_template(model_dir)
         if template is None:

@@ -26,8 +26,6 @@ class TierMetrics:
                                       ["transport", "direction"], registry=r)
         self.transfer_seconds = Histogram("epd_transfer_seconds", "Time to export or import one tensor",
                                           ["transport", "direction"], buckets=_SECONDS_BUCKETS, registry=r)
-        self.step_seconds = Histogram("epd_step_seconds", "Time of one engine step / encoder batch",
-                                      buckets=_SECONDS_BUCKETS, registry=r)
 
     def count_failure(self, err) -> None:
         """A request this worker refused or failed (an ``EPDError``): overloaded (its admission was
@@ -65,6 +63,8 @@ class TierMetrics:
         self.live("epd_running_requests", "Requests running in the engine", lambda: len(sched.running))
         self.live("epd_kv_block_usage_ratio", "KV blocks in use / all", lambda: bm.usage)
         self.live("epd_kv_blocks", "KV blocks in the paged cache", lambda: bm.num_total_blocks)
+        self.counts.add("epd_engine_steps", "Engine steps run (a decode step: one token for every running request)",
+                        lambda: engine.num_steps)
         self.counts.add("epd_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                         lambda: bm.num_prefix_hit_tokens)
         self.counts.add("epd_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",

@@ -535,6 +535,7 @@ def test_schema_knows_every_config_field():
 
 def test_schema_enums_follow_the_registries():
     from epd.engine.attention import ATTENTION_BACKENDS, AUTO
+    from epd.models.null.checkpoint import NULL_PRESETS
     from epd.models.presets import PRESETS
     from epd.router.routing import ROUTING_POLICIES
     from epd.transport import TRANSPORTS
@@ -542,7 +543,7 @@ def test_schema_enums_follow_the_registries():
     schema = _schema()
     props, defs = schema["properties"], schema["definitions"]
     assert sorted(props["transport"]["enum"]) == sorted(TRANSPORTS.names())
-    assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted(PRESETS)
+    assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted([*PRESETS, *NULL_PRESETS])
     assert sorted(defs["routerConfig"]["properties"]["encoder_policy"]["enum"]) == sorted(ROUTING_POLICIES.names())
     assert sorted(defs["engineConfig"]["properties"]["attention_backend"]["enum"]) == sorted(
         [AUTO, *ATTENTION_BACKENDS.names()])

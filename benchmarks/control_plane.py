@@ -1,0 +1,219 @@
+"""The control plane's cost: N concurrent streams x T tokens through ``epd serve``, and what each
+process spends per token, with the model's own cost taken out (the zero-cost ``null-qwen2-vl``)
+and kept in (``tiny-qwen2-vl``).
+
+For each model and each topology (one decode worker, two, and ``--aggregated``), in one run: text-
+only and one-image chats at each concurrency. Printed per point: tokens/s through the router; CPU
+ms per streamed token of the router, of each tier, and of the client; decode CPU ms per engine step
+(the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
+thread of the process, measured over the load alone.
+
+The client is light and not the bottleneck: raw asyncio sockets (HTTP/1.1, one connection per
+stream), SSE counted by lines, only the last event (usage) parsed, spread over several processes;
+its own CPU is printed beside the rest.
+
+    python benchmarks/control_plane.py [--models null-qwen2-vl,tiny-qwen2-vl] [--streams 64,256]
+        [--tokens 256] [--topologies 1d,2d,aggregated] [--kinds text,image] [--out cp.json]
+
+Only loopback; every process started is stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+
+from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the checkout on sys.path)
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+_TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ())}
+_PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+
+
+# ---- the client --------------------------------------------------------------------------------
+def _body(model: str, tokens: int, image_seed: int | None) -> bytes:
+    content: list | str = "Tell me a long story."
+    if image_seed is not None:
+        url = "data:image/png;base64," + base64.b64encode(noise_png(224, image_seed)).decode()
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]
+    return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": tokens,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+
+
+async def _stream(host: str, port: int, body: bytes) -> tuple[int, int]:
+    """One streamed chat on its own connection -> (completion tokens from the usage event, events)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    status = await reader.readline()
+    if b" 200 " not in status:
+        rest = await reader.read(2000)
+        raise RuntimeError(f"{status!r} {rest[-500:]!r}")
+    events, last = 0, b""
+    async for line in reader:  # the chunked framing's size lines are not "data:" lines
+        if line.startswith(b"data: {"):
+            events, last = events + 1, line
+    writer.close()
+    usage = json.loads(last[6:]).get("usage") or {}
+    return usage.get("completion_tokens", 0), events
+
+
+def _client_process(url: str, bodies: list[bytes], out) -> None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+
+    async def main():
+        return await asyncio.gather(*(_stream(host, int(port), b) for b in bodies), return_exceptions=True)
+
+    started = time.process_time()
+    results = asyncio.run(main())
+    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    out.put({"tokens": sum(t for t, _ in ok), "events": sum(e for _, e in ok), "errors": errors[:3],
+             "num_errors": len(errors), "cpu_s": time.process_time() - started})
+
+
+def run_load(url: str, bodies: list[bytes], num_procs: int) -> dict:
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(url, bodies[i::num_procs], out)) for i in range(num_procs)]
+    for p in procs:
+        p.start()
+    parts = [out.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return {key: sum(p[key] for p in parts) if key != "errors" else [e for p in parts for e in p[key]]
+            for key in parts[0]}
+
+
+# ---- one point ---------------------------------------------------------------------------------
+@dataclass
+class Point:
+    model: str
+    topology: str
+    kind: str
+    streams: int
+    tokens_per_stream: int
+    tokens: int = 0
+    wall_s: float = 0.0
+    tokens_per_s: float = 0.0
+    events_per_token: float = 0.0
+    cpu_ms_per_token: dict = field(default_factory=dict)  # process -> CPU ms per streamed token
+    decode_ms_per_step: float | None = None
+    decode_batch: float | None = None
+    errors: list = field(default_factory=list)
+
+
+class Cluster:
+    """A started ``epd serve`` and its processes' pids (from its banner)."""
+
+    def __init__(self, model: str, topology: str) -> None:
+        system, extra = _TOPOLOGIES[topology]
+        self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra)
+
+    def __enter__(self) -> "Cluster":
+        self.server.__enter__()
+        deadline = time.monotonic() + 60
+        while not any("Ctrl-C stops everything" in line for line in self.server.lines):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no banner:\n" + "\n".join(self.server.lines[-20:]))
+            time.sleep(0.1)
+        self.pids: dict[str, int] = {}
+        self.decode_metrics: list[str] = []
+        counts: dict[str, int] = {}
+        for line in self.server.lines:
+            if m := _PID_LINE.match(line):
+                tier = m.group(1)
+                counts[tier] = counts.get(tier, 0) + 1
+                self.pids[f"{tier}{counts[tier] - 1}" if tier != "router" else tier] = int(m.group(2))
+                if tier == "decode" and m.group(3):
+                    self.decode_metrics.append(m.group(3))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.__exit__(*exc)
+
+    def decode_steps(self) -> float:
+        total = 0.0
+        for url in self.decode_metrics:
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            total += sum(float(v) for v in re.findall(r"^epd_engine_steps_total\{[^}]*\} (\S+)$", text, re.M))
+        return total
+
+
+def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
+    seeds = range(point.streams) if point.kind == "image" else [None] * point.streams
+    bodies = [_body(point.model, point.tokens_per_stream, None if s is None else 1000 * point.streams + s)
+              for s in seeds]
+    before = {name: cpu_s(pid) for name, pid in cluster.pids.items()}
+    steps_before = cluster.decode_steps() if cluster.decode_metrics else 0.0
+    start = time.monotonic()
+    result = run_load(cluster.server.url, bodies, num_client_procs)
+    point.wall_s = time.monotonic() - start
+    after = {name: cpu_s(pid) for name, pid in cluster.pids.items()}
+    point.tokens, point.errors = result["tokens"], result["errors"]
+    point.tokens_per_s = point.tokens / point.wall_s
+    point.events_per_token = result["events"] / max(1, point.tokens)
+    per_token = 1000.0 / max(1, point.tokens)
+    point.cpu_ms_per_token = {name: round((after[name] - before[name]) * per_token, 4) for name in before}
+    point.cpu_ms_per_token["client"] = round(result["cpu_s"] * per_token, 4)
+    if cluster.decode_metrics:
+        steps = cluster.decode_steps() - steps_before
+        decode_cpu_s = sum(after[n] - before[n] for n in before if n.startswith("decode"))
+        point.decode_ms_per_step = round(1000 * decode_cpu_s / max(1.0, steps), 3)
+        point.decode_batch = round(point.tokens / max(1.0, steps), 1)
+    return point
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="null-qwen2-vl,tiny-qwen2-vl")
+    parser.add_argument("--topologies", default="1d,2d,aggregated")
+    parser.add_argument("--kinds", default="text,image")
+    parser.add_argument("--streams", default="64,256", help="concurrent streams, comma-separated")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    parser.add_argument("--client-procs", type=int, default=2)
+    parser.add_argument("--out", default="", help="write every point as JSON here too")
+    args = parser.parse_args()
+    points = []
+    header = f"{'model':<15}{'topology':<11}{'kind':<6}{'N':>5}{'tok/s':>8}{'ev/tok':>7}  CPU ms per token " \
+             f"(router, tiers, client){'':>4}decode ms/step @batch"
+    print(header, flush=True)
+    for model in args.models.split(","):
+        for topology in args.topologies.split(","):
+            with Cluster(model, topology) as cluster:
+                warm = Point(model, topology, "text", 4, 16)
+                measure(cluster, warm, 1)  # imports, first steps, connections
+                for kind in args.kinds.split(","):
+                    for streams in (int(n) for n in args.streams.split(",")):
+                        point = measure(cluster, Point(model, topology, kind, streams, args.tokens),
+                                        args.client_procs)
+                        points.append(point)
+                        cpu = " ".join(f"{name}={ms:.3f}" for name, ms in point.cpu_ms_per_token.items())
+                        decode = f"{point.decode_ms_per_step:.2f} @{point.decode_batch:.0f}" \
+                            if point.decode_ms_per_step is not None else "-"
+                        print(f"{model:<15}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
+                              f"{point.events_per_token:>7.2f}  {cpu}  {decode}"
+                              f"{'  ERRORS ' + str(point.errors) if point.errors else ''}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump([asdict(p) for p in points], f, indent=2)
+    return 1 if any(p.errors for p in points) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,20 +1,20 @@
-"""gRPC face of the decode tier (grpc.aio): imports the KV handle the router passes on from
-prefill, then streams the tokens after the first as the engine produces them. A stream costs a
-coroutine, not a thread; the router cancelling the call at any moment (client gone) cancels that
-coroutine, and the request is aborted on the engine before its KV import is let go."""
+"""gRPC face of the decode tier (grpc.aio). A router opens one ``Stream`` and runs every request it
+has here on it (``epd.decode.step_stream``): a start imports the KV handle prefill made and queues
+the request; each engine step's tokens for all of the stream's requests go back as one message; a
+cancel (or the stream's end) aborts a request on the engine before its KV import is let go. A
+request costs a coroutine, not a thread, and one slow request never holds up the others."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
+from epd.decode.step_stream import StepSink, StreamRequest
 from epd.decode.worker import DecodeWorker
-from epd.engine.async_updates import AsyncUpdates
+from epd.engine.engine_loop import TokenUpdate
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
 from epd.protocol import decode_job_from_proto, logprobs_to_proto
-from epd.rpc import abort_with_async, remaining_s
-from epd.server.admission import HeldBytes
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import decode_pb2, decode_pb2_grpc
@@ -23,40 +23,19 @@ log = logging.getLogger("epd.decode")
 _LATE_ADD_WAIT_S = 10.0  # a request the loop has not queued yet: how long to wait to take it out again
 
 
-@dataclass
-class _Stream:
-    """One Generate call's state, for its cleanup."""
-
-    added: Future  # of the sequence, once the engine loop queued it
-    imported: object  # the KV import (ImportedTensor)
-    held: HeldBytes  # the import's bytes in this worker's admission, given back with the import
-    kv_written: bool = False  # the first update came: the KV is in our cache, the import is free
-    finished: bool = False
-
-
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, ctx) -> None:
         self.worker, self.ctx, self.config, self.metrics = worker, ctx, ctx.config, ctx.metrics
 
-    async def Generate(self, request, context):
+    async def Stream(self, commands, context):
+        stream = _RouterStream(self)
+        reader = asyncio.create_task(stream.read(commands))
         try:
-            job = decode_job_from_proto(request.request, request.prefill)
-            with self.ctx.admission.hold(request.prefill.kv.nbytes) as held:
-                await self._generate(job, request, context, held)
-        except EPDError as err:
-            self.metrics.count_failure(err)
-            await abort_with_async(context, err)
-
-    async def _generate(self, job, request, context, held: HeldBytes) -> None:
-        timeout_s = remaining_s(context, self.config.request_timeout_s)
-        imported = await self._import(job.request_id, request.prefill.kv, timeout_s)
-        stream = _Stream(None, imported, held)
-        try:
-            stream.added, _ = self.worker.start(job, imported.tensor, updates := AsyncUpdates())
-            await self._queued(job.request_id, stream.added, timeout_s)
-            await self._stream(job.request_id, updates, context, stream)
-        finally:
-            await self._let_go(stream)
+            while (batch := await stream.outbox.get()) is not None:
+                yield batch
+        finally:  # the router closed its side and nothing is left, or the stream is gone
+            reader.cancel()
+            await stream.close()
 
     async def _import(self, request_id: str, handle, timeout_s: float):
         def run():
@@ -67,57 +46,134 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except TransportError as err:
             raise UpstreamError(f"request {request_id}: KV import failed: {err}") from None
 
-    @staticmethod
-    async def _queued(request_id: str, added: Future, timeout_s: float) -> None:
-        """Wait until the loop queued the request (its cache budget is checked there)."""
-        done, _ = await asyncio.wait({asyncio.wrap_future(added)}, timeout=timeout_s)
-        if not done:
-            raise DeadlineExceeded(f"request {request_id}: not admitted in time")
-        error = added.exception()
-        if isinstance(error, ValueError):  # the request can never fit this worker's cache, or a KV of another shape
-            raise InvalidRequest(f"request {request_id}: {error}")
-        if error is not None:
-            raise error
-
-    async def _stream(self, request_id: str, updates: AsyncUpdates, context, stream: _Stream) -> None:
-        while True:
-            timeout_s = remaining_s(context, self.config.request_timeout_s)
-            try:
-                update = await updates.get(timeout_s)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"request {request_id}: no token for {timeout_s:.0f} s") from None
-            stream.kv_written = True  # the first update comes after the step that copied the KV in
-            stream.finished = update.is_last
-            if update.error:
-                raise UpstreamError(f"request {request_id}: {update.error}")
-            await context.write(decode_pb2.TokenChunk(
-                token_ids=update.token_ids, finish_reason=update.finish_reason or "",
-                logprobs=[logprobs_to_proto(lp) for lp in update.logprobs]))
-            self._release(stream)  # after the chunk went out: the producer's Release RPC is off the token path
-            if update.is_last:
-                self.metrics.requests.labels(update.finish_reason or "ok").inc()
-                return
-
-    async def _let_go(self, stream: _Stream) -> None:
-        """However the call ended: a request still on the engine is aborted, and the KV import is let
-        go only once the engine no longer reads it (a queued import copies it in at admission)."""
-        seq = await _sequence(stream.added) if stream.added is not None and not stream.finished else None
-        if seq is not None:
-            aborted = self.worker.abort_soon(seq)
-            if not stream.kv_written:
-                await asyncio.wait({asyncio.wrap_future(aborted)}, timeout=_LATE_ADD_WAIT_S)
-        self._release(stream)
-
-    @staticmethod
-    def _release(stream: _Stream) -> None:
-        stream.imported.release_soon()  # idempotent; the producer is told from a background thread
-        stream.held.give_back()  # a long stream no longer counts KV it does not hold
-
     async def Health(self, request, context):
         engine = self.worker.engine
         sched = engine.scheduler
         return self.ctx.health(num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.importing),
                                kv_usage=engine.block_manager.usage, num_steps=engine.num_steps)
+
+
+class _RouterStream:
+    """The requests of one router stream and the messages going back on it."""
+
+    def __init__(self, servicer: DecodeServicer) -> None:
+        self.s = servicer
+        self.outbox: asyncio.Queue[decode_pb2.StepBatch | None] = asyncio.Queue()
+        self.sink = StepSink(asyncio.get_running_loop(), self._deliver)
+        self.requests: dict[str, StreamRequest] = {}
+        self.closing = False  # the router sent its last command: end once its requests have
+
+    async def read(self, commands) -> None:
+        try:
+            async for command in commands:
+                if command.HasField("start"):
+                    self._start(command.start, command.timeout_ms / 1000 or self.s.config.request_timeout_s)
+                elif (state := self.requests.get(command.cancel)) is not None:
+                    state.task.cancel()
+        finally:
+            self.closing = True
+            self._end_if_done()
+
+    async def close(self) -> None:
+        """The stream is gone: abort what still runs (the router lost its connection or let go)."""
+        tasks = [state.task for state in self.requests.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _start(self, request: decode_pb2.GenerateRequest, timeout_s: float) -> None:
+        request_id = request.request.request_id
+        if request_id in self.requests:
+            self._fail(request_id, InvalidRequest(f"request {request_id} already runs on this stream"))
+            return
+        state = self.requests[request_id] = StreamRequest(request_id)
+        state.task = asyncio.create_task(self._run(state, request, timeout_s))
+
+    async def _run(self, state: StreamRequest, request: decode_pb2.GenerateRequest, timeout_s: float) -> None:
+        deadline_s = time.monotonic() + timeout_s
+        try:
+            job = decode_job_from_proto(request.request, request.prefill)
+            with self.s.ctx.admission.hold(request.prefill.kv.nbytes) as state.held:
+                state.imported = await self.s._import(job.request_id, request.prefill.kv, timeout_s)
+                state.added, _ = self.s.worker.start(job, state.imported.tensor, self.sink.updates_for(job.request_id))
+                await _queued(job.request_id, state.added, deadline_s - time.monotonic())
+                try:
+                    await asyncio.wait_for(state.done.wait(), max(0.0, deadline_s - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise DeadlineExceeded(f"request {job.request_id}: not done within {timeout_s:.0f} s") from None
+        except EPDError as err:
+            self.s.metrics.count_failure(err)
+            self._fail(state.request_id, err)
+        finally:
+            await self._let_go(state)
+            self.requests.pop(state.request_id, None)
+            self._end_if_done()
+
+    def _deliver(self, updates: list[tuple[str, TokenUpdate]]) -> None:
+        """One engine step's updates (on the event loop): one message back for all of them."""
+        steps = []
+        for request_id, update in updates:
+            state = self.requests.get(request_id)
+            if state is None or state.finished:  # cancelled meanwhile: the router forgot it
+                continue
+            if update.error:
+                steps.append(_failure(request_id, UpstreamError(f"request {request_id}: {update.error}")))
+            else:
+                steps.append(decode_pb2.RequestStep(
+                    request_id=request_id, token_ids=update.token_ids, finish_reason=update.finish_reason or "",
+                    logprobs=[logprobs_to_proto(lp) for lp in update.logprobs]))
+            state.kv_written = True  # an update comes after the step that copied the KV in
+            _release(state)  # after the tokens are on their way: the producer's Release is off the token path
+            if update.is_last:
+                state.finished = True
+                state.done.set()
+                if not update.error:
+                    self.s.metrics.requests.labels(update.finish_reason or "ok").inc()
+        if steps:
+            self.outbox.put_nowait(decode_pb2.StepBatch(requests=steps))
+
+    def _fail(self, request_id: str, err: EPDError) -> None:
+        self.outbox.put_nowait(decode_pb2.StepBatch(requests=[_failure(request_id, err)]))
+
+    async def _let_go(self, state: StreamRequest) -> None:
+        """However the request ended: still on the engine, it is aborted, and the KV import is let
+        go only once the engine no longer reads it (a queued import copies it in at admission)."""
+        seq = await _sequence(state.added) if state.added is not None and not state.finished else None
+        if seq is not None:
+            aborted = self.s.worker.abort_soon(seq)
+            if not state.kv_written:
+                await asyncio.wait({asyncio.wrap_future(aborted)}, timeout=_LATE_ADD_WAIT_S)
+        _release(state)
+
+    def _end_if_done(self) -> None:
+        if self.closing and not self.requests:
+            self.outbox.put_nowait(None)
+
+
+def _failure(request_id: str, err: EPDError) -> decode_pb2.RequestStep:
+    hint_s = getattr(err, "retry_after_s", None)
+    return decode_pb2.RequestStep(request_id=request_id, error_status=err.grpc_status().name,
+                                  error_message=err.message,
+                                  retry_after_ms=round(hint_s * 1000) if hint_s is not None else 0)
+
+
+def _release(state: StreamRequest) -> None:
+    if state.imported is not None:
+        state.imported.release_soon()  # idempotent; the producer is told from a background thread
+    if state.held is not None:
+        state.held.give_back()  # a long stream no longer counts KV it does not hold
+
+
+async def _queued(request_id: str, added: Future, timeout_s: float) -> None:
+    """Wait until the loop queued the request (its cache budget is checked there)."""
+    done, _ = await asyncio.wait({asyncio.wrap_future(added)}, timeout=max(0.0, timeout_s))
+    if not done:
+        raise DeadlineExceeded(f"request {request_id}: not admitted in time")
+    error = added.exception()
+    if isinstance(error, ValueError):  # the request can never fit this worker's cache, or a KV of another shape
+        raise InvalidRequest(f"request {request_id}: {error}")
+    if error is not None:
+        raise error
 
 
 async def _sequence(added: Future):

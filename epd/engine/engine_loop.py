@@ -57,6 +57,9 @@ class EngineLoop:
         self.engine: LLMEngine | None = None  # set on the loop thread by start()
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
         self._watchers: dict[int, tuple[Sequence, object, int]] = {}  # seq id -> (seq, updates, sent)
+        # the batches (``updates.batch``: anything with ``flush()``) that got updates since the last
+        # flush: they hand them on once a step, not once per update
+        self._touched: set = set()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._name = name
@@ -90,7 +93,10 @@ class EngineLoop:
     def watch(self, make_seq: Callable[[LLMEngine], Sequence | None], updates) -> Future[Sequence | None]:
         """Add a request on the loop thread (``make_seq`` may decline: return None); its new tokens
         go to ``updates.put(TokenUpdate)``, called on the loop thread (a queue, or a bridge into an
-        event loop). -> Future of the sequence (or of ``make_seq``'s exception)."""
+        event loop). An ``updates`` with a ``batch`` (anything with ``flush()``) is one request of
+        many that share it: the batch is flushed once after each step that gave any of them
+        tokens, so they can leave together. -> Future of the sequence (or of ``make_seq``'s
+        exception)."""
         def add(engine: LLMEngine) -> Sequence | None:
             seq = make_seq(engine)
             if seq is not None:
@@ -108,7 +114,7 @@ class EngineLoop:
                 engine.abort(seq)
             if error is not None and seq.seq_id in self._watchers:
                 _, updates, _ = self._watchers.pop(seq.seq_id)
-                updates.put(TokenUpdate([], error=error))
+                self._put(updates, TokenUpdate([], error=error))
             self._publish(seq)
 
         self.call(do)
@@ -125,6 +131,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._wake.clear()  # before looking: a wake() from now on is seen by the wait below
             self._drain_calls()
+            self._flush_batches()  # what the calls published (aborts, failures) goes out now
             if not self.engine.has_unfinished or not self._step():
                 self._wake.wait()  # nothing to do, or every sequence waits on inputs: sleep until woken
 
@@ -150,7 +157,19 @@ class EngineLoop:
             return False
         for seq, _, _ in list(self._watchers.values()):
             self._publish(seq)
+        self._flush_batches()
         return self.engine.num_steps > steps_before
+
+    def _put(self, updates, update: TokenUpdate) -> None:
+        updates.put(update)
+        batch = getattr(updates, "batch", None)
+        if batch is not None:
+            self._touched.add(batch)
+
+    def _flush_batches(self) -> None:
+        for batch in self._touched:
+            batch.flush()
+        self._touched.clear()
 
     def _publish(self, seq: Sequence) -> None:
         entry = self._watchers.get(seq.seq_id)
@@ -159,12 +178,12 @@ class EngineLoop:
         _, updates, sent = entry
         outputs = seq.output_token_ids
         if seq.error is not None:  # failed where it stood (e.g. it could not be rebuilt to recompute)
-            updates.put(TokenUpdate([], error=seq.error))
+            self._put(updates, TokenUpdate([], error=seq.error))
             del self._watchers[seq.seq_id]
             return
         if len(outputs) > sent or seq.is_finished:
-            updates.put(TokenUpdate(outputs[sent:], seq.output_logprobs[sent:],
-                                    seq.finish_reason if seq.is_finished else None))
+            self._put(updates, TokenUpdate(outputs[sent:], seq.output_logprobs[sent:],
+                                           seq.finish_reason if seq.is_finished else None))
             self._watchers[seq.seq_id] = (seq, updates, len(outputs))
         if seq.is_finished:
             del self._watchers[seq.seq_id]
@@ -173,5 +192,5 @@ class EngineLoop:
         for seq, updates, _ in list(self._watchers.values()):
             if not seq.is_finished:
                 self.engine.abort(seq)
-            updates.put(TokenUpdate([], error=error))
+            self._put(updates, TokenUpdate([], error=error))
         self._watchers.clear()

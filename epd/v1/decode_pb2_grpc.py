@@ -28,7 +28,8 @@ if _version_not_supported:
 
 class DecodeStub:
     """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
-    tokens. Cancelling Generate aborts the request.
+    tokens. A router keeps one Stream per decode worker for all the requests it has there (started
+    and cancelled by command, answered per step); losing the stream ends them all.
     """
 
     def __init__(self, channel):
@@ -37,10 +38,10 @@ class DecodeStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/epd.v1.Decode/Generate',
-                request_serializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=epd_dot_v1_dot_decode__pb2.TokenChunk.FromString,
+        self.Stream = channel.stream_stream(
+                '/epd.v1.Decode/Stream',
+                request_serializer=epd_dot_v1_dot_decode__pb2.StreamCommand.SerializeToString,
+                response_deserializer=epd_dot_v1_dot_decode__pb2.StepBatch.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/epd.v1.Decode/Health',
@@ -51,10 +52,11 @@ class DecodeStub:
 
 class DecodeServicer:
     """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
-    tokens. Cancelling Generate aborts the request.
+    tokens. A router keeps one Stream per decode worker for all the requests it has there (started
+    and cancelled by command, answered per step); losing the stream ends them all.
     """
 
-    def Generate(self, request, context):
+    def Stream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -69,10 +71,10 @@ class DecodeServicer:
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=epd_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
-                    response_serializer=epd_dot_v1_dot_decode__pb2.TokenChunk.SerializeToString,
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=epd_dot_v1_dot_decode__pb2.StreamCommand.FromString,
+                    response_serializer=epd_dot_v1_dot_decode__pb2.StepBatch.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -89,11 +91,12 @@ def add_DecodeServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Decode:
     """The decode tier: imports the KV prefill made, holds only each request's mrope delta, streams
-    tokens. Cancelling Generate aborts the request.
+    tokens. A router keeps one Stream per decode worker for all the requests it has there (started
+    and cancelled by command, answered per step); losing the stream ends them all.
     """
 
     @staticmethod
-    def Generate(request,
+    def Stream(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -103,12 +106,12 @@ class Decode:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/epd.v1.Decode/Generate',
-            epd_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
-            epd_dot_v1_dot_decode__pb2.TokenChunk.FromString,
+            '/epd.v1.Decode/Stream',
+            epd_dot_v1_dot_decode__pb2.StreamCommand.SerializeToString,
+            epd_dot_v1_dot_decode__pb2.StepBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,15 +44,14 @@ from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
+from epd.router.backends.decode_link import DecodeLink, StepError
 from epd.router.backends.moves import (
     Backoff,
-    CancelWhenLost,
     Moves,
     ProducerFailed,
     Suspects,
-    blaming_producer,
     WorkerLost,
-    is_being_cancelled,
+    blaming_producer,
     lost_message,
     unless_lost,
 )
@@ -97,6 +96,7 @@ class DisaggregatedBackend:
         self.handoffs: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task] = set()  # calls sent on behalf of requests that are gone
         self.suspects = Suspects()  # encoders whose rows prefill could not import: every request passes them over
+        self.decode_links: dict[str, DecodeLink] = {}  # decode address -> the one stream its requests share
 
     async def start(self) -> None:
         await self.workers.start()
@@ -114,6 +114,7 @@ class DisaggregatedBackend:
             await asyncio.wait(set(self._background), timeout=_RELEASE_TIMEOUT_S)
             for task in self._background:
                 task.cancel()
+        await asyncio.gather(*(link.close() for link in self.decode_links.values()))
         await self.workers.close()
 
     def _in_background(self, coro) -> None:
@@ -229,7 +230,7 @@ class DisaggregatedBackend:
             result = reply.result
             return result
         except grpc.aio.AioRpcError as err:
-            raise blaming_producer(self._tier_error("prefill", prefill.address, err), encoded_on) from None
+            raise blaming_producer(self._rpc_error("prefill", prefill.address, err), encoded_on) from None
         finally:
             # with a result every row prefill needed has arrived: an encode call still running (its
             # reply not back yet) only holds the encoder
@@ -283,7 +284,7 @@ class DisaggregatedBackend:
                     await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
                     return
                 except grpc.aio.AioRpcError as err:
-                    error = self._tier_error("encoder", address, err)
+                    error = self._rpc_error("encoder", address, err)
                     is_lost = err.code() == grpc.StatusCode.UNAVAILABLE
                 except WorkerLost as err:
                     error, is_lost = err, True
@@ -307,30 +308,31 @@ class DisaggregatedBackend:
         while True:
             with self._holding("decode", job.request_id, host_id=host_id, is_started=True) as decode:
                 self.handoffs["kv", _placement(prefill.host_id, decode.host_id)] += 1
-                call = decode.stub.Generate(request, timeout=job.remaining_s())
-                # a wedged decode (stopped, stalled) keeps the stream open: its call is cancelled
-                # when it leaves rotation, and the request moves on without it
-                lost = CancelWhenLost(decode, call)
+                link = self._link(decode)
+                channel = link.start(request, job.remaining_s())
                 is_finished, is_started = False, False
                 try:
-                    async for chunk in call:
-                        is_finished, is_started = bool(chunk.finish_reason), True
-                        yield BackendOutput(list(chunk.token_ids), [logprobs_from_proto(lp) for lp in chunk.logprobs],
-                                            chunk.finish_reason or None)
+                    while not is_finished:
+                        output = await channel.next()
+                        is_finished, is_started = output.finish_reason is not None, True
+                        yield output
                     return
-                except grpc.aio.AioRpcError as err:
-                    error = self._tier_error("decode", decode.address, err)
+                except StepError as err:  # decode failed this request alone
+                    error = self._tier_error("decode", decode.address, err.status, err.message, err.retry_after_s)
                     if is_started or not isinstance(error, Overloaded):
                         raise error from None
-                except asyncio.CancelledError:
-                    if not lost.fired or is_being_cancelled():
-                        raise
-                    raise WorkerLost(lost_message(decode)) from None
                 finally:
-                    lost.close()
                     if not is_finished:
-                        call.cancel()  # decode aborts the request
+                        link.cancel(job.request_id)  # decode aborts the request
             await backoff.wait(error)  # that decode worker is full: wait its hint, then ask again
+
+    def _link(self, decode: WorkerState) -> DecodeLink:
+        """The one stream to ``decode`` every request there shares (a restarted worker: a new one)."""
+        link = self.decode_links.get(decode.address)
+        if link is None or link.worker is not decode:
+            link = self.decode_links[decode.address] = DecodeLink(
+                decode, lambda err: self._rpc_error("decode", decode.address, err))
+        return link
 
     # ---- workers --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -373,13 +375,18 @@ class DisaggregatedBackend:
         hosts = [decodes[c.address] for c in self.workers.candidates("decode")]
         return prefill.host_id if prefill.host_id in hosts or not hosts else hosts[0]
 
-    def _tier_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
-        if err.code() == grpc.StatusCode.UNAVAILABLE:
+    def _rpc_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
+        return self._tier_error(tier, address, err.code(), err.details(), retry_after_s(err))
+
+    def _tier_error(self, tier: str, address: str, status: grpc.StatusCode, details: str | None,
+                    hint_s: float | None = None) -> EPDError:
+        """What a worker's failed call (or a request failed on a stream) means for the request."""
+        if status == grpc.StatusCode.UNAVAILABLE:
             self.workers.mark_failed(tier, address)
-        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (hint_s := retry_after_s(err)) is not None:
-            return Overloaded(f"{tier} {address}: {err.details()}", retry_after_s=hint_s)
-        details = err.details() or err.code().name
-        error_type = _PASSED_THROUGH.get(code_for_grpc(err.code()))
+        if status == grpc.StatusCode.RESOURCE_EXHAUSTED and hint_s is not None:
+            return Overloaded(f"{tier} {address}: {details}", retry_after_s=hint_s)
+        details = details or status.name
+        error_type = _PASSED_THROUGH.get(code_for_grpc(status))
         if error_type is not None:  # the client's own doing: its answer names no worker of ours
             log.info("%s %s refused a request: %s", tier, address, details)
             return error_type(f"{tier}: {details}")

@@ -1,6 +1,6 @@
 """A request's waits and moves in the disaggregated backend: waiting out tiers that said they are
 full (``Backoff``), moving off workers it lost (``Moves``), and noticing that a worker a call waits
-on has left rotation (``unless_lost``, ``CancelWhenLost``)."""
+on has left rotation (``unless_lost``; a decode stream: ``decode_link``)."""
 from __future__ import annotations
 
 import asyncio
@@ -130,31 +130,6 @@ async def unless_lost(worker: WorkerState, awaitable):
     if task.done() and not task.cancelled():
         return task.result()
     raise WorkerLost(lost_message(worker))
-
-
-class CancelWhenLost:
-    """Cancels ``call`` when ``worker`` leaves rotation (then ``fired``): one callback for a whole
-    token stream, where racing every read against the outage would cost ~40 us a token."""
-
-    def __init__(self, worker: WorkerState, call) -> None:
-        self.call, self.fired = call, False
-        self._outage = worker.outage()
-        self._outage.add_done_callback(self._fire)
-
-    def _fire(self, _) -> None:
-        self.fired = True
-        self.call.cancel()  # its reader gets CancelledError
-
-    def close(self) -> None:
-        self._outage.remove_done_callback(self._fire)
-
-
-def is_being_cancelled() -> bool:
-    """Whether the current task itself is being cancelled (not just a call it read from). Before
-    Python 3.11 the two cannot be told apart and the call's cancel is assumed: a task cancel in the
-    same instant as a worker's loss is rare, and that request still ends at its deadline."""
-    task = asyncio.current_task()
-    return task is not None and hasattr(task, "cancelling") and task.cancelling() > 0
 
 
 def lost_message(worker: WorkerState) -> str:

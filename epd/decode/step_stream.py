@@ -1,0 +1,71 @@
+"""The decode tier's side of a router's stream: many requests on one gRPC stream, one message per
+engine step for all of them.
+
+A router keeps one ``Stream`` call per decode worker. It starts requests and cancels them by
+command; the engine loop thread publishes each request's new tokens into the stream's ``StepSink``,
+which hands the step's updates to the event loop in one call once the step is done, and they go out
+as one ``StepBatch``. Per token that is one list append on the loop thread; per step one wake-up of
+the event loop and one message, however many requests the stream carries (the per-request streams
+before cost a wake-up and a message for every request in every step).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from epd.engine.engine_loop import TokenUpdate
+
+
+class StepSink:
+    """Where the engine loop thread puts the updates of one stream's requests; ``flush`` (once per
+    step, on that thread) hands what came to ``deliver`` on the event loop, in one call."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 deliver: Callable[[list[tuple[str, TokenUpdate]]], None]) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._pending: list[tuple[str, TokenUpdate]] = []
+        self._lock = threading.Lock()
+
+    def updates_for(self, request_id: str) -> "RequestUpdates":
+        return RequestUpdates(self, request_id)
+
+    def add(self, request_id: str, update: TokenUpdate) -> None:
+        with self._lock:
+            self._pending.append((request_id, update))
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            try:
+                self._loop.call_soon_threadsafe(self._deliver, pending)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+
+@dataclass(eq=False)
+class RequestUpdates:
+    """One request's ``updates`` for ``EngineLoop.watch``: its updates go into the shared ``batch``."""
+
+    batch: StepSink
+    request_id: str
+
+    def put(self, update: TokenUpdate) -> None:
+        self.batch.add(self.request_id, update)
+
+
+@dataclass(eq=False)
+class StreamRequest:
+    """One request on a stream, for its cleanup: what it holds and how far it got."""
+
+    request_id: str
+    task: asyncio.Task | None = None
+    added: Future | None = None  # of the sequence, once the engine loop queued it
+    imported: object = None  # the KV import (ImportedTensor)
+    held: object = None  # its bytes in the worker's admission (HeldBytes)
+    kv_written: bool = False  # an update came: the KV is in the cache, the import is free
+    finished: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)

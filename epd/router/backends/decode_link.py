@@ -1,0 +1,166 @@
+"""The router's side of the per-step stream to one decode worker: every request the router has on
+that worker shares one long-lived ``Stream`` call. Starts and cancels go out on it; one
+``StepBatch`` per engine step comes back and is split by request id into each request's own
+``StepChannel``, where its tokens wait for its reader. A reader that falls behind (a slow client)
+gets what piled up in one piece; it holds up nobody else.
+
+Losing the stream (the worker died, restarted, or left rotation) ends every request on it with the
+error, and each moves on as before; the next request opens a new stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from epd.errors import EPDError, UpstreamError
+from epd.protocol import logprobs_from_proto
+from epd.router.backends.base import BackendOutput
+from epd.router.backends.moves import WorkerLost, lost_message
+from epd.router.workers import WorkerState
+from epd.v1 import decode_pb2
+
+log = logging.getLogger("epd.router")
+
+
+class StepError(Exception):
+    """The decode worker failed this request alone (``RequestStep.error_status``)."""
+
+    def __init__(self, step: decode_pb2.RequestStep) -> None:
+        super().__init__(step.error_message)
+        self.status = grpc.StatusCode[step.error_status] if step.error_status in grpc.StatusCode.__members__ \
+            else grpc.StatusCode.INTERNAL
+        self.message = step.error_message
+        self.retry_after_s = step.retry_after_ms / 1000 if step.retry_after_ms else None
+
+
+class StepChannel:
+    """One request's tokens as they come off the stream."""
+
+    def __init__(self) -> None:
+        self._steps: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
+
+    def push(self, item: decode_pb2.RequestStep | BaseException) -> None:
+        self._steps.append(item)
+        self._ready.set()
+
+    async def next(self) -> BackendOutput:
+        """Everything that came since the last call, as one output (its finish, if it came);
+        raises the request's error (a ``StepError``) or the stream's (an ``EPDError``) once the
+        tokens before it are out."""
+        while not self._steps:
+            self._ready.clear()
+            await self._ready.wait()
+        token_ids, logprobs, finish = [], [], None
+        while self._steps and not isinstance(self._steps[0], BaseException):
+            step = self._steps.popleft()
+            if step.error_status:
+                if token_ids:  # its tokens first; the error on the next call
+                    self._steps.appendleft(StepError(step))
+                    break
+                raise StepError(step)
+            token_ids.extend(step.token_ids)
+            logprobs.extend(logprobs_from_proto(lp) for lp in step.logprobs)
+            finish = step.finish_reason or None
+        if not token_ids and finish is None:
+            raise self._steps.popleft()
+        return BackendOutput(token_ids, logprobs, finish)
+
+
+class DecodeLink:
+    """The stream to one decode worker. ``map_error`` turns the stream's gRPC failure into the
+    error its requests end with (the backend's: it also takes a dead worker out of rotation)."""
+
+    def __init__(self, worker: WorkerState, map_error: Callable[[grpc.aio.AioRpcError], EPDError]) -> None:
+        self.worker, self._map_error = worker, map_error
+        self.channels: dict[str, StepChannel] = {}
+        self.num_batches = 0  # messages received: one per engine step of the worker, whatever the requests
+        self._call = None
+        self._outbox: asyncio.Queue | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._lost = False
+
+    def start(self, request: decode_pb2.GenerateRequest, timeout_s: float) -> StepChannel:
+        """Start ``request`` on the stream (opened if it is not); -> where its tokens come."""
+        if self._call is None:
+            self._open()
+        channel = self.channels[request.request.request_id] = StepChannel()
+        self._outbox.put_nowait(decode_pb2.StreamCommand(start=request, timeout_ms=max(1, round(timeout_s * 1000))))
+        return channel
+
+    def cancel(self, request_id: str) -> None:
+        """Forget the request and tell the worker to abort it (no wait: callable while cancelled)."""
+        if self.channels.pop(request_id, None) is not None and self._call is not None:
+            self._outbox.put_nowait(decode_pb2.StreamCommand(cancel=request_id))
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """End the stream: half-closed, so the worker ends it once its requests have (it aborts
+        them if the router still had any), then cancelled if that takes longer than ``timeout_s``."""
+        if self._call is not None:
+            self._outbox.put_nowait(None)
+            await asyncio.wait(self._tasks, timeout=timeout_s)
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _open(self) -> None:
+        self._call = self.worker.stub.Stream()
+        self._outbox, self._lost = asyncio.Queue(), False
+        outage = self.worker.outage()  # a wedged worker keeps the stream open: leaving rotation ends it
+        outage.add_done_callback(lambda _, call=self._call: self._on_outage(call))
+        self._tasks = [asyncio.create_task(self._write(self._call, self._outbox)),
+                       asyncio.create_task(self._read(self._call))]
+
+    def _on_outage(self, call) -> None:
+        if call is self._call:
+            self._lost = True
+            call.cancel()
+
+    @staticmethod
+    async def _write(call, outbox: asyncio.Queue) -> None:
+        """Commands in order (one write at a time, as gRPC wants); None: no more, half-close."""
+        try:
+            while (command := await outbox.get()) is not None:
+                await call.write(command)
+            await call.done_writing()
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            pass  # the stream is gone: its reader ends every request with the reason
+
+    async def _read(self, call) -> None:
+        error: BaseException
+        try:
+            async for batch in call:
+                self.num_batches += 1
+                for step in batch.requests:
+                    if (channel := self.channels.get(step.request_id)) is not None:
+                        channel.push(step)
+                        if step.finish_reason or step.error_status:
+                            del self.channels[step.request_id]
+            error = UpstreamError(f"decode {self.worker.address} ended the stream")
+        except grpc.aio.AioRpcError as err:
+            error = self._map_error(err)
+        except asyncio.CancelledError:
+            if not self._lost:
+                error = UpstreamError(f"decode {self.worker.address}: the router closed the stream")
+                self._end(call, error)
+                raise
+            error = WorkerLost(lost_message(self.worker))
+        self._end(call, error)
+
+    def _end(self, call, error: BaseException) -> None:
+        if call is not self._call:
+            return
+        self._call = None
+        self._tasks[0].cancel()  # the writer: nothing more goes out on this stream
+        channels, self.channels = self.channels, {}
+        for channel in channels.values():
+            channel.push(error)
+        if channels:
+            log.warning("decode %s: the stream ended with %d request(s) on it: %s", self.worker.address,
+                        len(channels), error)

@@ -1,0 +1,104 @@
+"""Per-step streams between the router and a decode worker: one message per engine step for all of
+a worker's requests (counted, not timed), a lagging reader's tokens in one piece, a request's
+failure after its tokens, and the stream's end reaching every request on it."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from epd.decode.step_stream import StepSink
+from epd.engine.engine_loop import TokenUpdate
+from epd.errors import UpstreamError
+from epd.router.backends.decode_link import StepChannel, StepError
+from epd.v1 import decode_pb2
+
+
+def _step(request_id="r", tokens=(), finish="", error=""):
+    return decode_pb2.RequestStep(request_id=request_id, token_ids=list(tokens), finish_reason=finish,
+                                  error_status=error, error_message="failed" if error else "")
+
+
+def test_a_channel_gives_what_piled_up_in_one_output_and_the_error_after_the_tokens():
+    async def run():
+        channel = StepChannel()
+        channel.push(_step(tokens=[1, 2]))
+        channel.push(_step(tokens=[3]))
+        first = await channel.next()
+        channel.push(_step(tokens=[4]))
+        channel.push(_step(error="RESOURCE_EXHAUSTED"))
+        second = await channel.next()
+        with pytest.raises(StepError) as failed:
+            await channel.next()
+        ended = StepChannel()
+        ended.push(_step(tokens=[5], finish="length"))
+        ended.push(UpstreamError("stream gone"))  # after the finish: never read
+        last = await ended.next()
+        lost = StepChannel()
+        lost.push(UpstreamError("decode x ended the stream"))
+        with pytest.raises(UpstreamError, match="ended the stream"):
+            await lost.next()
+        return first, second, failed.value, last
+
+    first, second, failed, last = asyncio.run(run())
+    assert (first.token_ids, first.finish_reason) == ([1, 2, 3], None)
+    assert second.token_ids == [4] and failed.status.name == "RESOURCE_EXHAUSTED"
+    assert (last.token_ids, last.finish_reason) == ([5], "length")
+
+
+def test_a_sink_hands_over_a_steps_updates_in_one_call_on_the_event_loop():
+    async def run():
+        delivered = []
+        sink = StepSink(asyncio.get_running_loop(), delivered.append)
+
+        def engine_thread():  # two steps of three requests, as the engine loop publishes them
+            for step in range(2):
+                for request_id in "abc":
+                    sink.updates_for(request_id).put(TokenUpdate([step]))
+                sink.flush()
+            sink.flush()  # a step that gave nobody anything: nothing to hand over
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        thread.join()
+        await asyncio.sleep(0.05)
+        return delivered
+
+    delivered = asyncio.run(run())
+    assert [[(rid, u.token_ids) for rid, u in batch] for batch in delivered] == \
+        [[("a", [0]), ("b", [0]), ("c", [0])], [("a", [1]), ("b", [1]), ("c", [1])]]
+
+
+@pytest.mark.slow
+def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_streams():
+    """16 requests at once on one decode worker: the router receives at most one message per engine
+    step of that worker (a message per request per step would be 16 times as many)."""
+    from epd.models.presets import resolve_model
+    from epd.router.sync import SyncRouter
+    from epd.server.local import LocalCluster
+    from epd.types import ChatRequest, SamplingParams
+    from tests.prom import sample_sum, scrape
+
+    model_dir = resolve_model("null-qwen2-vl")
+    num_requests, num_tokens = 16, 48
+    with LocalCluster(str(model_dir)) as cluster, SyncRouter.over_workers(
+            model_dir, encoders=cluster.encoders, prefills=cluster.prefills, decodes=cluster.decodes) as router:
+        metrics = next(f.split("=", 1)[1] for p in cluster.processes if p.tier == "decode" for f in p.ready_fields
+                       if f.startswith("metrics="))
+        steps_before = sample_sum(scrape(metrics), "epd_engine_steps_total")
+
+        async def one(i: int) -> int:
+            request = ChatRequest(messages=[{"role": "user", "content": f"Story {i}, please."}],
+                                  sampling=SamplingParams(max_tokens=num_tokens), request_id=f"s{i}")
+            return sum([len(event.token_ids) async for event in router.pipeline.generate(request)])
+
+        async def all_of_them():
+            return await asyncio.gather(*(one(i) for i in range(num_requests)))
+
+        counts = router.run(all_of_them())
+        steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
+        link = router.pipeline.backend.decode_links[cluster.decodes[0]]
+    assert counts == [num_tokens] * num_requests
+    tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill
+    assert 0 < link.num_batches <= steps < tokens_from_decode / 4, (link.num_batches, steps)

@@ -36,6 +36,14 @@ class MultimodalSpec:
     # ("<1.5 seconds>"), as Qwen3-VL's processor writes them
     video_timestamps: bool = False
 
+    @classmethod
+    def from_config(cls, hf: dict, **fields) -> "MultimodalSpec":
+        """The placeholder and marker token ids and the merge size a checkpoint's config.json gives
+        (the same keys in every Qwen-VL family), with the family's own ``fields``."""
+        return cls(image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
+                   vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
+                   spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2), **fields)
+
     @property
     def mm_token_ids(self) -> tuple[int, ...]:
         """Placeholder ids whose rows come from the encoder (in the vocabulary: one embedding lookup)."""

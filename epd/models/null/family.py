@@ -37,11 +37,7 @@ class NullFamily(QwenVLFamily):
     def mm_spec(self, model_dir: Path) -> MultimodalSpec:
         hf = read_config(model_dir)
         cfg = text_config(hf)
-        return MultimodalSpec(
-            image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
-            vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
-            spatial_merge_size=hf["vision_config"]["spatial_merge_size"], tokens_per_second=0.0,
-            vocab_size=cfg.embedding_vocab_size, embedding_dim=cfg.hidden_size)
+        return MultimodalSpec.from_config(hf, vocab_size=cfg.embedding_vocab_size, embedding_dim=cfg.hidden_size)
 
 
 def text_config(hf: dict) -> NullTextConfig:

@@ -11,8 +11,8 @@ from epd.models.checkpoint import iter_weights, read_config
 from epd.models.layers import PackedLinear, default_weight_loader, skipping_init
 from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
 from epd.models.spec import MultimodalSpec
-from epd.multimodal.processor_kwargs import MediaSettings
 from epd.multimodal.layout import PromptLayout, build_prompt_layout
+from epd.multimodal.processor_kwargs import MediaSettings
 from epd.types import MultimodalItemSpan
 
 # checkpoints name the LLM weights in two layouts: transformers 4.x/5.x saves
@@ -113,13 +113,11 @@ class QwenVLFamily:
 
     def mm_spec(self, model_dir: Path) -> MultimodalSpec:
         hf = read_config(model_dir)
-        return MultimodalSpec(
-            image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
-            vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
-            spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2),
+        text = text_config_from_hf(hf)
+        return MultimodalSpec.from_config(
+            hf, vocab_size=text.vocab_size, embedding_dim=text.hidden_size,
             tokens_per_second=float(hf["vision_config"].get("tokens_per_second") or 0) if self.name == "qwen2_5_vl"
-            else 0.0,
-            vocab_size=text_config_from_hf(hf).vocab_size, embedding_dim=text_config_from_hf(hf).hidden_size)
+            else 0.0)
 
     def media_settings(self, model_dir: Path) -> MediaSettings:
         from epd.models.qwen2_vl.processor import media_settings_for

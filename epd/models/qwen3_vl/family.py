@@ -53,12 +53,9 @@ class Qwen3VLFamily(QwenVLFamily):
     def mm_spec(self, model_dir: Path) -> MultimodalSpec:
         hf = read_config(model_dir)
         text = text_config_from_hf(hf)
-        return MultimodalSpec(
-            image_token_id=hf["image_token_id"], video_token_id=hf["video_token_id"],
-            vision_start_token_id=hf["vision_start_token_id"], vision_end_token_id=hf["vision_end_token_id"],
-            spatial_merge_size=hf["vision_config"].get("spatial_merge_size", 2), vocab_size=text.vocab_size,
-            embedding_dim=text.hidden_size * (1 + text.deepstack_levels), deepstack_levels=text.deepstack_levels,
-            video_timestamps=True)
+        return MultimodalSpec.from_config(
+            hf, vocab_size=text.vocab_size, embedding_dim=text.hidden_size * (1 + text.deepstack_levels),
+            deepstack_levels=text.deepstack_levels, video_timestamps=True)
 
     def prompt_layout(self, spec: MultimodalSpec, token_ids: Sequence[int],
                       items: Sequence[MultimodalItemSpan]) -> PromptLayout:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from epd.decode.step_stream import StepSink, StreamRequest
 from epd.decode.worker import DecodeWorker
 from epd.engine.engine_loop import TokenUpdate
-from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
+from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.protocol import decode_job_from_proto, logprobs_to_proto
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
@@ -28,11 +28,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker, self.ctx, self.config, self.metrics = worker, ctx, ctx.config, ctx.metrics
 
     async def Stream(self, commands, context):
+        # a coroutine that writes, not a generator that yields: when the router goes, gRPC cancels
+        # this task wherever it waits, and the finally below aborts what the stream still runs
         stream = _RouterStream(self)
         reader = asyncio.create_task(stream.read(commands))
         try:
             while (batch := await stream.outbox.get()) is not None:
-                yield batch
+                await context.write(batch)
         finally:  # the router closed its side and nothing is left, or the stream is gone
             reader.cancel()
             await stream.close()
@@ -62,6 +64,7 @@ class _RouterStream:
         self.sink = StepSink(asyncio.get_running_loop(), self._deliver)
         self.requests: dict[str, StreamRequest] = {}
         self.closing = False  # the router sent its last command: end once its requests have
+        self._cleanups: set[asyncio.Task] = set()  # requests letting go of what they hold
 
     async def read(self, commands) -> None:
         try:
@@ -75,11 +78,13 @@ class _RouterStream:
             self._end_if_done()
 
     async def close(self) -> None:
-        """The stream is gone: abort what still runs (the router lost its connection or let go)."""
+        """The stream is gone: abort what still runs (the router lost its connection or let go),
+        and wait until every request let go of what it held."""
         tasks = [state.task for state in self.requests.values()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
 
     def _start(self, request: decode_pb2.GenerateRequest, timeout_s: float) -> None:
         request_id = request.request.request_id
@@ -94,6 +99,7 @@ class _RouterStream:
         try:
             job = decode_job_from_proto(request.request, request.prefill)
             with self.s.ctx.admission.hold(request.prefill.kv.nbytes) as state.held:
+                await self.s.ctx.warm_grammar(self.s.worker.engine, job.sampling)
                 state.imported = await self.s._import(job.request_id, request.prefill.kv, timeout_s)
                 state.added, _ = self.s.worker.start(job, state.imported.tensor, self.sink.updates_for(job.request_id))
                 await _queued(job.request_id, state.added, deadline_s - time.monotonic())
@@ -104,8 +110,22 @@ class _RouterStream:
         except EPDError as err:
             self.s.metrics.count_failure(err)
             self._fail(state.request_id, err)
+        except Exception as err:  # noqa: BLE001 - a bug or a device error: this request fails, nothing waits on it
+            log.exception("request %s failed", state.request_id)
+            self.s.metrics.count_failure(failed := as_epd_error(err))
+            self._fail(state.request_id, failed)
         finally:
+            # its own task: a second cancel (the stream ending after a cancel command) must not cut
+            # the abort and the releases short
+            cleanup = asyncio.ensure_future(self._finish(state))
+            self._cleanups.add(cleanup)
+            cleanup.add_done_callback(self._cleanups.discard)
+            await asyncio.shield(cleanup)
+
+    async def _finish(self, state: StreamRequest) -> None:
+        try:
             await self._let_go(state)
+        finally:
             self.requests.pop(state.request_id, None)
             self._end_if_done()
 

@@ -194,3 +194,4 @@ class EngineLoop:
                 self.engine.abort(seq)
             self._put(updates, TokenUpdate([], error=error))
         self._watchers.clear()
+        self._flush_batches()  # the loop may sleep next: the failures must not wait for a wake-up

@@ -56,6 +56,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await abort_with_async(context, err)
 
     async def _prefill(self, job, request, context) -> None:
+        await self.ctx.warm_grammar(self.worker.engine, job.sampling)
         ticket = self.worker.admit(job, AsyncUpdates())
         try:
             await context.write(prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted()))

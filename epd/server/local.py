@@ -8,6 +8,7 @@ ends, and API keys never touch a file. Every child dies with this process (``epd
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -66,6 +67,9 @@ def _config_pipe(config: BaseModel) -> int:
     ``--config /dev/fd/N``. A thread writes it (a config past the pipe's buffer would block here
     otherwise) and ends when the child has read it all or is gone."""
     read_fd, write_fd = os.pipe()
+    if read_fd < 3:  # this process runs without some of stdin/out/err: the child's own would take it
+        low_fd, read_fd = read_fd, fcntl.fcntl(read_fd, fcntl.F_DUPFD_CLOEXEC, 3)
+        os.close(low_fd)
     data = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)).encode()
 
     def write() -> None:
@@ -329,11 +333,13 @@ class LocalCluster:
         each drains what it still holds (its calls from the router are cancelled by now, so that
         is short) but skips the DRAINING notice that SIGTERM gives routers, as none is left to see
         it. Whatever is still running at ``timeout_s`` is killed."""
-        deadline = time.monotonic() + timeout_s
         routers = [p for p in self.processes if p.tier == "router"]
         workers = [p for p in self.processes if p.tier != "router"]
-        self._signal_and_wait(routers, signal.SIGTERM, deadline)
-        self._signal_and_wait(workers, signal.SIGINT, deadline, others=list(self._standbys.values()))
+        # each its own ``timeout_s``: a router that used all of its grace must not cost the workers
+        # theirs (killed, they would leave their shared memory for the next start to reclaim)
+        self._signal_and_wait(routers, signal.SIGTERM, time.monotonic() + timeout_s)
+        self._signal_and_wait(workers, signal.SIGINT, time.monotonic() + timeout_s,
+                              others=list(self._standbys.values()))
         self._standbys.clear()
         self.processes.clear()
 

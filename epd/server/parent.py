@@ -26,6 +26,7 @@ PARENT_PID_ENV = "EPD_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 _WAKE_SIGNAL = signal.SIGUSR2
 _POLL_S = 0.5
+_REAPERS: list = []  # reapers started here (their stdin must stay open while this process runs)
 
 log = logging.getLogger("epd.server")
 
@@ -44,12 +45,17 @@ def watch_parent(on_gone: Callable[[], None]) -> bool:
         return False
     launcher = int(expected)
     fired = threading.Event()
+    once = threading.RLock()  # the signal handler and the polling thread may both see it
 
     def check() -> None:
-        if os.getppid() != launcher and not fired.is_set():
+        if os.getppid() == launcher or fired.is_set():
+            return
+        with once:
+            if fired.is_set():
+                return
             fired.set()
-            log.warning("the launcher (pid %d) is gone: stopping now", launcher)
-            on_gone()
+        log.warning("the launcher (pid %d) is gone: stopping now", launcher)
+        on_gone()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(_WAKE_SIGNAL, lambda *_: check())
@@ -116,6 +122,7 @@ def reap_with_me(pids: list[int]) -> None:
                               start_new_session=True, text=True)
     reaper.stdin.write(json.dumps(known) + "\n")
     reaper.stdin.flush()  # kept open: its EOF is one more way for the reaper to see this process go
+    _REAPERS.append(reaper)  # and so is the Popen object, for as long as this process lives
 
 
 def _reap(known: list[tuple[int, int]]) -> None:

@@ -70,6 +70,13 @@ class TierContext:
                                          num_held_requests=self.admission.num_requests, host_id=self.host_id,
                                          **fields)
 
+    async def warm_grammar(self, engine, sampling) -> None:
+        """A request with structured output: the engine's grammar compiler gets its tokenizer (loaded
+        at the first grammar) here, on ``io``, not on the engine loop, where loading it would stall
+        every running request for a second."""
+        if sampling.structured is not None and engine.grammar_compiler is not None:
+            await self.blocking(engine.grammar_compiler.tokenizer_view)
+
     async def blocking(self, fn: Callable[[], T], *, undo: Callable[[T], None] | None = None) -> T:
         """Run ``fn`` on ``io``. A caller cancelled meanwhile does not stop ``fn``: ``undo(result)``
         runs once it is done (release what it made: a lease nobody will hand on). ``undo`` runs on

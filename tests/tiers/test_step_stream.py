@@ -102,3 +102,41 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
     assert counts == [num_tokens] * num_requests
     tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill
     assert 0 < link.num_batches <= steps < tokens_from_decode / 4, (link.num_batches, steps)
+
+
+def test_a_request_failing_with_an_unexpected_error_is_answered_and_let_go():
+    """A device error or a bug while starting a request must reach the router as that request's
+    failure (it would wait until its deadline otherwise), and the request must leave the stream."""
+    from types import SimpleNamespace
+
+    from epd.decode.servicer import _RouterStream
+    from epd.protocol import sampling_to_proto
+    from epd.server.admission import TierAdmission
+    from epd.types import SamplingParams
+    from epd.v1 import common_pb2
+
+    async def run():
+        async def no_grammar(engine, sampling):
+            return None
+
+        async def broken_import(request_id, handle, timeout_s):
+            raise RuntimeError("CUDA error: device lost")
+
+        failures = []
+        admission = TierAdmission("decode", 8, 1 << 30)
+        servicer = SimpleNamespace(
+            config=SimpleNamespace(request_timeout_s=5.0), _import=broken_import,
+            ctx=SimpleNamespace(admission=admission, warm_grammar=no_grammar),
+            metrics=SimpleNamespace(count_failure=failures.append), worker=SimpleNamespace(engine=None))
+        stream = _RouterStream(servicer)
+        meta = common_pb2.RequestMetadata(request_id="r1", token_ids=[1, 2],
+                                          sampling=sampling_to_proto(SamplingParams(max_tokens=4)))
+        stream._start(decode_pb2.GenerateRequest(request=meta), 5.0)
+        batch = await asyncio.wait_for(stream.outbox.get(), 5)
+        await asyncio.wait_for(stream.close(), 5)
+        return batch, failures, stream.requests, admission.num_requests
+
+    batch, failures, left, held = asyncio.run(run())
+    (step,) = batch.requests
+    assert (step.request_id, step.error_status) == ("r1", "INTERNAL") and "device lost" in step.error_message
+    assert len(failures) == 1 and left == {} and held == 0

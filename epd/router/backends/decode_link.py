@@ -133,7 +133,9 @@ class DecodeLink:
             pass  # the stream is gone: its reader ends every request with the reason
 
     async def _read(self, call) -> None:
-        error: BaseException
+        """Split each batch by request; however the stream ends, every request still on it ends
+        with the reason (the next request opens a new stream)."""
+        error: BaseException = UpstreamError(f"decode {self.worker.address} ended the stream")
         try:
             async for batch in call:
                 self.num_batches += 1
@@ -142,16 +144,19 @@ class DecodeLink:
                         channel.push(step)
                         if step.finish_reason or step.error_status:
                             del self.channels[step.request_id]
-            error = UpstreamError(f"decode {self.worker.address} ended the stream")
         except grpc.aio.AioRpcError as err:
             error = self._map_error(err)
         except asyncio.CancelledError:
+            error = WorkerLost(lost_message(self.worker)) if self._lost else \
+                UpstreamError(f"decode {self.worker.address}: the router closed the stream")
             if not self._lost:
-                error = UpstreamError(f"decode {self.worker.address}: the router closed the stream")
-                self._end(call, error)
                 raise
-            error = WorkerLost(lost_message(self.worker))
-        self._end(call, error)
+        except Exception as err:  # noqa: BLE001 - a broken message or a bug: the stream is of no more use
+            log.exception("decode %s: reading the stream failed", self.worker.address)
+            error = UpstreamError(f"decode {self.worker.address}: the stream failed: {type(err).__name__}: {err}")
+            call.cancel()
+        finally:
+            self._end(call, error)
 
     def _end(self, call, error: BaseException) -> None:
         if call is not self._call:

@@ -330,6 +330,8 @@ class DisaggregatedBackend:
         """The one stream to ``decode`` every request there shares (a restarted worker: a new one)."""
         link = self.decode_links.get(decode.address)
         if link is None or link.worker is not decode:
+            if link is not None:  # the address was removed and added again: a new worker state
+                self._in_background(link.close())
             link = self.decode_links[decode.address] = DecodeLink(
                 decode, lambda err: self._rpc_error("decode", decode.address, err))
         return link

@@ -100,8 +100,11 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
         steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
         link = router.pipeline.backend.decode_links[cluster.decodes[0]]
     assert counts == [num_tokens] * num_requests
+    # a message per request per step would be one per token from decode whatever the steps; with
+    # any two requests sharing a step (steps < those tokens) the counts tell the designs apart
     tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill
-    assert 0 < link.num_batches <= steps < tokens_from_decode / 4, (link.num_batches, steps)
+    assert steps < tokens_from_decode, "the requests never shared a step: nothing to tell apart"
+    assert 0 < link.num_batches <= steps, (link.num_batches, steps)
 
 
 def test_a_request_failing_with_an_unexpected_error_is_answered_and_let_go():

@@ -4,10 +4,12 @@ alone decides (workers never call each other, except encoders pushing rows to pr
 1. ``Prefill`` to the chosen prefill worker; its first reply says the request is registered there;
 2. ``Encode`` to the encoders the items route to (by content hash); they push rows to that prefill;
 3. prefill's second reply: the first token and the prompt's KV as a handle;
-4. ``Generate`` to a decode worker with that handle; its token stream is the rest of the output.
+4. a start with that handle on the router's one stream to a decode worker (``decode_link``); the
+   request's share of each engine step's message is the rest of the output.
 
-Closing the output stream early (client gone, stop string) cancels every call still open, which
-aborts the request on the tier that holds it; a KV handle decode never took is released at once.
+Closing the output stream early (client gone, stop string) cancels every call still open (and sends
+decode a cancel), which aborts the request on the tier that holds it; a KV handle decode never took
+is released at once.
 
 A worker lost under a request (it died, left rotation by health or progress, or failed the call)
 costs the request nothing while its move budget (``max_migrations``) and deadline last: before the

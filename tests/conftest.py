@@ -102,7 +102,36 @@ def _module_seconds() -> dict[str, float]:
     return seconds
 
 
+# Modules one xdist worker runs one after the other, never beside each other: each starts its own
+# Ray cluster (4 raylets in the multinode one), and two at once on 2 cores overran Ray's fixed 30 s
+# wait for a raylet to register (CI).
+_SERIAL_GROUPS = {"tests/deploy/test_ray.py": "ray", "tests/deploy/test_ray_multinode.py": "ray",
+                  "tests/deploy/test_ray_sizing.py": "ray"}
+
+
+def _scope(module: str) -> str:
+    return _SERIAL_GROUPS.get(module, module)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
     seconds = _module_seconds()
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::", 1)[0], 0.0))  # stable: a module's order stays
+    by_scope: dict[str, float] = {}
+    for module, value in seconds.items():
+        by_scope[_scope(module)] = by_scope.get(_scope(module), 0.0) + value
+    # stable: a module's own order stays; a serial group's modules stay together, weighed as one
+    items.sort(key=lambda item: (-by_scope.get(_scope(item.nodeid.split("::", 1)[0]), 0.0),
+                                 _scope(item.nodeid.split("::", 1)[0])))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``--dist loadfile``: whole modules per worker as usual, a serial group as one unit."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class GroupedModules(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _scope(super()._split_scope(nodeid))
+
+    return GroupedModules(config, log)

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from epd.config import RouterConfig  # noqa: E402
 from epd.models.presets import load_processor, resolve_model  # noqa: E402
 from epd.router.backends.base import BackendOutput, Job  # noqa: E402
-from epd.router.http_app import build_app  # noqa: E402
+from epd.router.openai.app import build_app  # noqa: E402
 from epd.router.pipeline import RequestPipeline  # noqa: E402
 from epd.server.process import READY_PREFIX  # noqa: E402
 

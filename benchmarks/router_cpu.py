@@ -100,7 +100,7 @@ def http_ms_per_token(model_dir, token_ids: list[int]) -> float:
 
     import uvicorn
 
-    from epd.router.http_app import build_app
+    from epd.router.openai.app import build_app
 
     pipeline = make_pipeline(model_dir, token_ids)
     sock = socket.socket()

@@ -77,7 +77,7 @@ def test_limit_mm_per_prompt_refuses_what_it_cannot_do(value, match):
 
 @pytest.fixture
 def app_with(tmp_path):
-    from epd.router.http_app import build_app
+    from epd.router.openai.app import build_app
     from tests.router.fake_backend import ScriptedBackend
     from tests.router.fake_core import serve_app
     from tests.router.test_pipeline import make_pipeline

@@ -1,2 +1,3 @@
 """The router: the one request pipeline (``pipeline``), its backends (``backends/``), the front ends
-that only translate (``http_app``, ``grpc_api``), and admission, routing, workers, media, metrics."""
+that only translate (``openai/``, ``grpc_api``) and the rule both apply to a request
+(``request_rule``), and admission, routing, workers, media, metrics."""

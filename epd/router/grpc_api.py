@@ -6,7 +6,6 @@ resolves them, the same way for this API as for HTTP.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import uuid
@@ -14,18 +13,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from epd.engine.grammar import check_grammar
 from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
 from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
-from epd.router.openai_protocol import MAX_CHOICES
-from epd.router.openai_protocol import arguments_for_template as _arguments
 from epd.router.rate_limit import KeyRateLimiter
-from epd.router.tool_calls import plan_tools
+from epd.router.request_rule import chat_request
+from epd.router.tool_calls import arguments_for_template
 from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
-from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent, StructuredOutput
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger("epd.router.grpc")
@@ -86,28 +83,16 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
         messages = [self._message(i, m) for i, m in enumerate(request.messages)]
         # The call deadline bounds the request too, so the core stops when the client gives up.
         timeouts_s = [t for t in (request.timeout_s, time_remaining_s) if t and t > 0]
-        tools = plan_tools(_json_field(request.tools_json, "tools_json"),
-                           _json_field(request.tool_choice_json, "tool_choice_json"),
-                           request.parallel_tool_calls if request.HasField("parallel_tool_calls") else None)
-        sampling = self._sampling(request)
-        if tools.grammar is not None:
-            if sampling.structured is not None:
-                raise InvalidRequest("tool_choice required or a named function already constrains the output; give "
-                                     "no structured output with it")
-            sampling = dataclasses.replace(sampling, structured=tools.grammar)
-        return ChatRequest(messages=messages, sampling=sampling, request_id=request_id,
-                           stop_strings=[s for s in request.stop if s],
-                           timeout_s=min(timeouts_s) if timeouts_s else None,
-                           include_stop_str_in_output=request.include_stop_str_in_output,
-                           fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
-                           tools=tools.render, parse_tool_calls=tools.parse, n=self._choices(request.n),
-                           mm_processor_kwargs=dict(request.mm_processor_kwargs) or None)
-
-    @staticmethod
-    def _choices(n: int) -> int:
-        if n > MAX_CHOICES:
-            raise InvalidRequest(f"n must be in [1, {MAX_CHOICES}], got {n}", param="n")
-        return max(1, n)
+        return chat_request(messages=messages, sampling=self._sampling(request), request_id=request_id,
+                            structured_param="sampling.structured", n=request.n or None, tools=_json_field(request.tools_json, "tools_json"),
+                            tool_choice=_json_field(request.tool_choice_json, "tool_choice_json"),
+                            parallel_tool_calls=request.parallel_tool_calls if request.HasField(
+                                "parallel_tool_calls") else None,
+                            stop_strings=[s for s in request.stop if s],
+                            timeout_s=min(timeouts_s) if timeouts_s else None,
+                            include_stop_str_in_output=request.include_stop_str_in_output,
+                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
+                            mm_processor_kwargs=dict(request.mm_processor_kwargs) or None)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
         if not message.role:
@@ -119,7 +104,7 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
             out = {"role": message.role, "content": parts}
         if message.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function",
-                                  "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                                  "function": {"name": c.name, "arguments": arguments_for_template(c.arguments)}}
                                  for c in message.tool_calls]
         if message.tool_call_id:
             out["tool_call_id"] = message.tool_call_id
@@ -143,8 +128,6 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     def _sampling(self, request: router_pb2.ChatGenerateRequest) -> SamplingParams:
         # proto3 zeros are "unset": map them to the defaults documented in router.proto.
         msg = request.sampling
-        if msg.HasField("structured"):  # a grammar that does not compile is refused before any work
-            check_grammar(StructuredOutput(msg.structured.kind, msg.structured.spec))
         return SamplingParams(
             max_tokens=msg.max_tokens or self.default_max_tokens or MAX_TOKENS_TO_FILL, min_tokens=msg.min_tokens,
             temperature=msg.temperature if msg.HasField("temperature") else 1.0,  # OpenAI's default, as over HTTP

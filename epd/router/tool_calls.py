@@ -140,3 +140,14 @@ class ToolCallStream:
                 done.append(call)
         self.calls += done
         return done
+
+
+def arguments_for_template(arguments: str | dict) -> dict | str:
+    """A call's arguments as the chat template writes them: the JSON object itself."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments  # not JSON: written as it came
+    return value if isinstance(value, dict) else arguments

@@ -64,7 +64,7 @@ def build_admin_app(workers, model: str, tokens):
     from fastapi.responses import JSONResponse
 
     from epd.errors import Unauthenticated
-    from epd.router.http_app import error_response
+    from epd.router.openai.responses import error_response
 
     app = FastAPI(title="EPD admin", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -136,7 +136,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     from epd.router.auth import ApiKeys
     from epd.router.body_limits import BodyLimits
     from epd.router.grpc_api import ApiKeyInterceptor, add_router_grpc, public_server_options
-    from epd.router.http_app import build_app
+    from epd.router.openai.app import build_app
 
     raise_open_files_limit()  # a connection per streaming client
     api_keys = ApiKeys(config.api_keys, config.api_key_file)

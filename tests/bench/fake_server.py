@@ -18,7 +18,7 @@ import uvicorn
 
 from epd.errors import Overloaded
 from epd.router.grpc_api import add_router_grpc
-from epd.router.http_app import build_app
+from epd.router.openai.app import build_app
 from epd.router.media_fetch import MediaFetcher
 from epd.types import ChatRequest, StreamEvent
 

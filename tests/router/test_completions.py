@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from epd.router.http_app import build_app
+from epd.router.openai.app import build_app
 from tests.conftest import make_image_bytes
 from tests.router.fake_backend import ScriptedBackend
 from tests.router.fake_core import serve_app

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from epd.errors import Overloaded
-from epd.router.http_app import build_app
+from epd.router.openai.app import build_app
 from tests.conftest import make_image_bytes
 from tests.router.fake_core import (
     FIRST_TOKEN_ID,

@@ -9,9 +9,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from epd.router import openai_fields
-from epd.router.openai_fields import CHAT_FIELDS, RULES, markdown_table
-from epd.router.openai_protocol import ChatCompletionRequest
+from epd.router.openai import fields as openai_fields
+from epd.router.openai.fields import CHAT_FIELDS, RULES, markdown_table
+from epd.router.openai.requests import ChatCompletionRequest
 from tests.router.test_http_app import create, served
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-compat.md"
@@ -40,7 +40,7 @@ DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "
 def test_the_docs_page_is_the_table_in_the_code():
     page = DOC.read_text()
     table = page.split("<!-- table: generated -->\n", 1)[1].split("<!-- end of table -->", 1)[0]
-    assert table == markdown_table(), "regenerate: python -m epd.router.openai_fields"
+    assert table == markdown_table(), "regenerate: python -m epd.router.openai.fields"
 
 
 def test_every_field_the_request_model_reads_is_in_the_table_and_every_working_one_is_read():

@@ -4,14 +4,8 @@ from __future__ import annotations
 import pytest
 
 from epd.errors import EPDError
-from epd.router.openai_protocol import (
-    ChatCompletionChunk,
-    DeltaMessage,
-    StreamChoice,
-    logprobs_content,
-    parse_chat_body,
-    to_chat_request,
-)
+from epd.router.openai.requests import parse_chat_body, to_chat_request
+from epd.router.openai.responses import ChatCompletionChunk, DeltaMessage, StreamChoice, logprobs_content
 from epd.types import TokenLogprobs
 
 USER = [{"role": "user", "content": "hi"}]

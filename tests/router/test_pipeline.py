@@ -18,7 +18,7 @@ from epd.client import InvalidRequest as SdkInvalidRequest
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
 from epd.models.presets import resolve_model
-from epd.router.http_app import build_app
+from epd.router.openai.app import build_app
 from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.pipeline import RequestPipeline
 from epd.types import ChatRequest, SamplingParams

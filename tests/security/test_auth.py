@@ -19,7 +19,7 @@ from epd.errors import Unauthenticated
 from epd.router import auth
 from epd.router.auth import ApiKeys
 from epd.router.grpc_api import ApiKeyInterceptor
-from epd.router.http_app import build_app
+from epd.router.openai.app import build_app
 from epd.router.workers import WorkerRegistry
 from epd.server.router import build_admin_app
 from epd.v1 import common_pb2, encoder_pb2_grpc

@@ -7,7 +7,8 @@ import json
 import httpx
 import pytest
 
-from epd.router.http_app import BodyLimits, build_app
+from epd.router.body_limits import BodyLimits
+from epd.router.openai.app import build_app
 from tests.router.fake_core import FakeRouterCore, serve_app
 
 LIMITS = BodyLimits(max_body_bytes=4096, max_messages=3, max_content_parts=4, max_text_chars=500)

@@ -6,7 +6,7 @@ field's default values (``presence_penalty: 0``, ``tools: []``, ``n: 1``...) are
 clients and agent frameworks send them unasked. A field in no list is logged once as ignored
 (vLLM's rule for unknown fields).
 
-``docs/openai-compat.md`` is this table (``python -m epd.router.openai_fields`` writes it; a test
+``docs/openai-compat.md`` is this table (``python -m epd.router.openai.fields`` writes it; a test
 checks that it did), so the documentation cannot drift from the code.
 """
 from __future__ import annotations

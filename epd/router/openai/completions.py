@@ -1,14 +1,12 @@
-"""The rest of the OpenAI / vLLM HTTP surface beside chat completions: ``/v1/completions`` (a raw
-prompt, text or token ids, no chat template), ``/tokenize`` and ``/detokenize`` (counting exactly
-what generation counts: the same template, images expanded to their rows) and ``/version``.
+"""``/v1/completions``: a raw prompt (text or token ids, no chat template), OpenAI's legacy
+response shape (``text_completion``; logprobs as ``tokens`` / ``token_logprobs`` /
+``top_logprobs`` / ``text_offset``).
 
-Completions share the chat path's sampling, stop strings, structured output and streaming pump;
-what differs is the prompt and the response shape (``text_completion``, OpenAI's legacy logprobs
-with ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``).
+Completions share the chat path's sampling, stop strings, structured output, request rule and
+streaming pump; what differs is the prompt and the response shape.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -19,18 +17,21 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from epd.errors import EPDError, InternalError, InvalidRequest, UpstreamError
-from epd.router.openai_protocol import (
-    ChatMessage,
-    ErrorResponse,
+from epd.router.body_limits import BodyLimits
+from epd.router.openai.fields import check_chat_fields
+from epd.router.openai.requests import (
     GenerationFields,
-    Usage,
-    _Lenient,
-    _validation_error,
+    read_json,
     request_id_base,
     sampling_params,
+    served_name,
     stop_strings,
+    structured_output,
+    validation_error,
 )
-from epd.router.openai_fields import check_chat_fields
+from epd.router.openai.responses import ErrorResponse, Usage, error_response
+from epd.router.openai.streaming import DONE, CorePump, sse
+from epd.router.request_rule import chat_request
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions API
@@ -62,7 +63,7 @@ def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, C
     try:
         parsed = CompletionRequest.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
+        raise validation_error(exc.errors()) from None
     prompt = parsed.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
@@ -80,9 +81,12 @@ def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, C
             raise InvalidRequest(f"{name} must be {expected}, got {getattr(parsed, name)!r}", param=name)
     if parsed.stream_options is not None and not parsed.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
-    sampling = sampling_params(parsed, DEFAULT_COMPLETION_MAX_TOKENS, parsed.logprobs)
-    chat = ChatRequest(messages=[], sampling=sampling, request_id=request_id, stop_strings=stop_strings(parsed.stop),
-                       include_stop_str_in_output=parsed.include_stop_str_in_output, prompt=prompt)
+    structured_param, structured = structured_output(parsed)
+    chat = chat_request(messages=[], sampling=sampling_params(parsed, DEFAULT_COMPLETION_MAX_TOKENS, parsed.logprobs,
+                                                              structured),
+                        structured_param=structured_param, request_id=request_id, n=parsed.n,
+                        stop_strings=stop_strings(parsed.stop), prompt=prompt,
+                        include_stop_str_in_output=parsed.include_stop_str_in_output)
     return parsed, chat
 
 
@@ -111,22 +115,19 @@ class CompletionResponse(BaseModel):
 
 
 class TextCompletions:
-    def __init__(self, core, token_text: Callable[[int], str], limits, pump_type, read_json, served_name,
-                 error_response, sse) -> None:
+    def __init__(self, core, token_text: Callable[[int], str], limits: BodyLimits) -> None:
         self.core, self.token_text, self.limits = core, token_text, limits
-        self._pump, self._read_json, self._served, self._error, self._sse = (
-            pump_type, read_json, served_name, error_response, sse)
 
     async def handle(self, request: Request) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         pump = None
         try:
-            raw = await self._read_json(request, self.limits.max_body_bytes)
+            raw = await read_json(request, self.limits.max_body_bytes)
             body, chat = completion_request(raw, request_id)
             request_id = f"cmpl-{request_id_base(request.headers.get('x-request-id'), body) or uuid.uuid4().hex}"
             chat.request_id = request_id
-            model = self._served(self.core, body.model)
-            pump = self._pump(self.core, chat)
+            model = served_name(self.core, body.model)
+            pump = CorePump(self.core, chat)
             first = await pump.next(request)
             if first is None:
                 raise UpstreamError("the router's stream ended before any output")
@@ -136,9 +137,9 @@ class TextCompletions:
                 return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             return await self._complete(request, pump, first, out)
         except EPDError as err:
-            return self._error(err)
+            return error_response(err)
         except Exception:  # noqa: BLE001 - an answer, never a traceback
-            return self._error(InternalError(f"internal server error (request {request_id})"))
+            return error_response(InternalError(f"internal server error (request {request_id})"))
         finally:
             if pump is not None:
                 pump.close()
@@ -159,25 +160,25 @@ class TextCompletions:
         cancel = True
         try:
             if out.echo:  # the prompt first, as its own piece
-                yield self._sse(out.response(out.prompt_text, None, usage=False))
+                yield sse(out.response(out.prompt_text, None, usage=False))
             while event is not None:
                 piece = out.add(event)
                 if piece.text or piece.logprobs is not None:
-                    yield self._sse(out.response(piece.text, piece.logprobs, usage=False))
+                    yield sse(out.response(piece.text, piece.logprobs, usage=False))
                 if out.finish_reason:
                     break
                 event = await pump.next(None)
             if event is None:
                 out.finish_reason = "stop"
             cancel = False
-            yield self._sse(out.response("", None, usage=False, final=True))
+            yield sse(out.response("", None, usage=False, final=True))
             if out.include_usage:
-                yield self._sse(CompletionResponse(id=out.request_id, created=out.created, model=out.model,
+                yield sse(CompletionResponse(id=out.request_id, created=out.created, model=out.model,
                                                    choices=[], usage=out.usage()))
-            yield b"data: [DONE]\n\n"
+            yield DONE
         except EPDError as err:
-            yield self._sse(ErrorResponse.of_error(err))
-            yield b"data: [DONE]\n\n"
+            yield sse(ErrorResponse.of_error(err))
+            yield DONE
         finally:
             pump.close(cancel=cancel)
 
@@ -248,61 +249,3 @@ class _TextOutput:
                                   stop_reason=self.stop_reason if done else None)
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=[choice],
                                   usage=self.usage() if usage or self.continuous_usage else None)
-
-
-# ---- /tokenize, /detokenize, /version ----------------------------------------------------------------
-class TokenizeRequest(_Lenient):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = False
-    tools: list[dict] | None = None
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(_Lenient):
-    model: str | None = None
-    tokens: list[int]
-
-
-async def tokenize(core, body: Any, token_text) -> dict:
-    try:
-        parsed = TokenizeRequest.model_validate(body if isinstance(body, Mapping) else {})
-    except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
-    if (parsed.prompt is None) == (parsed.messages is None):
-        raise InvalidRequest("give prompt (text) or messages (a chat), one of them", param="prompt")
-    from epd.router.openai_protocol import _message_dict
-
-    placeholder = ChatRequest(messages=[_message_dict(m) for m in parsed.messages or []], sampling=_ONE_TOKEN,
-                              request_id="tokenize", prompt=parsed.prompt, tools=parsed.tools)
-    prompt = await core.prompt_of(placeholder, add_generation_prompt=parsed.add_generation_prompt)
-    ids = list(prompt.prompt_token_ids)
-    out = {"count": len(ids), "max_model_len": core.max_model_len, "tokens": ids}
-    if parsed.return_token_strs:
-        out["token_strs"] = [token_text(t) for t in ids]
-    return out
-
-
-def detokenize(core, body: Any) -> dict:
-    try:
-        parsed = DetokenizeRequest.model_validate(body if isinstance(body, Mapping) else {})
-    except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
-    return {"prompt": core.detokenize(parsed.tokens)}
-
-
-def version() -> dict:
-    try:
-        return {"version": importlib.metadata.version("epd")}
-    except importlib.metadata.PackageNotFoundError:  # a checkout that was never installed
-        return {"version": "unknown"}
-
-
-def _one_token():
-    from epd.types import SamplingParams
-    return SamplingParams(max_tokens=1)
-
-
-_ONE_TOKEN = _one_token()

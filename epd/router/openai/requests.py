@@ -1,54 +1,43 @@
-"""The OpenAI Chat Completions API as the official ``openai`` client speaks it: pydantic models for
-the wire, and the one conversion into the router's ``ChatRequest``.
+"""The OpenAI Chat Completions API's requests as the official ``openai`` client sends them:
+pydantic models for the wire, and the one conversion into the router's ``ChatRequest``.
 
-Wire types stop here: ``to_chat_request`` turns a body into a ``ChatRequest`` once, and the
-response models are built from ``StreamEvent``s by the HTTP app. Extensions beyond OpenAI
-(vLLM-style): ``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``.
-What every other OpenAI and vLLM field gets (informational, or a 400 naming it) is the table in
-``openai_fields``; a field in neither list is logged once and ignored, as vLLM does.
+Wire types stop here: ``to_chat_request`` turns a body into a ``ChatRequest`` once (through the
+rule both APIs share, ``epd.router.request_rule``). Extensions beyond OpenAI (vLLM-style):
+``top_k``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``, ``return_token_ids``. What every
+other OpenAI and vLLM field gets (informational, or a 400 naming it) is the table in ``fields``;
+a field in neither list is logged once and ignored, as vLLM does.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
+from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from epd.engine.grammar import check_grammar
-from epd.errors import EPDError, InvalidRequest
-from epd.router.openai_fields import check_chat_fields
-from epd.router.tool_calls import plan_tools
-from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StructuredOutput, TokenLogprobs
+from epd.errors import InvalidRequest, NotFound, PayloadTooLarge
+from epd.router.api import RouterCore
+from epd.router.openai.fields import check_chat_fields
+from epd.router.request_rule import chat_request
+from epd.router.tool_calls import arguments_for_template
+from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StructuredOutput
 
 MAX_TOP_LOGPROBS = 20
-MAX_CHOICES = 16  # n: choices of one request (each is a sequence on the tiers)
-MIN_LOGPROB = -9999.0  # JSON has no -inf; what vLLM sends for a token of probability 0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _omit_if_none(**kwargs: Any) -> Any:
-    """An optional field that is left out of the JSON when unset (extensions), not sent as null."""
-    return Field(default=None, exclude_if=lambda value: value is None, **kwargs)
-
-
-# ---------------------------------------------------------------------------
-# Request
-# ---------------------------------------------------------------------------
-
-
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-class ImageURL(_Lenient):
+class ImageURL(Lenient):
     url: str
     detail: str | None = None  # "auto" | "low" | "high": accepted, not used by Qwen-VL
 
 
-class TextPart(_Lenient):
+class TextPart(Lenient):
     type: Literal["text"]
     text: str
 
@@ -57,18 +46,18 @@ def _url_as_string(value: Any) -> Any:
     return {"url": value} if isinstance(value, str) else value  # vLLM accepts a bare string too
 
 
-class ImageURLPart(_Lenient):
+class ImageURLPart(Lenient):
     type: Literal["image_url"]
     image_url: ImageURL
 
     _bare_url = field_validator("image_url", mode="before")(_url_as_string)
 
 
-class VideoURL(_Lenient):
+class VideoURL(Lenient):
     url: str
 
 
-class VideoURLPart(_Lenient):
+class VideoURLPart(Lenient):
     """vLLM's video part: ``{"type": "video_url", "video_url": {"url": ...}}``."""
 
     type: Literal["video_url"]
@@ -80,18 +69,18 @@ class VideoURLPart(_Lenient):
 ContentPart = Annotated[TextPart | ImageURLPart | VideoURLPart, Field(discriminator="type")]
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(Lenient):
     name: str
     arguments: str | dict = "{}"  # OpenAI sends JSON text; a dict is taken too
 
 
-class MessageToolCall(_Lenient):
+class MessageToolCall(Lenient):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -105,7 +94,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's: usage so far on every chunk (guidellm asks for it)
 
 
-class GenerationFields(_Lenient):
+class GenerationFields(Lenient):
     """What chat completions and (text) completions requests share: the model and how to sample."""
 
     model: str | None = None  # one of the served names (else 404); none: the first
@@ -179,10 +168,10 @@ def parse_chat_body(body: Any) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
-        raise _validation_error(exc.errors()) from None
+        raise validation_error(exc.errors()) from None
 
 
-def _validation_error(errors: list[dict]) -> InvalidRequest:
+def validation_error(errors: list[dict]) -> InvalidRequest:
     # A union reports one error per member; the deepest one is what the client got wrong.
     deepest = max(errors, key=lambda e: len(e["loc"]))
     param = _error_location(deepest["loc"])
@@ -237,25 +226,19 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
     if body.stream_options is not None and not body.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     given = body.max_completion_tokens is not None or body.max_tokens is not None
-    tools = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    sampling = sampling_params(body, default_max_tokens, _num_logprobs(body))
-    if tools.grammar is not None:
-        if sampling.structured is not None:
-            raise InvalidRequest("tool_choice required or a named function already constrains the output; give no "
-                                 "response_format or structured_outputs with it", param="tool_choice")
-        sampling = dataclasses.replace(sampling, structured=tools.grammar)
-    n = 1 if body.n is None else body.n
-    _require(1 <= n <= MAX_CHOICES, "n", f"in [1, {MAX_CHOICES}]", body.n)
-    return ChatRequest(messages=[_message_dict(m) for m in body.messages], sampling=sampling, n=n,
-                       request_id=request_id, stop_strings=stop_strings(body.stop),
-                       fill_max_tokens=not given and default_max_tokens is None,
-                       include_stop_str_in_output=body.include_stop_str_in_output, tools=tools.render,
-                       parse_tool_calls=tools.parse, chat_template_kwargs=body.chat_template_kwargs or None,
-                       mm_processor_kwargs=body.mm_processor_kwargs or None)
+    structured_param, structured = structured_output(body)
+    return chat_request(
+        messages=[message_dict(m) for m in body.messages], request_id=request_id, n=body.n,
+        sampling=sampling_params(body, default_max_tokens, _num_logprobs(body), structured),
+        structured_param=structured_param, tools=body.tools, tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls, stop_strings=stop_strings(body.stop),
+        fill_max_tokens=not given and default_max_tokens is None,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        chat_template_kwargs=body.chat_template_kwargs or None, mm_processor_kwargs=body.mm_processor_kwargs or None)
 
 
-def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None
-                    ) -> SamplingParams:
+def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None,
+                    structured: StructuredOutput | None) -> SamplingParams:
     """The request's SamplingParams, each value checked against OpenAI's (and vLLM's) range."""
     max_completion_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = max_completion_tokens if max_completion_tokens is not None else body.max_tokens
@@ -275,15 +258,16 @@ def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
                           ignore_eos=body.ignore_eos, logprobs=num_logprobs, **_processors(body),
-                          structured=structured_output(body))
+                          structured=structured)
 
 
 _GUIDED_BACKENDS = ("auto", "guidance", "llguidance")
 
 
-def structured_output(body: GenerationFields) -> StructuredOutput | None:
+def structured_output(body: GenerationFields) -> tuple[str, StructuredOutput | None]:
     """OpenAI's ``response_format`` or vLLM's ``structured_outputs`` / ``guided_*`` as one grammar
-    (at most one may be given), checked to compile: a bad one is a 400 before any work."""
+    (at most one may be given), with the name of the field that gave it (the request rule names it
+    when the grammar does not compile)."""
     found = [(name, so) for name, so in _structured_candidates(body) if so is not None]
     if len(found) > 1:
         raise InvalidRequest(f"give one structured output, got {' and '.join(name for name, _ in found)}",
@@ -291,14 +275,7 @@ def structured_output(body: GenerationFields) -> StructuredOutput | None:
     if body.guided_decoding_backend not in (None, *_GUIDED_BACKENDS):
         raise InvalidRequest(f"guided_decoding_backend must be one of {', '.join(_GUIDED_BACKENDS)} (this server "
                              f"runs llguidance), got {body.guided_decoding_backend!r}", param="guided_decoding_backend")
-    if not found:
-        return None
-    name, structured = found[0]
-    try:
-        check_grammar(structured)
-    except InvalidRequest as err:
-        raise InvalidRequest(f"{name}: {err.message}", param=name) from None
-    return structured
+    return found[0] if found else ("response_format", None)
 
 
 def _structured_candidates(body: GenerationFields):
@@ -387,7 +364,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
     return list(dict.fromkeys(stops))
 
 
-def _message_dict(message: ChatMessage) -> dict:
+def message_dict(message: ChatMessage) -> dict:
     # "developer" is OpenAI's newer name for "system"; chat templates only know the latter
     role = "system" if message.role == "developer" else message.role
     content: str | list[dict] = message.content if message.content is not None else ""
@@ -406,174 +383,37 @@ def _message_dict(message: ChatMessage) -> dict:
     return out
 
 
-def arguments_for_template(arguments: str | dict) -> dict | str:
-    """A call's arguments as the chat template writes them: the JSON object itself."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return arguments  # not JSON: written as it came
-    return value if isinstance(value, dict) else arguments
-
-
 def _require(ok: bool, param: str, expected: str, got: Any) -> None:
     if not ok:
         raise InvalidRequest(f"{param} must be {expected}, got {got!r}", param=param)
 
 
-# ---------------------------------------------------------------------------
-# Response
-# ---------------------------------------------------------------------------
+def served_name(core: RouterCore, model: str | None) -> str:
+    """The served name a request asked for (none: the first); any other name is a 404, as vLLM's."""
+    if model is None:
+        return core.model_name
+    if model not in core.served_model_names:
+        served = ", ".join(repr(name) for name in core.served_model_names)
+        raise NotFound(f"the model {model!r} does not exist; this server serves {served}", param="model")
+    return model
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-def logprobs_content(entries: Sequence[TokenLogprobs], token_text: Callable[[int], str],
-                     num_top: int) -> list[TokenLogprob]:
-    """Engine logprobs -> OpenAI ``logprobs.content`` entries, top alternatives most likely first."""
-    out = []
-    for entry in entries:
-        top = sorted(entry.top.items(), key=lambda kv: kv[1], reverse=True)[:num_top]
-        out.append(TokenLogprob(**_logprob_fields(entry.token_id, entry.logprob, token_text),
-                                top_logprobs=[TopLogprob(**_logprob_fields(t, lp, token_text)) for t, lp in top]))
-    return out
-
-
-def _logprob_fields(token_id: int, logprob: float, token_text: Callable[[int], str]) -> dict:
-    text = token_text(token_id)
-    return {"token": text, "logprob": max(logprob, MIN_LOGPROB) if not math.isnan(logprob) else MIN_LOGPROB,
-            "bytes": list(text.encode("utf-8"))}
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-    @classmethod
-    def of(cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> "Usage":
-        return cls(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                   total_tokens=num_prompt_tokens + num_completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens))
-
-
-class ResponseFunction(BaseModel):
-    name: str
-    arguments: str
-
-
-class ResponseToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunction
-
-
-class ResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
-
-
-class DeltaFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = "function"
-    function: DeltaFunction
-
-
-class Choice(BaseModel):
-    index: int = 0
-    message: ResponseMessage
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None  # vLLM's: the stop string or token id; None for EOS or length
-    logprobs: ChoiceLogprobs | None = None
-    token_ids: list[int] | None = _omit_if_none()  # extension: return_token_ids
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    prompt_token_ids: list[int] | None = _omit_if_none()  # extension: return_token_ids
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = _omit_if_none()
-    content: str | None = _omit_if_none()
-    tool_calls: list[DeltaToolCall] | None = _omit_if_none()
-
-
-class StreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: ChoiceLogprobs | None = None
-    token_ids: list[int] | None = _omit_if_none()
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[StreamChoice]
-    usage: Usage | None = _omit_if_none()  # only on the last chunk, with stream_options.include_usage
-    prompt_token_ids: list[int] | None = _omit_if_none()  # first chunk, with return_token_ids
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "epd"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | None = None  # the HTTP status, as vLLM sends it
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-    @classmethod
-    def of(cls, status: int, message: str, error_type: str, param: str | None = None) -> "ErrorResponse":
-        return cls(error=ErrorInfo(message=message, type=error_type, param=param, code=status))
-
-    @classmethod
-    def of_error(cls, err: EPDError) -> "ErrorResponse":
-        return cls.of(err.http_status, err.message, err.code.openai_type, err.param)
+async def read_json(request: Request, max_bytes: int):
+    """The body as JSON; a body over ``max_bytes`` is refused by its Content-Length, or as soon as
+    that many bytes arrived, never read whole."""
+    too_large = PayloadTooLarge(f"the request body is larger than {max_bytes} bytes (max_request_body_bytes)")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # [[[[...: the parser gives up before the body ends
+        raise InvalidRequest("the request body nests JSON arrays or objects too deeply to parse") from None

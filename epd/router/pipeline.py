@@ -19,13 +19,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from epd.config import ConfigError, RouterConfig
-from epd.errors import UNDECODABLE_MARKER, DeadlineExceeded, EPDError, InvalidRequest
+from epd.errors import UNDECODABLE_MARKER, EPDError, InvalidRequest
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.messages import extract_media, media_parts, modality_of, part_location
 from epd.router.admission import AdmissionGate, RequestLimits
 from epd.router.backends.base import Backend, BackendOutput, Job
+from epd.router.deadline import Deadline
 from epd.router.detok import IncrementalDetokenizer
 from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.metrics import RouterMetrics
@@ -142,11 +143,12 @@ class RequestPipeline:
         text = _TextStream(self.tokenizer, request.stop_strings, request.include_stop_str_in_output,
                            request.sampling.stop_token_ids, request.parse_tool_calls)
         outputs = self.backend.run(job)
+        timer = Deadline(deadline, request.request_id)
         first_at, num_tokens = None, 0
         try:
             while True:
                 try:
-                    output = await _next_before(outputs, deadline, request.request_id)
+                    output = await timer.next(outputs)
                 except InvalidRequest as err:
                     raise name_the_part(err, prompt, request.messages) from None
                 if output is None:
@@ -161,6 +163,7 @@ class RequestPipeline:
                 if event.finish_reason:
                     break
         finally:
+            timer.close()
             await outputs.aclose()  # before the last output: cancels the request wherever it is
         self.metrics.observe_done(start, first_at, num_tokens)
 
@@ -266,24 +269,6 @@ class _TextStream:
                            finish_reason=finish_reason, stop_reason=stop_reason, tool_calls=calls,
                            prompt_token_ids=list(prompt.prompt_token_ids) if prompt is not None else None,
                            num_cached_tokens=output.num_cached_tokens if prompt is not None else 0)
-
-
-async def _next_before(outputs: AsyncIterator[BackendOutput], deadline: float, request_id: str
-                       ) -> BackendOutput | None:
-    """The next output, None at the end; no wait outlives the request's deadline (monotonic clock,
-    which is the event loop's)."""
-    try:
-        if _timeout_at is None:  # Python 3.10
-            return await asyncio.wait_for(outputs.__anext__(), max(0.0, deadline - time.monotonic()))
-        async with _timeout_at(deadline):
-            return await outputs.__anext__()
-    except StopAsyncIteration:
-        return None
-    except (asyncio.TimeoutError, TimeoutError):
-        raise DeadlineExceeded(f"request {request_id} timed out") from None
-
-
-_timeout_at = getattr(asyncio, "timeout_at", None)
 
 
 def count_media_parts(messages: list[dict]) -> dict[str, int]:

@@ -54,6 +54,9 @@ def test_streaming_echo_and_legacy_logprobs(served):
     assert chunks[-1].choices[0].finish_reason == "length"
     echoed = client.completions.create(model="tiny", prompt="Say:", echo=True, max_tokens=3)
     assert echoed.choices[0].text == "Say:Hello there!"
+    streamed = [c.choices[0].text for c in client.completions.create(model="tiny", prompt="Say:", echo=True,
+                                                                      max_tokens=3, stream=True) if c.choices]
+    assert streamed[0] == "Say:" and "".join(streamed) == "Say:Hello there!"  # the prompt first, as its own piece
     with_logprobs = client.completions.create(model="tiny", prompt="Hi", logprobs=2, max_tokens=3)
     logprobs = with_logprobs.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == 3

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from epd.errors import EPDError, InternalError, UpstreamError
 from epd.router.api import RouterCore
@@ -31,6 +31,7 @@ from epd.router.openai.responses import (
     ChatCompletionResponse,
     Choice,
     ChoiceLogprobs,
+    ChunkHead,
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
@@ -43,8 +44,9 @@ from epd.router.openai.responses import (
     Usage,
     error_response,
     logprobs_content,
+    usage_json,
 )
-from epd.router.openai.streaming import DONE, STATUS_CLIENT_GONE, ClientGone, CorePump, sse
+from epd.router.openai.streaming import DONE, STATUS_CLIENT_GONE, ClientGone, CorePump, EventStream, sse, stream_error
 from epd.types import ChatRequest, StreamEvent, ToolCall
 
 log = logging.getLogger("epd.router.http")
@@ -74,9 +76,8 @@ class ChatCompletions:
             out = _Completion(request_id, model, body, chat, self.token_text)
             out.header_id = client_id or request_id  # the client's own id comes back as it was sent
             if body.stream:
-                stream, pump = self._stream(request, pump, first, out), None  # the stream owns the pump now
-                return StreamingResponse(stream, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Request-Id": out.header_id})
+                stream, pump = EventStream(pump, _ChatFrames(out), first, {"X-Request-Id": out.header_id}), None
+                return stream  # the stream owns the pump now
             return await self._complete(request, pump, first, out)
         except EPDError as err:
             return error_response(err)
@@ -108,44 +109,54 @@ class ChatCompletions:
                             token_ids=c.token_ids if out.return_token_ids else None) for c in out.choices])
         return JSONResponse(response.model_dump(), headers={"X-Request-Id": out.header_id})
 
-    async def _stream(self, request: Request, pump: CorePump, event: StreamEvent | None,
-                      out: _Completion) -> AsyncIterator[bytes]:
-        cancel = True  # unless the core's stream ends on its own
-        try:
-            prompt_token_ids = list(event.prompt_token_ids or []) if out.return_token_ids else None
-            for choice in out.choices:  # each choice opens with its role, as OpenAI's streams do
-                yield sse(out.chunk(choice, DeltaMessage(role="assistant", content=""),
-                                     prompt_token_ids=prompt_token_ids if choice.index == 0 else None))
-            while event is not None:
-                choice, text, token_ids, logprobs = out.add(event)
-                if text or (token_ids and (out.return_token_ids or logprobs is not None)):
-                    yield sse(out.chunk(choice, DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs))
-                if event.tool_calls:
-                    yield sse(out.chunk(choice, DeltaMessage(tool_calls=choice.delta_calls(event.tool_calls))))
-                if choice.finish_reason:
-                    yield sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason,
-                                         stop_reason=choice.stop_reason))
-                if out.is_finished:
-                    break
-                event = await pump.next(None)  # Starlette cancels this stream when the client leaves
-            for choice in out.finish_unfinished():  # the core's stream ended with no finish reason
-                yield sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason))
-            cancel = False
-            if out.include_usage:
-                yield sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
-                                               usage=out.usage()))
-            yield DONE
-        except ClientGone:
-            log.info("request %s: client went away; cancelling", out.request_id)
-        except EPDError as err:
-            yield sse(ErrorResponse.of_error(err))
-            yield DONE
-        except Exception:
-            log.exception("request %s failed mid-stream", out.request_id)
-            yield sse(ErrorResponse.of_error(InternalError(f"internal server error (request {out.request_id})")))
-            yield DONE
-        finally:  # also on the client leaving: the ASGI server cancels or closes this generator
-            pump.close(cancel=cancel)
+
+class _ChatFrames:
+    """A chat stream's frames (``streaming.Frames``): each choice opens with its role, as OpenAI's
+    streams do; then text deltas (written as bytes), tool calls, each choice's finish, usage when
+    asked, and [DONE]."""
+
+    def __init__(self, out: _Completion) -> None:
+        self.out = out
+        self.head = ChunkHead(out.request_id, "chat.completion.chunk", out.created, out.model)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.out.is_finished
+
+    def opening(self, first: StreamEvent) -> bytes:
+        out = self.out
+        prompt_token_ids = list(first.prompt_token_ids or []) if out.return_token_ids else None
+        return b"".join(sse(out.chunk(choice, DeltaMessage(role="assistant", content=""),
+                                      prompt_token_ids=prompt_token_ids if choice.index == 0 else None))
+                        for choice in out.choices)
+
+    def event(self, event: StreamEvent) -> bytes:
+        out = self.out
+        choice, text, token_ids, logprobs = out.add(event)
+        frames = []
+        if logprobs is not None:
+            frames.append(sse(out.chunk(choice, DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs)))
+        elif text or (token_ids and out.return_token_ids):
+            frames.append(self.head.chat_text(choice.index, text, token_ids if out.return_token_ids else None,
+                                              out.usage_json() if out.continuous_usage else None))
+        if event.tool_calls:
+            frames.append(sse(out.chunk(choice, DeltaMessage(tool_calls=choice.delta_calls(event.tool_calls)))))
+        if choice.finish_reason:
+            frames.append(sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason,
+                                        stop_reason=choice.stop_reason)))
+        return b"".join(frames)
+
+    def end(self) -> bytes:
+        out = self.out
+        frames = [sse(out.chunk(choice, DeltaMessage(), finish_reason=choice.finish_reason))
+                  for choice in out.finish_unfinished()]  # the core's stream ended with no finish reason
+        if out.include_usage:
+            frames.append(sse(ChatCompletionChunk(id=out.request_id, created=out.created, model=out.model, choices=[],
+                                                  usage=out.usage())))
+        return b"".join(frames) + DONE
+
+    def fail(self, exc: BaseException) -> bytes:
+        return sse(ErrorResponse.of_error(stream_error(exc, self.out.request_id))) + DONE
 
 
 class _ChoiceState:
@@ -216,6 +227,10 @@ class _Completion:
     def usage(self) -> Usage:
         return Usage.of(len(self.prompt_token_ids), sum(c.num_completion_tokens for c in self.choices),
                         self.num_cached_tokens)
+
+    def usage_json(self) -> bytes:
+        return usage_json(len(self.prompt_token_ids), sum(c.num_completion_tokens for c in self.choices),
+                          self.num_cached_tokens)
 
     def chunk(self, choice: _ChoiceState, delta: DeltaMessage, *, finish_reason: str | None = None,
               token_ids: list[int] | None = None, logprobs: list[TokenLogprob] | None = None,

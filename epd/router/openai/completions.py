@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from epd.errors import EPDError, InternalError, InvalidRequest, UpstreamError
@@ -29,8 +29,8 @@ from epd.router.openai.requests import (
     structured_output,
     validation_error,
 )
-from epd.router.openai.responses import ErrorResponse, Usage, error_response
-from epd.router.openai.streaming import DONE, CorePump, sse
+from epd.router.openai.responses import ChunkHead, ErrorResponse, Usage, error_response, usage_json
+from epd.router.openai.streaming import DONE, CorePump, EventStream, sse, stream_error
 from epd.router.request_rule import chat_request
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
@@ -133,8 +133,8 @@ class TextCompletions:
                 raise UpstreamError("the router's stream ended before any output")
             out = _TextOutput(request_id, model, body, self.token_text, self.core.detokenize)
             if body.stream:
-                stream, pump = self._stream(pump, first, out), None
-                return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+                stream, pump = EventStream(pump, _TextFrames(out), first, {}), None
+                return stream  # the stream owns the pump now
             return await self._complete(request, pump, first, out)
         except EPDError as err:
             return error_response(err)
@@ -156,31 +156,47 @@ class TextCompletions:
         pump.close(cancel=False)
         return JSONResponse(out.response(out.text(), out.all_logprobs()).model_dump(exclude_none=True))
 
-    async def _stream(self, pump, event: StreamEvent | None, out: "_TextOutput") -> AsyncIterator[bytes]:
-        cancel = True
-        try:
-            if out.echo:  # the prompt first, as its own piece
-                yield sse(out.response(out.prompt_text, None, usage=False))
-            while event is not None:
-                piece = out.add(event)
-                if piece.text or piece.logprobs is not None:
-                    yield sse(out.response(piece.text, piece.logprobs, usage=False))
-                if out.finish_reason:
-                    break
-                event = await pump.next(None)
-            if event is None:
-                out.finish_reason = "stop"
-            cancel = False
-            yield sse(out.response("", None, usage=False, final=True))
-            if out.include_usage:
-                yield sse(CompletionResponse(id=out.request_id, created=out.created, model=out.model,
-                                                   choices=[], usage=out.usage()))
-            yield DONE
-        except EPDError as err:
-            yield sse(ErrorResponse.of_error(err))
-            yield DONE
-        finally:
-            pump.close(cancel=cancel)
+
+class _TextFrames:
+    """A text completion's stream (``streaming.Frames``): the prompt first with echo, then text
+    pieces (written as bytes unless they carry logprobs), a last chunk with the finish, usage when
+    asked, and [DONE]."""
+
+    def __init__(self, out: _TextOutput) -> None:
+        self.out = out
+        self.head = ChunkHead(out.request_id, "text_completion", out.created, out.model)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.out.finish_reason is not None
+
+    def opening(self, first: StreamEvent) -> bytes:
+        if not self.out.echo:
+            return b""
+        self.out.take_prompt(first)  # the prompt first, as its own piece
+        return sse(self.out.response(self.out.prompt_text, None, usage=False))
+
+    def event(self, event: StreamEvent) -> bytes:
+        out = self.out
+        piece = out.add(event)
+        if piece.logprobs is not None:
+            return sse(out.response(piece.text, piece.logprobs, usage=False))
+        if piece.text:
+            return self.head.completion_text(piece.text, out.usage_json() if out.continuous_usage else None)
+        return b""
+
+    def end(self) -> bytes:
+        out = self.out
+        if out.finish_reason is None:  # the core's stream ended with no finish reason
+            out.finish_reason = "stop"
+        frames = [sse(out.response("", None, usage=False, final=True))]
+        if out.include_usage:
+            frames.append(sse(CompletionResponse(id=out.request_id, created=out.created, model=out.model, choices=[],
+                                                 usage=out.usage())))
+        return b"".join(frames) + DONE
+
+    def fail(self, exc: BaseException) -> bytes:
+        return sse(ErrorResponse.of_error(stream_error(exc, self.out.request_id))) + DONE
 
 
 class _Piece:
@@ -202,13 +218,17 @@ class _TextOutput:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
-    def add(self, event: StreamEvent) -> _Piece:
-        if event.prompt_token_ids is not None:
+    def take_prompt(self, event: StreamEvent) -> None:
+        """The prompt's counts (and its text, with echo) from the event that carries them."""
+        if event.prompt_token_ids is not None and not self.prompt_token_ids:
             self.prompt_token_ids = list(event.prompt_token_ids)
             self.num_cached_tokens = event.num_cached_tokens
             if self.echo:
                 self.prompt_text = self.detokenize(self.prompt_token_ids)
                 self.offset = len(self.prompt_text)
+
+    def add(self, event: StreamEvent) -> _Piece:
+        self.take_prompt(event)
         self.num_completion_tokens += len(event.token_ids)
         self.finish_reason = event.finish_reason or self.finish_reason
         self.stop_reason = event.stop_reason if event.stop_reason is not None else self.stop_reason
@@ -240,6 +260,9 @@ class _TextOutput:
 
     def usage(self) -> Usage:
         return Usage.of(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
+
+    def usage_json(self) -> bytes:
+        return usage_json(len(self.prompt_token_ids), self.num_completion_tokens, self.num_cached_tokens)
 
     def response(self, text: str, logprobs: CompletionLogprobs | None, *, usage: bool = True,
                  final: bool = False) -> CompletionResponse:

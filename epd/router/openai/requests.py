@@ -14,6 +14,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
+import orjson
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -411,8 +412,13 @@ async def read_json(request: Request, max_bytes: int):
         if size > max_bytes:
             raise too_large
         chunks.append(chunk)
+    body = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        pass  # the standard parser says what is wrong in its words (and takes integers past 64 bits)
+    try:
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
     except RecursionError:  # [[[[...: the parser gives up before the body ends

@@ -1,16 +1,30 @@
 """What a response needs while its request runs: the core's stream read by a task of its own
 (``CorePump``), so that stopping early - the client went away, a stop string matched - cancels the
 core exactly once, at the await it is blocked in, and its cleanup (cancelling the request on every
-tier) can still await; and the server-sent events that carry a stream's chunks.
+tier) can still await; and the server-sent events of a streamed response (``EventStream``).
+
+A streamed response's frames are written by the pump's own task as each event comes: the event
+crosses no queue and wakes no second task on its way from the decode stream to the socket (a
+token's path is the router's hot path: one task switch less per token is a measurable share of
+its cost). A client that reads slowly holds up only its own pump, at the socket's flow control;
+meanwhile its tokens pile up at the decode link and reach it as one event, hence one frame.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from fastapi import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
+from epd.errors import EPDError, InternalError
 from epd.router.api import RouterCore
 from epd.types import ChatRequest, StreamEvent
+
+log = logging.getLogger("epd.router.http")
 
 _DISCONNECT_POLL_S = 0.1  # how often a request waiting for tokens checks that its client is still there
 _LINGER_S = 5.0  # a core stream still running this long after its finish event is cancelled
@@ -28,13 +42,37 @@ def sse(model) -> bytes:
     return b"data: " + model.model_dump_json().encode() + b"\n\n"
 
 
+class Frames(Protocol):
+    """How one API spells a stream: the bytes each event becomes (several events' frames may go out
+    in one write)."""
+
+    @property
+    def is_finished(self) -> bool:
+        """Every choice has its finish: the events after it are not sent."""
+
+    def opening(self, first: StreamEvent) -> bytes:
+        """What goes before the first event's own frames."""
+
+    def event(self, event: StreamEvent) -> bytes: ...
+
+    def end(self) -> bytes:
+        """After the last event (or the core's stream ended without a finish): the closing frames."""
+
+    def fail(self, exc: BaseException) -> bytes:
+        """The stream failed after its first event: an error event (``stream_error``) and the end."""
+
+
 class CorePump:
-    """Reads ``core.generate(request)`` in a task of its own and queues the events (then None at
-    the end, or the exception that ended it)."""
+    """Reads ``core.generate(request)`` in a task of its own. Until a stream is attached it queues
+    the events (then None at the end, or the exception that ended it) for ``next``; once attached,
+    it writes each event's frames itself."""
 
     def __init__(self, core: RouterCore, request: ChatRequest) -> None:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._frames: Frames | None = None
+        self._send: Callable[[bytes], Awaitable[None]] | None = None
+        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()  # the attached stream is written
         self._task = asyncio.create_task(self._run(core, request), name=f"core-stream-{request.request_id}")
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
@@ -44,19 +82,63 @@ class CorePump:
         try:
             events = core.generate(request)
             async for event in events:
-                self._queue.put_nowait(event)
-            self._queue.put_nowait(None)
-        except Exception as exc:  # an EPDError or a bug: the reader raises it
-            self._queue.put_nowait(exc)
+                await self._deliver(event)
+            await self._deliver(None)
+        except Exception as exc:  # an EPDError or a bug: the reader raises it, or the stream says it
+            try:
+                await self._deliver(exc)
+            except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
+                log.debug("request %s: could not send the error", request.request_id, exc_info=True)
         finally:
+            if self._send is not None and not self.ended.done():  # however it ends, its response ends too
+                self.ended.set_result(None)
             aclose = getattr(events, "aclose", None)
             if aclose is not None:  # the contract's "close the iterator"; a no-op once it has ended
                 await aclose()
 
+    async def _deliver(self, item: StreamEvent | BaseException | None) -> None:
+        if self._send is None:
+            self._queue.put_nowait(item)
+        else:
+            await self._emit(item, self._send)
+
+    async def _emit(self, item: StreamEvent | BaseException | None, send: Callable[[bytes], Awaitable[None]],
+                    *, first: bool = False) -> None:
+        """One item's frames (with the stream's end once it is finished) sent."""
+        if self.ended.done():
+            return
+        frames = self._frames
+        try:
+            if item is None or isinstance(item, BaseException):
+                data, is_last = frames.end() if item is None else frames.fail(item), True
+            else:
+                data = (frames.opening(item) if first else b"") + frames.event(item)
+                is_last = frames.is_finished
+                if is_last:
+                    data += frames.end()
+        except Exception as exc:  # noqa: BLE001 - a bug spelling a frame: the stream says so and ends
+            data, is_last = frames.fail(exc), True
+        if data:
+            await send(data)
+        if is_last and not self.ended.done():  # after its last frame is out: the response ends next
+            self.ended.set_result(None)
+
+    async def attach(self, frames: Frames, send: Callable[[bytes], Awaitable[None]], first: StreamEvent) -> None:
+        """From now on this pump writes the stream: ``first`` (the event that decided the status)
+        and those queued since (sent by the caller, while the pump's task still queues), then each
+        as it comes (sent by the pump's task)."""
+        self._frames = frames
+        await self._emit(first, send, first=True)
+        while not self._queue.empty() and not self.ended.done():
+            await self._emit(self._queue.get_nowait(), send)
+        self._send = send  # no await since the queue was seen empty: nothing queued is left behind
+        if self._task.done() and not self.ended.done():  # it was cancelled before it could say it ended
+            self.ended.set_result(None)
+
     async def next(self, request: Request | None) -> StreamEvent | None:
         """The next event, None at the end; raises what the core raised, or ``ClientGone``.
-        ``request``: watch that client while waiting (a streaming response needs not: Starlette
-        cancels it when its client leaves). Asking is not free (~50 us), so never per token."""
+        ``request``: watch that client while waiting. Asking is not free (~50 us), so never per
+        token."""
         if not self._queue.empty():  # tokens arrive faster than they are sent: no waiting needed
             return self._unwrap(self._queue.get_nowait())
         if request is None:
@@ -89,3 +171,47 @@ class CorePump:
             self._task.cancel()
         else:
             asyncio.get_running_loop().call_later(_LINGER_S, self._task.cancel)
+
+
+def stream_error(exc: BaseException, request_id: str) -> EPDError:
+    """What a stream that failed after its first event tells its client: our errors as they are,
+    anything else (a bug) as an internal error naming the request, its trace in the log."""
+    if isinstance(exc, EPDError):
+        return exc
+    log.error("request %s failed mid-stream", request_id, exc_info=exc)
+    return InternalError(f"internal server error (request {request_id})")
+
+
+class EventStream(Response):
+    """A streamed response (server-sent events) written by its ``CorePump``: this response only
+    sends the head and hands the pump ``send``, then waits for the pump to finish the stream or for
+    the client to leave (which cancels the request on every tier)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, pump: CorePump, frames: Frames, first: StreamEvent, headers: dict[str, str]) -> None:
+        self.pump, self.frames, self.first = pump, frames, first
+        self.status_code, self.background = 200, None
+        self.init_headers({"Cache-Control": "no-cache", **headers})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def send_body(data: bytes) -> None:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        cancel = True  # unless the stream is written to its end
+        listener = asyncio.ensure_future(_until_disconnect(receive))
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            await self.pump.attach(self.frames, send_body, self.first)
+            await asyncio.wait({self.pump.ended, listener}, return_when=asyncio.FIRST_COMPLETED)
+            if self.pump.ended.done():
+                cancel = False
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:  # the client left, or the server is stopping: the request is abandoned
+            listener.cancel()
+            self.pump.close(cancel=cancel)
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

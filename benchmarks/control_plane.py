@@ -13,7 +13,7 @@ stream), SSE counted by lines, only the last event (usage) parsed, spread over s
 its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,tiny-qwen2-vl] [--streams 64,256]
-        [--tokens 256] [--topologies 1d,2d,aggregated] [--kinds text,image] [--out cp.json]
+        [--tokens 256] [--topologies 1d,2d,aggregated] [--kinds text,image] [--out cp.json] [--api-key K]
 
 Only loopback; every process started is stopped.
 """
@@ -35,6 +35,7 @@ from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the ch
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ())}
+_AUTH = {"header": b""}  # with --api-key: every request's Authorization line (the client processes fork)
 _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
 
 
@@ -58,7 +59,7 @@ async def _stream(host: str, port: int, body: bytes) -> tuple[int, int]:
     """One streamed chat on its own connection -> (completion tokens from the usage event, events)."""
     reader, writer = await asyncio.open_connection(host, port)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                 + _AUTH["header"] + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     await writer.drain()
     status = await reader.readline()
     if b" 200 " not in status:
@@ -121,9 +122,10 @@ class Point:
 class Cluster:
     """A started ``epd serve`` and its processes' pids (from its banner)."""
 
-    def __init__(self, model: str, topology: str) -> None:
+    def __init__(self, model: str, topology: str, api_key: str = "") -> None:
         system, extra = _TOPOLOGIES[topology]
-        self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra)
+        auth = ("--api-key", api_key) if api_key else ()
+        self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra, *auth)
 
     def __enter__(self) -> "Cluster":
         self.server.__enter__()
@@ -188,14 +190,17 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--out", default="", help="write every point as JSON here too")
+    parser.add_argument("--api-key", default="", help="serve with this API key (the key check's cost included)")
     args = parser.parse_args()
+    if args.api_key:
+        _AUTH["header"] = b"Authorization: Bearer " + args.api_key.encode() + b"\r\n"
     points = []
     header = f"{'model':<15}{'topology':<11}{'kind':<6}{'N':>5}{'tok/s':>8}{'ev/tok':>7}  CPU ms per token " \
              f"(router, tiers, client){'':>4}decode ms/step @batch"
     print(header, flush=True)
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
-            with Cluster(model, topology) as cluster:
+            with Cluster(model, topology, args.api_key) as cluster:
                 warm = Point(model, topology, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections
                 for kind in args.kinds.split(","):

@@ -55,6 +55,11 @@ class StepChannel:
         while not self._steps:
             self._ready.clear()
             await self._ready.wait()
+        if len(self._steps) == 1 and not isinstance(step := self._steps[0], BaseException) \
+                and not step.error_status:  # the reader keeps up: one step, as it came (the common case)
+            self._steps.clear()
+            return BackendOutput(list(step.token_ids), [logprobs_from_proto(lp) for lp in step.logprobs] if
+                                 step.logprobs else [], step.finish_reason or None)
         token_ids, logprobs, finish = [], [], None
         while self._steps and not isinstance(self._steps[0], BaseException):
             step = self._steps.popleft()

@@ -12,7 +12,9 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from epd.errors import EPDError, ErrorCode, InternalError, NotFound, Overloaded, Unauthenticated
 from epd.router.api import RouterCore
@@ -46,23 +48,8 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
                            allow_headers=["*"], allow_credentials="*" not in allowed_origins)
     if api_keys is not None and api_keys.enabled:
         guarded = ("/v1/", "/tokenize", "/detokenize") + (("/health", "/metrics") if protect_health_and_metrics else ())
-
-        @app.middleware("http")
-        async def require_api_key(request: Request, call_next):
-            # a CORS preflight carries no credentials by design: the CORS layer answers it
-            if request.url.path.startswith(guarded) and not (allowed_origins and request.method == "OPTIONS"):
-                try:
-                    key_id = api_keys.check_bearer(request.headers.get("authorization"))
-                except Unauthenticated as err:
-                    response = error_response(err)
-                    response.headers["WWW-Authenticate"] = "Bearer"
-                    return response
-                if rate_limiter is not None and request.url.path in ("/v1/chat/completions", "/v1/completions"):
-                    try:
-                        rate_limiter.admit(key_id)
-                    except Overloaded as err:
-                        return error_response(err)
-            return await call_next(request)
+        app.add_middleware(_ApiKeyGate, api_keys=api_keys, guarded=guarded, rate_limiter=rate_limiter,
+                           pass_preflight=bool(allowed_origins))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -140,3 +127,38 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
 
 async def _maybe_await(value):
     return await value if inspect.isawaitable(value) else value
+
+
+class _ApiKeyGate:
+    """The API key check in front of the app, as plain ASGI: Starlette's function middleware would run
+    the app in a task of its own and pass every frame of a stream through a channel (it cost half
+    again the router's CPU per streamed token)."""
+
+    _RATED = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app: ASGIApp, *, api_keys: ApiKeys, guarded: tuple[str, ...],
+                 rate_limiter: KeyRateLimiter | None, pass_preflight: bool) -> None:
+        self.app, self.api_keys, self.guarded = app, api_keys, guarded
+        self.rate_limiter, self.pass_preflight = rate_limiter, pass_preflight
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        # a CORS preflight carries no credentials by design: the CORS layer answers it
+        if scope["type"] != "http" or not path.startswith(self.guarded) or (
+                self.pass_preflight and scope["method"] == "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key_id = self.api_keys.check_bearer(Headers(scope=scope).get("authorization"))
+        except Unauthenticated as err:
+            response = error_response(err)
+            response.headers["WWW-Authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        if self.rate_limiter is not None and path in self._RATED:
+            try:
+                self.rate_limiter.admit(key_id)
+            except Overloaded as err:
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -103,7 +103,7 @@ class BlockManager:
         fresh = [self._pop_free() for _ in range(num_needed - len(hits))]
         for block_id in fresh:
             self._take(block_id)
-        seq.block_table = hits + fresh
+        seq.block_table, seq.num_hashed_blocks = hits + fresh, 0
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_cached_tokens
         self.num_prefix_hit_tokens += seq.num_cached_tokens
@@ -111,7 +111,8 @@ class BlockManager:
         return True
 
     def can_append(self, seq: Sequence) -> bool:
-        return seq.num_blocks_needed(self.block_size) - len(seq.block_table) <= self.num_free_blocks
+        missing = seq.num_blocks_needed(self.block_size) - len(seq.block_table)
+        return missing <= 0 or missing <= self.num_free_blocks
 
     def append_slots(self, seq: Sequence) -> None:
         """Grow the block table to cover every token of the sequence (after a sampled token)."""
@@ -124,12 +125,17 @@ class BlockManager:
             seq.block_table.append(block_id)
 
     def mark_computed(self, seq: Sequence) -> None:
-        """Publish hashes of blocks that are now full and computed, so later requests can reuse them."""
+        """Publish hashes of blocks that are now full and computed, so later requests can reuse them.
+        Only the blocks filled since the last call are hashed (``seq.num_hashed_blocks``): looking
+        at every block again made each decode step cost in proportion to the sequence's length."""
         if not self.enable_prefix_caching:
             return
         num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
-        prev = None
-        for i in range(num_full):
+        first = seq.num_hashed_blocks
+        if num_full <= first:
+            return
+        prev = self.blocks[seq.block_table[first - 1]].block_hash if first else None
+        for i in range(first, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None:
                 start = i * self.block_size
@@ -138,6 +144,7 @@ class BlockManager:
                 block.token_ids = tokens
                 self._hash_to_block.setdefault(block.block_hash, block.block_id)
             prev = block.block_hash
+        seq.num_hashed_blocks = num_full
 
     def free(self, seq: Sequence) -> None:
         # free in reverse so a sequence's tail blocks are evicted before its (more shareable) head
@@ -147,7 +154,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
                 self._free[block_id] = None
-        seq.block_table = []
+        seq.block_table, seq.num_hashed_blocks = [], 0
 
     # ---- internals -----------------------------------------------------------------------
     def _pop_free(self) -> int:

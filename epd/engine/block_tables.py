@@ -10,7 +10,6 @@ written again when it returns; correctness never depends on what stays.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,30 +20,36 @@ class _Row:
     index: int
     table: list[int]  # the block manager's list object as last written (identity tells a replacement)
     written: int  # entries of it already in the array
+    used: int = 0  # the last step that asked for it (the least recently used row goes first)
 
 
 class BlockTableMirror:
     def __init__(self, rows: int = 64, width: int = 64) -> None:
         self.array = np.zeros((rows, width), dtype=np.int32)
-        self._rows: OrderedDict[int, _Row] = OrderedDict()  # seq id -> its row, least recently used first
+        self._rows: dict[int, _Row] = {}  # seq id -> its row
         self._free = list(range(rows - 1, -1, -1))
+        self._step = 0
 
     def rows_for(self, seqs) -> np.ndarray:
-        """Each sequence's row, its table brought up to date -> int64 [len(seqs)]."""
-        self._make_room(seqs)
-        out = np.empty(len(seqs), dtype=np.int64)
-        for i, seq in enumerate(seqs):
-            row = self._rows.get(seq.seq_id)
+        """Each sequence's row, its table brought up to date -> int64 [len(seqs)]. Per sequence this
+        is a lookup and two comparisons (it runs for every sequence of every step)."""
+        self._step += 1
+        step, rows = self._step, self._rows
+        if any(seq.seq_id not in rows for seq in seqs):
+            self._make_room(seqs)
+        out = []
+        for seq in seqs:
+            row = rows.get(seq.seq_id)
             if row is None:
-                row = self._rows[seq.seq_id] = _Row(self._free.pop(), seq.block_table, 0)
+                row = rows[seq.seq_id] = _Row(self._free.pop(), seq.block_table, 0)
             table = seq.block_table
             if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
                 row.table, row.written = table, 0
             if row.written < len(table):
                 self._write(row, table)
-            self._rows.move_to_end(seq.seq_id)
-            out[i] = row.index
-        return out
+            row.used = step
+            out.append(row.index)
+        return np.array(out, dtype=np.int64)
 
     def _write(self, row: _Row, table: list[int]) -> None:
         if len(table) > self.array.shape[1]:
@@ -59,10 +64,10 @@ class BlockTableMirror:
         sequences outside this step, and grow the array when this step alone needs more."""
         wanted = {seq.seq_id for seq in seqs}
         missing = sum(1 for seq_id in wanted if seq_id not in self._rows)
-        for seq_id in list(self._rows):
-            if missing <= len(self._free):
-                break
-            if seq_id not in wanted:
+        if missing > len(self._free):
+            for seq_id in sorted((i for i in self._rows if i not in wanted), key=lambda i: self._rows[i].used):
+                if missing <= len(self._free):
+                    break
                 self._free.append(self._rows.pop(seq_id).index)
         if missing > len(self._free):
             old = self.array.shape[0]

@@ -176,15 +176,15 @@ class EngineLoop:
         if entry is None:
             return
         _, updates, sent = entry
-        outputs = seq.output_token_ids
+        num_outputs = seq.num_output_tokens  # not seq.output_token_ids: a copy of every output, each step
         if seq.error is not None:  # failed where it stood (e.g. it could not be rebuilt to recompute)
             self._put(updates, TokenUpdate([], error=seq.error))
             del self._watchers[seq.seq_id]
             return
-        if len(outputs) > sent or seq.is_finished:
-            self._put(updates, TokenUpdate(outputs[sent:], seq.output_logprobs[sent:],
+        if num_outputs > sent or seq.is_finished:
+            self._put(updates, TokenUpdate(seq.token_ids[seq.num_prompt_tokens + sent:], seq.output_logprobs[sent:],
                                            seq.finish_reason if seq.is_finished else None))
-            self._watchers[seq.seq_id] = (seq, updates, len(outputs))
+            self._watchers[seq.seq_id] = (seq, updates, num_outputs)
         if seq.is_finished:
             del self._watchers[seq.seq_id]
 

@@ -137,24 +137,30 @@ class ModelRunner:
         """The step's inputs, decodes first. Per chunk only what Python must read from the
         sequence (its token ids, its M-RoPE delta, its rows); positions, slots and every piece of
         page metadata come from array operations over the whole batch."""
-        chunks = [c for c in out.chunks if c.num_tokens == 1] + [c for c in out.chunks if c.num_tokens != 1]
-        num_decodes = len(chunks) - sum(1 for c in out.chunks if c.num_tokens != 1)
+        decodes, others = [], []
+        for c in out.chunks:
+            (decodes if c.num_tokens == 1 else others).append(c)
+        chunks, num_decodes = decodes + others, len(decodes)
         seqs = [c.seq for c in chunks]
         starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-        query_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=len(chunks))
+        query_lens = np.ones(len(chunks), dtype=np.int64)
+        query_lens[num_decodes:] = [c.num_tokens for c in others]
         rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
         host, slots = build_page_metadata(self.block_tables.array[rows], starts, query_lens, self.block_size)
         meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
-        ids = [t for c in chunks for t in c.seq.token_ids[c.start:c.end]]
-        positions = self._positions(chunks, host, starts)
+        ids = [c.seq.token_ids[c.start] for c in decodes] + [t for c in others for t in c.seq.token_ids[c.start:c.end]]
+        # only a chunk inside its prompt can need embedding rows or positions of its own
+        in_prompt = [n for n, c in enumerate(chunks) if c.start < c.seq.num_prompt_tokens]
+        positions = self._positions(chunks, host, starts, in_prompt)
         mm_rows, mm_idx = [], []
-        for n, chunk in enumerate(chunks):  # returns at once for a decode past its prompt
+        for n in in_prompt:
+            chunk = chunks[n]
             rows, local_idx = _chunk_mm_rows(chunk.seq.mm, chunk, chunk.seq.num_prompt_tokens)
             if rows is not None:
                 mm_rows.append(rows)
                 mm_idx.append(local_idx + int(host.query_start_loc[n]))
         mm_token_indices = torch.cat(mm_idx) if mm_idx else torch.empty(0, dtype=torch.long)
-        samples = np.fromiter((c.end == len(c.seq) for c in chunks), dtype=bool, count=len(chunks))
+        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))
         logits_idx = host.query_start_loc[1:][samples].astype(np.int64) - 1
         total = int(host.query_start_loc[-1])
         return StepInputs(
@@ -165,21 +171,23 @@ class ModelRunner:
             mm_token_indices=self._to_device(mm_token_indices),
             text_token_indices=self._to_device(_complement(mm_token_indices, total)),
             logits_indices=self._to_device(torch.from_numpy(logits_idx)),
-            sampling_chunks=[c for c, sampled in zip(chunks, samples) if sampled],
+            sampling_chunks=[c for c in chunks if c.samples],
         )
 
-    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray) -> torch.Tensor:
+    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, in_prompt: list[int]) -> torch.Tensor:
         """[3, T] int64 M-RoPE positions: ``position + mrope_delta`` for every token, then the
-        prompt tokens of multimodal prefill chunks overwritten by their sequence's own."""
+        prompt tokens of multimodal prefill chunks (among ``in_prompt``) overwritten by their
+        sequence's own."""
         deltas = np.fromiter((c.seq.mm.mrope_delta if c.seq.mm is not None else 0 for c in chunks),
                              dtype=np.int64, count=len(chunks))
         query_lens = np.diff(host.query_start_loc)
         owner = np.repeat(np.arange(len(chunks)), query_lens)
         flat = np.arange(int(host.query_start_loc[-1])) - host.query_start_loc[owner] + starts[owner] + deltas[owner]
         positions = torch.from_numpy(flat).expand(3, -1).clone()
-        for n, chunk in enumerate(chunks):
+        for n in in_prompt:
+            chunk = chunks[n]
             mm = chunk.seq.mm
-            if mm is not None and mm.mrope_positions is not None and chunk.start < chunk.seq.num_prompt_tokens:
+            if mm is not None and mm.mrope_positions is not None:
                 first = int(host.query_start_loc[n])
                 positions[:, first:first + chunk.num_tokens] = positions_for_range(
                     mm, chunk.start, chunk.end, chunk.seq.num_prompt_tokens)

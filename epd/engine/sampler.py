@@ -28,33 +28,44 @@ class Sampler:
         processed = apply_grammar_masks(processed, seqs)  # structured output: what may come next
         tokens: list[int | None] = [None] * len(seqs)
         self._sample_batched(processed, seqs, tokens)
-        for i, (row, seq) in enumerate(zip(processed, seqs)):
-            if tokens[i] is None:  # seeded: row by row, each from its own generator
-                tokens[i] = self._sample_one(row, seq)
+        for i in [i for i, token in enumerate(tokens) if token is None]:  # seeded: each from its own generator
+            tokens[i] = self._sample_one(processed[i], seqs[i])
         advance_grammars(seqs, tokens)
-        return [(tok, self._logprobs(row, tok, seq)) for row, tok, seq in zip(logits, tokens, seqs)]
+        out: list[tuple[int, TokenLogprobs | None]] = [(token, None) for token in tokens]
+        for i, seq in enumerate(seqs):  # rows are indexed only where logprobs are asked for
+            if seq.sampling_params.logprobs is not None:
+                out[i] = (tokens[i], self._logprobs(logits[i], tokens[i], seq))
+        return out
 
     @staticmethod
     def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
         """Greedy rows in one argmax, unseeded plain-temperature rows in one softmax and one draw,
         unseeded top-k / top-p rows in one top-k (or sort) and one draw: row by row, sampling a large
         batch over a large vocabulary costs more than the model's decode step itself, and on a GPU
-        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token)."""
-        greedy = [i for i, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
+        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token).
+        The rows are sorted into these kinds in one pass (a pass per kind was a visible share of a
+        large decode batch's step)."""
+        greedy, plain, filtered = [], [], []
+        for i, seq in enumerate(seqs):
+            kind = sample_kind(seq)
+            if kind is _GREEDY:
+                greedy.append(i)
+            elif kind is _PLAIN:
+                plain.append(i)
+            elif kind is _FILTERED:
+                filtered.append(i)
         if greedy:
             for i, token in zip(greedy, greedy_tokens(_rows(logits, greedy)).tolist()):
                 tokens[i] = token
         if logits.is_cuda and (kernels := flashinfer_sampling()) is not None:
             _sample_with_flashinfer(kernels, logits, seqs, tokens)
             return
-        plain = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and _is_plain(seq)]
         if plain:
             temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
                                         device=logits.device).unsqueeze(1)
             cdf = torch.softmax(_rows(logits, plain) / temperatures, dim=-1).cumsum_(dim=-1)
             for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
                 tokens[i] = token
-        filtered = [i for i, seq in enumerate(seqs) if _is_filtered(seq)]
         if filtered:  # unseeded top-k / top-p rows: one sort (or top-k) and one draw for all of them
             probs, candidates = filtered_probs([seqs[i].sampling_params for i in filtered], _rows(logits, filtered))
             picked = _draw_from_cdf(probs.cumsum(dim=-1))
@@ -182,16 +193,27 @@ def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, to
     return probs / probs.sum(dim=-1, keepdim=True), candidates
 
 
-def _is_filtered(seq: Sequence) -> bool:
-    params = seq.sampling_params
-    return not params.is_greedy and params.seed is None and (params.top_k > 0 or params.top_p < 1.0
-                                                             or params.min_p > 0.0)
+_GREEDY, _PLAIN, _FILTERED, _SEEDED = "greedy", "plain", "filtered", "seeded"
 
 
-def _is_plain(seq: Sequence) -> bool:
-    """Sampled from the temperature-scaled distribution alone, with no seed of its own."""
-    params = seq.sampling_params
-    return params.seed is None and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0
+def sample_kind(seq: Sequence) -> str:
+    """How a sequence's rows are drawn: greedy (seeded or not: the maximum), plain (unseeded, the
+    temperature-scaled distribution alone), filtered (unseeded, with top-k / top-p / min-p), or
+    seeded (row by row). Worked out once per sequence: its parameters never change."""
+    kind = seq.sample_kind
+    if kind is None:
+        kind = seq.sample_kind = _classify(seq.sampling_params)
+    return kind
+
+
+def _classify(params) -> str:
+    if params.is_greedy:
+        return _GREEDY
+    if params.seed is not None:
+        return _SEEDED
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        return _FILTERED
+    return _PLAIN
 
 
 def _keep_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -31,22 +31,20 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
-@dataclass(frozen=True)
 class ScheduledChunk:
-    """Compute KV for ``seq.token_ids[start:start + num_tokens]`` this step."""
+    """Compute KV for ``seq.token_ids[start:start + num_tokens]`` this step. ``samples``: the chunk
+    reaches the last token, so it produces logits for the next one (fixed when it is scheduled:
+    the sequence grows only after the step). A plain class: one is made per sequence per step."""
 
-    seq: Sequence
-    start: int
-    num_tokens: int
+    __slots__ = ("seq", "start", "num_tokens", "end", "samples")
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+    def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
+        self.seq, self.start, self.num_tokens = seq, start, num_tokens
+        self.end = start + num_tokens
+        self.samples = self.end == len(seq.token_ids)
 
-    @property
-    def samples(self) -> bool:
-        """A chunk that reaches the last token produces logits for the next token."""
-        return self.end == len(self.seq)
+    def __repr__(self) -> str:
+        return f"ScheduledChunk({self.seq.request_id}, start={self.start}, num_tokens={self.num_tokens})"
 
 
 @dataclass
@@ -141,7 +139,7 @@ class Scheduler:
         for seq in ordered:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted by an earlier iteration of this loop
+            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier iteration of this loop
                 continue
             n = seq.schedulable_tokens(budget)
             if n == 0:
@@ -156,6 +154,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Ensure ``seq`` has blocks for all its tokens, preempting the newest others if needed."""
         bm = self.block_manager
+        if len(seq.block_table) * bm.block_size >= len(seq):  # the common decode step: its block has room
+            return True
         while not bm.can_append(seq):
             victim = self.running[-1]
             self._preempt(victim, out)
@@ -197,12 +197,13 @@ class Scheduler:
         """Advance computed counts; append sampled tokens (seq_id -> (token id, logprobs));
         return the sequences that finished."""
         finished = []
+        mark_computed = self.block_manager.mark_computed
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
-            self.block_manager.mark_computed(seq)
-            if chunk.samples and seq.seq_id in sampled:
-                seq.append_token(*sampled[seq.seq_id])
+            mark_computed(seq)
+            if chunk.samples and (token := sampled.get(seq.seq_id)) is not None:
+                seq.append_token(*token)
                 if seq.check_stop():
                     finished.append(seq)
         for seq in finished:

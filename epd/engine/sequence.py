@@ -58,6 +58,8 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks of block_table whose hashes are published (prefix cache)
+        self.sample_kind: str | None = None  # how the sampler draws its rows, once it looked (sampler.sample_kind)
         # one entry per output token when logprobs are asked for: resumed outputs' were sent by the
         # worker that made them (None here), so the list stays aligned with the outputs
         self.output_logprobs: list[TokenLogprobs | None] = (
@@ -142,4 +144,4 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
-        self.block_table = []
+        self.block_table, self.num_hashed_blocks = [], 0

@@ -89,3 +89,41 @@ def test_append_slots_grows_on_block_boundary():
 def test_invalid_sizes_are_rejected():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(num_blocks=0, block_size=4)
+
+
+def test_decode_steps_hash_each_block_once_and_publish_what_a_fresh_prompt_would_find(monkeypatch):
+    """Token by token, only the block that just filled is hashed (looking at every block again made
+    each step cost in proportion to the length); the hashes published are the ones a request with
+    the same tokens looks up."""
+    import epd.engine.block_manager as block_manager
+    hashed = []
+    real = block_manager.compute_block_hash
+    monkeypatch.setattr(block_manager, "compute_block_hash", lambda *a: hashed.append(a[2]) or real(*a))
+    bm = BlockManager(num_blocks=64, block_size=4)
+    s = seq(range(5))
+    bm.allocate(s)
+    hashed.clear()  # the prefix lookup's own hashing
+
+    class Looked(list):
+        count = 0
+
+        def __getitem__(self, i):
+            Looked.count += 1
+            return super().__getitem__(i)
+
+    bm.blocks = Looked(bm.blocks)
+    compute_all(bm, s)
+    for token in range(100, 140):  # 40 decode steps
+        s.token_ids.append(token)
+        bm.append_slots(s)
+        compute_all(bm, s)
+    assert hashed == [4 * i for i in range(len(s) // 4)]  # each block's start, once, in order
+    # each block looked at a few times (taken, filled, the next one's predecessor), not at every step: 41
+    # here, 261 when every step walked the whole table
+    assert Looked.count <= 4 * len(s.block_table)
+    twin = seq(list(s.token_ids) + [7])
+    assert bm.allocate(twin) and twin.num_cached_tokens == 4 * (len(s) // 4)
+    assert twin.block_table[:len(s) // 4] == s.block_table[:len(s) // 4]
+    bm.free(twin)
+    bm.free(s)  # freed and allocated again: hashing starts over from the new table
+    assert s.num_hashed_blocks == 0

@@ -1,0 +1,123 @@
+"""The decode step's own cost: what the engine spends per step around the model (scheduler, block
+tables, inputs, sampler, bookkeeping), measured with the zero-cost model (``null-qwen2-vl``: its
+forward does no arithmetic) at a full decode batch, in this process.
+
+For each batch size: B text requests admitted and prefilled, then S decode steps timed. Printed:
+CPU ms per step (process time, all threads), wall ms per step, and where the wall time went
+(scheduler.schedule, runner.prepare, the forward and logits, the sampler, scheduler.update; the
+rest is the step's own glue). The same numbers for the tiny preset, whose forward is real, put
+them beside a model that computes.
+
+    python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from epd.config import EngineConfig  # noqa: E402
+from epd.engine.llm_engine import LLMEngine  # noqa: E402
+from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.registry import load_llm_for  # noqa: E402
+from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
+from epd.types import SamplingParams  # noqa: E402
+
+PARTS = (("schedule", "scheduler", "schedule"), ("prepare", "runner", "prepare"), ("forward", "runner", "forward"),
+         ("sample", "sampler", "__call__"), ("update", "scheduler", "update"))
+
+
+class Timed:
+    """Wall time spent in a few methods of an engine, by name (instance attributes shadow them)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        for name, owner, method in PARTS:
+            if method == "forward":
+                self._wrap_forward(engine.runner)
+            elif method == "__call__":
+                engine.sampler = _CallTimer(engine.sampler, self.seconds, name)
+            else:
+                target = getattr(engine, owner)
+                setattr(target, method, self._timer(getattr(target, method), name))
+
+    def _timer(self, fn, name: str):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+        return timed
+
+    def _wrap_forward(self, runner) -> None:
+        model = runner.model
+        forward, logits = model.forward, model.compute_logits
+        model.forward = self._timer(forward, "forward")
+        model.compute_logits = self._timer(logits, "forward")
+
+
+class _CallTimer:
+    def __init__(self, inner, seconds, name) -> None:
+        self.inner, self.seconds, self.name = inner, seconds, name
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.seconds[self.name] += time.perf_counter() - start
+
+
+def measure(model: str, batch: int, steps: int) -> dict:
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
+                          kv_cache_bytes=1 << 30, max_model_len=4096)
+    engine = LLMEngine(load_llm_for(model_dir, config), config,
+                       eos_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
+    prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(prompt, params, request_id=f"r{i}")
+    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill every request (and their first tokens)
+    for _ in range(5):
+        engine.step()  # warm: the decode path's first steps allocate
+    timed = Timed(engine)
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    running = len(engine.scheduler.running)
+    parts = {name: 1000 * s / steps for name, s in timed.seconds.items()}
+    parts["other"] = 1000 * wall / steps - sum(parts.values())
+    return {"model": model, "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
+            "parts": parts}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="null-qwen2-vl,tiny-qwen2-vl")
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (a tier on a small host gets 1; the step's own work is serial)")
+    args = parser.parse_args()
+    import torch
+    torch.set_num_threads(args.threads)
+    print(f"{'model':<15}{'batch':>6}{'CPU ms/step':>13}{'wall ms/step':>14}  wall ms by part", flush=True)
+    for model in args.models.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            r = measure(model, batch, args.steps)
+            parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
+            print(f"{r['model']:<15}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  {parts}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,7 +25,6 @@ import torch
 from epd.engine.attention.base import ATTENTION_BACKENDS
 from epd.engine.attention.metadata import AttentionMetadata, KVCache
 
-
 # Past torch.compile's recompile limit dynamo runs a function unfused, and unfused flex applies the
 # mask_mods to every key of the cache, ignoring the block lists that keep each query to its own
 # sequence's pages: silently wrong attention. A process compiles flex once per new head size, grad

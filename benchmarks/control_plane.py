@@ -122,10 +122,13 @@ class Point:
 class Cluster:
     """A started ``epd serve`` and its processes' pids (from its banner)."""
 
-    def __init__(self, model: str, topology: str, api_key: str = "") -> None:
+    def __init__(self, model: str, topology: str, api_key: str = "", max_batch: int = 64) -> None:
         system, extra = _TOPOLOGIES[topology]
         auth = ("--api-key", api_key) if api_key else ()
-        self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra, *auth)
+        # every stream decoding at once: a batch of the largest concurrency, and the KV it needs
+        batch = ("--max-num-seqs", str(max_batch), "--kv-cache-bytes", str(max(256, 4 * max_batch) << 20))
+        self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra, *auth,
+                             *batch)
 
     def __enter__(self) -> "Cluster":
         self.server.__enter__()
@@ -186,7 +189,7 @@ def main() -> int:
     parser.add_argument("--models", default="null-qwen2-vl,tiny-qwen2-vl")
     parser.add_argument("--topologies", default="1d,2d,aggregated")
     parser.add_argument("--kinds", default="text,image")
-    parser.add_argument("--streams", default="64,256", help="concurrent streams, comma-separated")
+    parser.add_argument("--streams", default="1,64,256", help="concurrent streams, comma-separated")
     parser.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--out", default="", help="write every point as JSON here too")
@@ -200,7 +203,7 @@ def main() -> int:
     print(header, flush=True)
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
-            with Cluster(model, topology, args.api_key) as cluster:
+            with Cluster(model, topology, args.api_key, max(int(n) for n in args.streams.split(","))) as cluster:
                 warm = Point(model, topology, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections
                 for kind in args.kinds.split(","):

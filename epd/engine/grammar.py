@@ -102,10 +102,12 @@ class GrammarCompiler:
             return self._ll_tokenizer
 
 
-def apply_grammar_masks(logits: torch.Tensor, seqs) -> torch.Tensor:
+def apply_grammar_masks(logits: torch.Tensor, seqs, rows: list[int] | None = None) -> torch.Tensor:
     """Rows whose sequence has a matcher: every token the grammar does not allow next gets -inf.
-    -> the masked logits (``logits`` itself when no row has a grammar)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    -> the masked logits (``logits`` itself when no row has a grammar). ``rows``: those rows, when
+    the caller knows them."""
+    if rows is None:
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
     if not rows:
         return logits
     from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
@@ -122,8 +124,10 @@ def apply_grammar_masks(logits: torch.Tensor, seqs) -> torch.Tensor:
     return out
 
 
-def advance_grammars(seqs, tokens: list[int]) -> None:
-    """After sampling: each matcher takes its sequence's new token (the mask allowed only these)."""
-    for seq, token in zip(seqs, tokens):
+def advance_grammars(seqs, tokens: list[int], rows: list[int] | None = None) -> None:
+    """After sampling: each matcher takes its sequence's new token (the mask allowed only these).
+    ``rows``: the rows with a matcher, when the caller knows them."""
+    for i in range(len(seqs)) if rows is None else rows:
+        seq, token = seqs[i], tokens[i]
         if seq.grammar is not None and not seq.grammar.consume_token(token):
             seq.grammar_error = seq.grammar.get_error() or f"token {token} does not match the grammar"

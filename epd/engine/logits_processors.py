@@ -15,9 +15,12 @@ import torch
 from epd.engine.sequence import Sequence
 
 
-def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """[B, V] logits -> the logits the sampler draws from (``logits`` itself when no row asks)."""
-    rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_logits_processors]
+def apply_logits_processors(logits: torch.Tensor, seqs: list[Sequence], rows: list[int] | None = None
+                            ) -> torch.Tensor:
+    """[B, V] logits -> the logits the sampler draws from (``logits`` itself when no row asks).
+    ``rows``: the rows that ask, when the caller knows them."""
+    if rows is None:
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.has_logits_processors]
     if not rows:
         return logits
     out = logits.clone()

@@ -35,6 +35,7 @@ class StepInputs:
     text_token_indices: torch.Tensor  # [T - sum rows] int64
     logits_indices: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
     sampling_chunks: list[ScheduledChunk]
+    every_row_samples: bool = False  # a decode step: logits of every row, no gather of the hidden states
 
 
 class ModelRunner:
@@ -78,7 +79,7 @@ class ModelRunner:
                                       mm_token_indices=step.mm_token_indices)
         extra = {"deepstack": deepstack} if deepstack is not None else {}
         hidden = self.model(embeds.to(self.dtype), step.positions, self.kv_cache, step.meta, self.backend, **extra)
-        logits = self.model.compute_logits(hidden[step.logits_indices])
+        logits = self.model.compute_logits(hidden if step.every_row_samples else hidden[step.logits_indices])
         return logits, step.sampling_chunks
 
     def _split_deepstack(self, step: StepInputs) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -141,17 +142,28 @@ class ModelRunner:
         for c in out.chunks:
             (decodes if c.num_tokens == 1 else others).append(c)
         chunks, num_decodes = decodes + others, len(decodes)
-        seqs = [c.seq for c in chunks]
-        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+        # one pass over the chunks for what Python must read of each sequence (a pass per field was
+        # a visible share of a large decode batch's step)
+        seqs, starts, deltas, ids, in_prompt, samples = [], [], [], [], [], []
+        for n, c in enumerate(chunks):
+            seq = c.seq
+            seqs.append(seq)
+            starts.append(c.start)
+            deltas.append(seq.mm.mrope_delta if seq.mm is not None else 0)
+            if c.num_tokens == 1:
+                ids.append(seq.token_ids[c.start])
+            else:
+                ids.extend(seq.token_ids[c.start:c.end])
+            if c.start < seq.num_prompt_tokens:  # only these can need embedding rows or positions of their own
+                in_prompt.append(n)
+            samples.append(c.samples)
+        starts = np.array(starts, dtype=np.int64)
         query_lens = np.ones(len(chunks), dtype=np.int64)
         query_lens[num_decodes:] = [c.num_tokens for c in others]
         rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
         host, slots = build_page_metadata(self.block_tables.array[rows], starts, query_lens, self.block_size)
         meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
-        ids = [c.seq.token_ids[c.start] for c in decodes] + [t for c in others for t in c.seq.token_ids[c.start:c.end]]
-        # only a chunk inside its prompt can need embedding rows or positions of its own
-        in_prompt = [n for n, c in enumerate(chunks) if c.start < c.seq.num_prompt_tokens]
-        positions = self._positions(chunks, host, starts, in_prompt)
+        positions = self._positions(chunks, host, starts, np.array(deltas, dtype=np.int64), in_prompt)
         mm_rows, mm_idx = [], []
         for n in in_prompt:
             chunk = chunks[n]
@@ -160,7 +172,7 @@ class ModelRunner:
                 mm_rows.append(rows)
                 mm_idx.append(local_idx + int(host.query_start_loc[n]))
         mm_token_indices = torch.cat(mm_idx) if mm_idx else torch.empty(0, dtype=torch.long)
-        samples = np.fromiter((c.samples for c in chunks), dtype=bool, count=len(chunks))
+        samples = np.array(samples, dtype=bool)
         logits_idx = host.query_start_loc[1:][samples].astype(np.int64) - 1
         total = int(host.query_start_loc[-1])
         return StepInputs(
@@ -171,15 +183,15 @@ class ModelRunner:
             mm_token_indices=self._to_device(mm_token_indices),
             text_token_indices=self._to_device(_complement(mm_token_indices, total)),
             logits_indices=self._to_device(torch.from_numpy(logits_idx)),
-            sampling_chunks=[c for c in chunks if c.samples],
+            sampling_chunks=[c for c, sampled in zip(chunks, samples.tolist()) if sampled],
+            every_row_samples=len(logits_idx) == total,
         )
 
-    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, in_prompt: list[int]) -> torch.Tensor:
+    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, deltas: np.ndarray,
+                   in_prompt: list[int]) -> torch.Tensor:
         """[3, T] int64 M-RoPE positions: ``position + mrope_delta`` for every token, then the
         prompt tokens of multimodal prefill chunks (among ``in_prompt``) overwritten by their
         sequence's own."""
-        deltas = np.fromiter((c.seq.mm.mrope_delta if c.seq.mm is not None else 0 for c in chunks),
-                             dtype=np.int64, count=len(chunks))
         query_lens = np.diff(host.query_start_loc)
         owner = np.repeat(np.arange(len(chunks)), query_lens)
         flat = np.arange(int(host.query_start_loc[-1])) - host.query_start_loc[owner] + starts[owner] + deltas[owner]

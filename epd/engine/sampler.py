@@ -24,36 +24,26 @@ class Sampler:
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         logits = logits.float()
-        processed = apply_logits_processors(logits, seqs)  # bias and penalties; logprobs stay raw
-        processed = apply_grammar_masks(processed, seqs)  # structured output: what may come next
+        rows = _Rows(seqs)
+        processed = apply_logits_processors(logits, seqs, rows.processed)  # bias and penalties; logprobs stay raw
+        processed = apply_grammar_masks(processed, seqs, rows.grammars)  # structured output: what may come next
         tokens: list[int | None] = [None] * len(seqs)
-        self._sample_batched(processed, seqs, tokens)
+        self._sample_batched(processed, seqs, tokens, rows)
         for i in [i for i, token in enumerate(tokens) if token is None]:  # seeded: each from its own generator
             tokens[i] = self._sample_one(processed[i], seqs[i])
-        advance_grammars(seqs, tokens)
+        advance_grammars(seqs, tokens, rows.grammars)
         out: list[tuple[int, TokenLogprobs | None]] = [(token, None) for token in tokens]
-        for i, seq in enumerate(seqs):  # rows are indexed only where logprobs are asked for
-            if seq.sampling_params.logprobs is not None:
-                out[i] = (tokens[i], self._logprobs(logits[i], tokens[i], seq))
+        for i in rows.logprobs:  # rows are indexed only where logprobs are asked for
+            out[i] = (tokens[i], self._logprobs(logits[i], tokens[i], seqs[i]))
         return out
 
     @staticmethod
-    def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
+    def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None], rows: _Rows) -> None:
         """Greedy rows in one argmax, unseeded plain-temperature rows in one softmax and one draw,
         unseeded top-k / top-p rows in one top-k (or sort) and one draw: row by row, sampling a large
         batch over a large vocabulary costs more than the model's decode step itself, and on a GPU
-        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token).
-        The rows are sorted into these kinds in one pass (a pass per kind was a visible share of a
-        large decode batch's step)."""
-        greedy, plain, filtered = [], [], []
-        for i, seq in enumerate(seqs):
-            kind = sample_kind(seq)
-            if kind is _GREEDY:
-                greedy.append(i)
-            elif kind is _PLAIN:
-                plain.append(i)
-            elif kind is _FILTERED:
-                filtered.append(i)
+        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token)."""
+        greedy, plain, filtered = rows.greedy, rows.plain, rows.filtered
         if greedy:
             for i, token in zip(greedy, greedy_tokens(_rows(logits, greedy)).tolist()):
                 tokens[i] = token
@@ -194,6 +184,27 @@ def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 _GREEDY, _PLAIN, _FILTERED, _SEEDED = "greedy", "plain", "filtered", "seeded"
+
+
+class _Rows:
+    """A step's rows sorted by what they need, in one pass over the batch (a pass per question was
+    a visible share of a large decode batch's step)."""
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.greedy, self.plain, self.filtered = [], [], []
+        self.processed, self.grammars, self.logprobs = [], [], []
+        by_kind = {_GREEDY: self.greedy, _PLAIN: self.plain, _FILTERED: self.filtered}
+        for i, seq in enumerate(seqs):
+            kind = sample_kind(seq)
+            if kind is not _SEEDED:
+                by_kind[kind].append(i)
+            params = seq.sampling_params
+            if params.has_logits_processors:
+                self.processed.append(i)
+            if seq.grammar is not None:
+                self.grammars.append(i)
+            if params.logprobs is not None:
+                self.logprobs.append(i)
 
 
 def sample_kind(seq: Sequence) -> str:

@@ -136,17 +136,23 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # decodes first: they are latency-bound and cost one token each
         ordered = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         for seq in ordered:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:  # preempted by an earlier iteration of this loop
+            if seq.status is not running:  # preempted by an earlier iteration of this loop
                 continue
-            n = seq.schedulable_tokens(budget)
-            if n == 0:
-                out.num_waiting_on_inputs += 1
-                continue
-            if not self._make_room(seq, out):
-                continue
+            length = len(seq.token_ids)
+            if length - seq.num_computed_tokens == 1 and seq.inputs_ready_until is None \
+                    and len(seq.block_table) * block_size >= length:
+                n = 1  # the common decode step, without the general checks below (same outcome)
+            else:
+                n = seq.schedulable_tokens(budget)
+                if n == 0:
+                    out.num_waiting_on_inputs += 1
+                    continue
+                if not self._make_room(seq, out):
+                    continue
             out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
             budget -= n
         return budget

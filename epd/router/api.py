@@ -11,6 +11,7 @@ from epd.types import ChatRequest, StreamEvent
 class RouterCore(Protocol):
     model_name: str  # the first served name: what a response carries when its request named none
     served_model_names: tuple[str, ...]  # what a request's ``model`` may be (/v1/models lists them)
+    request_timeout_s: float  # the deadline of a request that sets none
 
     def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream a request's events. Raises ``epd.errors.EPDError`` before the first event for what

@@ -39,18 +39,22 @@ class Deadline:
             return await _next_before(outputs, self.deadline, self.request_id)
         if self._passed:
             raise self._error()
-        self._task = asyncio.current_task()
-        self._cancelling = self._task.cancelling()
+        task = self._task = asyncio.current_task()
+        self._cancelling = task.cancelling()
         try:
-            return await outputs.__anext__()
+            output = await outputs.__anext__()
         except StopAsyncIteration:
-            return None
+            output = None
         except asyncio.CancelledError:
-            if self._cancelled and self._task.uncancel() <= self._cancelling:
+            if self._cancelled and task.uncancel() <= self._cancelling:
                 raise self._error() from None
             raise
         finally:
             self._task = None
+        if self._cancelled:  # the output came as the timer fired, and the cancel was never delivered
+            task.uncancel()
+            raise self._error()
+        return output
 
     def close(self) -> None:
         if self._timer is not None:

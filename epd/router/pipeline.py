@@ -189,6 +189,10 @@ class RequestPipeline:
         return merged or None
 
     @property
+    def request_timeout_s(self) -> float:
+        return self.config.request_timeout_s
+
+    @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 

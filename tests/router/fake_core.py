@@ -50,6 +50,7 @@ class FakeRouterCore:
                  hang_after: int | None = None, fail_after: int | None = None, delay_s: float = 0.0,
                  health_status: str = "ok") -> None:
         self.model_name, self.served_model_names = model_name, (model_name,)
+        self.request_timeout_s = 300.0
         self._events = events if events is not None else make_events(["Hello", ",", " world", "!"])
         self.admission_error, self.hang_after, self.fail_after = admission_error, hang_after, fail_after
         self.delay_s, self.health_status = delay_s, health_status

@@ -88,3 +88,26 @@ def test_one_timer_for_the_whole_request_not_one_per_output():
         return len(armed)
 
     assert run(main()) == 1
+
+
+def test_an_output_that_came_as_the_timer_fired_still_ends_in_the_deadline_and_no_cancel_is_left():
+    class Swallowing:
+        """A backend whose wait returns its output even when cancelled (asyncio.wait_for does so
+        when the result and the cancel meet)."""
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                return "late output"
+
+    async def main():
+        timer = Deadline(asyncio.get_running_loop().time() + 0.05, "req-5")
+        with pytest.raises(DeadlineExceeded):
+            await timer.next(Swallowing())
+        return asyncio.current_task().cancelling()
+
+    assert run(main()) == 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
+import socket
 import time
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 
 from epd.errors import Overloaded
 from epd.router.openai.app import build_app
+from epd.types import StreamEvent
 from tests.conftest import make_image_bytes
 from tests.router.fake_core import (
     FIRST_TOKEN_ID,
@@ -251,3 +254,113 @@ def test_continuous_usage_stats_put_usage_on_every_chunk_and_unknown_stream_opti
     assert all(c.usage is not None for c in with_choices)
     completions = [c.usage.completion_tokens for c in with_choices]
     assert completions == sorted(completions) and completions[-1] == 4 and chunks[-1].usage.completion_tokens == 4
+
+
+class FloodCore(FakeRouterCore):
+    """Streams 8 MB to a request whose message is "flood" (far past what the kernel buffers for a
+    client that reads nothing), counting what it gave; scripted events to the others."""
+
+    yielded = 0
+
+    async def generate(self, request):
+        if request.messages[0]["content"] != "flood":
+            async for event in super().generate(request):
+                yield event
+            return
+        self.requests.append(request)
+        try:
+            for event in make_events(["x" * 2000] * 4000):  # 8 MB: far past what the kernel buffers
+                await asyncio.sleep(0)
+                self.yielded += 1
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(request.request_id)
+            self._cancelled_event.set()
+            raise
+
+
+def test_a_client_that_stops_reading_holds_up_only_its_own_stream():
+    """The stream is written by its own pump: one stalled at the socket's flow control (its client
+    reads nothing) stops taking events and leaves the others alone, and its client leaving cancels
+    its request."""
+    core = FloodCore(make_events(["Hello", "!"]))
+    with served(core) as (_, base, client):
+        host, port = base.removeprefix("http://").split(":")
+        stalled = stalled_flood(host, int(port))
+        try:
+            progress = []
+            for _ in range(20):  # until the flood stops taking events: its pump waits at the socket
+                time.sleep(0.25)
+                progress.append(core.yielded)
+                if len(progress) > 2 and progress[-1] == progress[-3] > 0:
+                    break
+            assert 0 < progress[-1] < 4000 and progress[-1] == progress[-3], progress
+            for _ in range(3):
+                chunks = list(create(client, messages=[{"role": "user", "content": "hi"}], stream=True))
+                assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello!"
+            assert core.yielded == progress[-1] and core.cancelled == [] and len(core.completed) == 3
+        finally:
+            stalled.close()
+        assert core.wait_cancelled(10), "the stalled client left, but its request was not cancelled"
+    assert core.cancelled == [core.requests[0].request_id]
+
+
+def stalled_flood(host: str, port: int):
+    """A client that asks for the flood and reads nothing (a small receive buffer)."""
+    body = json.dumps({"model": "fake-qwen2-vl", "messages": [{"role": "user", "content": "flood"}],
+                       "stream": True}).encode()
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.settimeout(10)
+    stalled.connect((host, port))
+    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return stalled
+
+
+def test_a_stream_stuck_on_a_client_that_reads_nothing_is_cut_past_its_deadline(monkeypatch):
+    """Its request would hold its admission slot for as long as the client stays connected: past the
+    request's deadline (and a grace) the stream is cut and the request cancelled."""
+    from epd.router.openai import streaming
+    monkeypatch.setattr(streaming, "_OVERDUE_GRACE_S", 0.2)
+    core = FloodCore(make_events(["Hello", "!"]))
+    core.request_timeout_s = 1.0
+    with served(core) as (_, base, _):
+        host, port = base.removeprefix("http://").split(":")
+        stalled = stalled_flood(host, int(port))
+        try:
+            started = time.monotonic()
+            assert core.wait_cancelled(10), "a stream stuck past its deadline was never cut"
+            assert 1.0 <= time.monotonic() - started < 5 and 0 < core.yielded < 4000
+        finally:
+            stalled.close()
+
+
+def test_a_frame_that_cannot_be_spelled_ends_the_stream_with_an_error_and_cancels_at_once(monkeypatch):
+    from epd.router.openai import chat
+    spell = chat._ChatFrames.event
+    calls = []
+
+    def broken(self, event):
+        calls.append(event)
+        if len(calls) == 2:
+            raise KeyError("a bug")
+        return spell(self, event)
+
+    monkeypatch.setattr(chat._ChatFrames, "event", broken)
+    core = FakeRouterCore(make_events(["a", "b", "c"]), hang_after=2)
+    with served(core) as (_, _, client):
+        with pytest.raises(openai.APIError, match="internal server error"):
+            list(create(client, stream=True))
+        started = time.monotonic()
+        assert core.wait_cancelled(3) and time.monotonic() - started < 3  # not after the 5 s linger
+
+
+def test_logprobs_stream_no_empty_chunk_for_an_output_with_no_tokens():
+    events = make_events(["Hi", "!"], with_logprobs=True, finish_reason=None)
+    events.append(StreamEvent(token_ids=[], text="", finish_reason="stop"))
+    with served(FakeRouterCore(events)) as (_, _, client):
+        chunks = list(create(client, stream=True, logprobs=True, top_logprobs=1))
+    with_logprobs = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
+    assert [c.choices[0].delta.content for c in with_logprobs] == ["Hi", "!"]
+    assert chunks[-1].choices[0].finish_reason == "stop"

@@ -18,8 +18,8 @@ from epd.client import InvalidRequest as SdkInvalidRequest
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
 from epd.models.presets import resolve_model
-from epd.router.openai.app import build_app
 from epd.router.media_fetch import FetchLimits, MediaFetcher
+from epd.router.openai.app import build_app
 from epd.router.pipeline import RequestPipeline
 from epd.types import ChatRequest, SamplingParams
 from tests.client.fakes import RouterServerThread
@@ -505,8 +505,9 @@ def test_a_sync_router_whose_backend_fails_to_start_leaves_no_thread_and_closes_
         async def close(self) -> None:
             FailsToStart.closed = True
 
-    from epd.router.sync import SyncRouter
     import threading
+
+    from epd.router.sync import SyncRouter
     before = {t.ident for t in threading.enumerate() if t.name == "sync-router"}
     with pytest.raises(RuntimeError, match="no worker reachable"):
         SyncRouter(make_pipeline(model_dir, FailsToStart([[1]])))

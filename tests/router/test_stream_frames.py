@@ -7,14 +7,7 @@ import json
 import pytest
 
 from epd.router.openai.completions import CompletionChoice, CompletionResponse
-from epd.router.openai.responses import (
-    ChatCompletionChunk,
-    ChunkHead,
-    DeltaMessage,
-    StreamChoice,
-    Usage,
-    usage_json,
-)
+from epd.router.openai.responses import ChatCompletionChunk, ChunkHead, DeltaMessage, StreamChoice, Usage, usage_json
 
 TEXTS = ["Hello", "", " wörld ", 'quote " backslash \\ slash /', "line\nbreak\ttab\r", "\x00\x1f\x7f",
          "emoji 🙂 and 中文", "\u2028\u2029", "</script>"]

@@ -69,14 +69,14 @@ class ChatCompletions:
             request_id = f"chatcmpl-{client_id or uuid.uuid4().hex}"
             model = served_name(self.core, body.model)
             chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
-            pump = CorePump(self.core, chat)
+            pump = CorePump(self.core, chat, stream=body.stream)
             first = await pump.next(request)
             if first is None:
                 raise UpstreamError("the router's stream ended before any output")
             out = _Completion(request_id, model, body, chat, self.token_text)
             out.header_id = client_id or request_id  # the client's own id comes back as it was sent
             if body.stream:
-                stream, pump = EventStream(pump, _ChatFrames(out), first, {"X-Request-Id": out.header_id}), None
+                stream, pump = EventStream(pump, _ChatFrames(out), {"X-Request-Id": out.header_id}), None
                 return stream  # the stream owns the pump now
             return await self._complete(request, pump, first, out)
         except EPDError as err:
@@ -134,7 +134,7 @@ class _ChatFrames:
         out = self.out
         choice, text, token_ids, logprobs = out.add(event)
         frames = []
-        if logprobs is not None:
+        if logprobs is not None and (text or token_ids):
             frames.append(sse(out.chunk(choice, DeltaMessage(content=text), token_ids=token_ids, logprobs=logprobs)))
         elif text or (token_ids and out.return_token_ids):
             frames.append(self.head.chat_text(choice.index, text, token_ids if out.return_token_ids else None,

@@ -127,13 +127,13 @@ class TextCompletions:
             request_id = f"cmpl-{request_id_base(request.headers.get('x-request-id'), body) or uuid.uuid4().hex}"
             chat.request_id = request_id
             model = served_name(self.core, body.model)
-            pump = CorePump(self.core, chat)
+            pump = CorePump(self.core, chat, stream=body.stream)
             first = await pump.next(request)
             if first is None:
                 raise UpstreamError("the router's stream ended before any output")
             out = _TextOutput(request_id, model, body, self.token_text, self.core.detokenize)
             if body.stream:
-                stream, pump = EventStream(pump, _TextFrames(out), first, {}), None
+                stream, pump = EventStream(pump, _TextFrames(out), {}), None
                 return stream  # the stream owns the pump now
             return await self._complete(request, pump, first, out)
         except EPDError as err:

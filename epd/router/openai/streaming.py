@@ -28,6 +28,7 @@ log = logging.getLogger("epd.router.http")
 
 _DISCONNECT_POLL_S = 0.1  # how often a request waiting for tokens checks that its client is still there
 _LINGER_S = 5.0  # a core stream still running this long after its finish event is cancelled
+_OVERDUE_GRACE_S = 5.0  # a stream still writing this long past its request's deadline is cut
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it
 DONE = b"data: [DONE]\n\n"
 _pumps: set[asyncio.Task] = set()  # strong references: pumps may outlive their HTTP response briefly
@@ -63,16 +64,26 @@ class Frames(Protocol):
 
 
 class CorePump:
-    """Reads ``core.generate(request)`` in a task of its own. Until a stream is attached it queues
-    the events (then None at the end, or the exception that ended it) for ``next``; once attached,
-    it writes each event's frames itself."""
+    """Reads ``core.generate(request)`` in a task of its own and queues the events (then None at
+    the end, or the exception that ended it) for ``next``. With ``stream``, only the first event
+    is queued (it decides the response's status); the pump then waits for its ``EventStream`` to
+    ``attach`` and writes every frame itself, the first included, so frames go out from one task
+    only and in order."""
 
-    def __init__(self, core: RouterCore, request: ChatRequest) -> None:
+    def __init__(self, core: RouterCore, request: ChatRequest, *, stream: bool = False) -> None:
+        loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._closed = False
+        self._request_id = request.request_id
         self._frames: Frames | None = None
         self._send: Callable[[bytes], Awaitable[None]] | None = None
-        self.ended: asyncio.Future = asyncio.get_running_loop().create_future()  # the attached stream is written
+        self._attached: asyncio.Event | None = asyncio.Event() if stream else None
+        self.ended: asyncio.Future = loop.create_future()  # the stream is written (or given up)
+        self.failed = self.overdue = False  # a frame could not be spelled / the client read nothing in time
+        # the core's own deadline ends the request; this one ends a stream stuck writing to a client
+        # that reads nothing (its request would hold its admission slot for as long)
+        timeout_s = request.timeout_s or getattr(core, "request_timeout_s", None)
+        self._give_up_at = loop.time() + timeout_s + _OVERDUE_GRACE_S if timeout_s else None
         self._task = asyncio.create_task(self._run(core, request), name=f"core-stream-{request.request_id}")
         _pumps.add(self._task)
         self._task.add_done_callback(_pumps.discard)
@@ -81,29 +92,36 @@ class CorePump:
         events = None
         try:
             events = core.generate(request)
-            async for event in events:
-                await self._deliver(event)
-            await self._deliver(None)
+            if self._attached is None:
+                async for event in events:
+                    self._queue.put_nowait(event)
+                self._queue.put_nowait(None)
+                return
+            first = await anext(events, None)
+            self._queue.put_nowait(first)  # its status is decided by it: a 200 and a stream, or an error
+            if first is None:
+                return
+            await self._attached.wait()
+            await self._emit(first, first=True)
+            async for event in events:  # read to the end (the core's own bookkeeping); nothing past the finish is sent
+                await self._emit(event)
+            await self._emit(None)
         except Exception as exc:  # an EPDError or a bug: the reader raises it, or the stream says it
-            try:
-                await self._deliver(exc)
-            except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
-                log.debug("request %s: could not send the error", request.request_id, exc_info=True)
+            if self._send is None:
+                self._queue.put_nowait(exc)
+            else:
+                try:
+                    await self._emit(exc)
+                except Exception:  # noqa: BLE001 - the client is gone: nobody to tell
+                    log.debug("request %s: could not send the error", request.request_id, exc_info=True)
         finally:
-            if self._send is not None and not self.ended.done():  # however it ends, its response ends too
+            if not self.ended.done():  # however it ends, a response waiting on it ends too
                 self.ended.set_result(None)
             aclose = getattr(events, "aclose", None)
             if aclose is not None:  # the contract's "close the iterator"; a no-op once it has ended
                 await aclose()
 
-    async def _deliver(self, item: StreamEvent | BaseException | None) -> None:
-        if self._send is None:
-            self._queue.put_nowait(item)
-        else:
-            await self._emit(item, self._send)
-
-    async def _emit(self, item: StreamEvent | BaseException | None, send: Callable[[bytes], Awaitable[None]],
-                    *, first: bool = False) -> None:
+    async def _emit(self, item: StreamEvent | BaseException | None, *, first: bool = False) -> None:
         """One item's frames (with the stream's end once it is finished) sent."""
         if self.ended.done():
             return
@@ -117,23 +135,29 @@ class CorePump:
                 if is_last:
                     data += frames.end()
         except Exception as exc:  # noqa: BLE001 - a bug spelling a frame: the stream says so and ends
-            data, is_last = frames.fail(exc), True
+            data, is_last, self.failed = frames.fail(exc), True, True
         if data:
-            await send(data)
+            await self._send(data)
         if is_last and not self.ended.done():  # after its last frame is out: the response ends next
             self.ended.set_result(None)
 
-    async def attach(self, frames: Frames, send: Callable[[bytes], Awaitable[None]], first: StreamEvent) -> None:
-        """From now on this pump writes the stream: ``first`` (the event that decided the status)
-        and those queued since (sent by the caller, while the pump's task still queues), then each
-        as it comes (sent by the pump's task)."""
-        self._frames = frames
-        await self._emit(first, send, first=True)
-        while not self._queue.empty() and not self.ended.done():
-            await self._emit(self._queue.get_nowait(), send)
-        self._send = send  # no await since the queue was seen empty: nothing queued is left behind
-        if self._task.done() and not self.ended.done():  # it was cancelled before it could say it ended
-            self.ended.set_result(None)
+    def attach(self, frames: Frames, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """The response's head is out: from now on the pump writes the stream with ``send``."""
+        self._frames, self._send = frames, send
+        self._attached.set()
+        if self._give_up_at is not None:
+            watchdog = asyncio.get_running_loop().call_at(self._give_up_at, self._give_up)
+            self.ended.add_done_callback(lambda _: watchdog.cancel())
+
+    def _give_up(self) -> None:
+        """Past the request's deadline the stream is still being written: its client reads nothing."""
+        if self.ended.done():
+            return
+        log.warning("request %s: its client has not read the stream since before its deadline; cutting it",
+                    self._request_id)
+        self.overdue = True
+        self._task.cancel()
+        self.ended.set_result(None)
 
     async def next(self, request: Request | None) -> StreamEvent | None:
         """The next event, None at the end; raises what the core raised, or ``ClientGone``.
@@ -189,8 +213,8 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, pump: CorePump, frames: Frames, first: StreamEvent, headers: dict[str, str]) -> None:
-        self.pump, self.frames, self.first = pump, frames, first
+    def __init__(self, pump: CorePump, frames: Frames, headers: dict[str, str]) -> None:
+        self.pump, self.frames = pump, frames
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-cache", **headers})
 
@@ -202,12 +226,13 @@ class EventStream(Response):
         listener = asyncio.ensure_future(_until_disconnect(receive))
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await self.pump.attach(self.frames, send_body, self.first)
+            self.pump.attach(self.frames, send_body)
             await asyncio.wait({self.pump.ended, listener}, return_when=asyncio.FIRST_COMPLETED)
-            if self.pump.ended.done():
-                cancel = False
+            pump = self.pump
+            if pump.ended.done() and not pump.overdue:
+                cancel = pump.failed  # after a frame it could not spell, nothing more is wanted from the core
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:  # the client left, or the server is stopping: the request is abandoned
+        finally:  # the client left, the stream was cut, or the server is stopping: the request is abandoned
             listener.cancel()
             self.pump.close(cancel=cancel)
 

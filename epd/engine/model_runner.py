@@ -244,6 +244,8 @@ def _chunk_mm_rows(mm: SequenceMultimodal | None, chunk: ScheduledChunk,
 
 
 def _complement(indices: torch.Tensor, total: int) -> torch.Tensor:
+    if indices.numel() == 0:  # a step without embedding rows (every decode step): all of them
+        return torch.arange(total)
     keep = torch.ones(total, dtype=torch.bool)
     keep[indices] = False
     return keep.nonzero().squeeze(1)

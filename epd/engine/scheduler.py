@@ -203,11 +203,12 @@ class Scheduler:
         """Advance computed counts; append sampled tokens (seq_id -> (token id, logprobs));
         return the sequences that finished."""
         finished = []
-        mark_computed = self.block_manager.mark_computed
+        mark_computed, block_size = self.block_manager.mark_computed, self.block_manager.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
-            mark_computed(seq)
+            if chunk.num_tokens > 1 or chunk.end % block_size == 0:  # a one-token chunk fills a block only here
+                mark_computed(seq)
             if chunk.samples and (token := sampled.get(seq.seq_id)) is not None:
                 seq.append_token(*token)
                 if seq.check_stop():

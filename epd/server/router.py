@@ -188,6 +188,10 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
         admin[0].should_exit = True
         await admin[1]
     await (grpc_stopping[0] if grpc_stopping else grpc_server.stop(grace=2))
+    # HTTP requests still being read (uvicorn does not cancel them when it stops with no grace) are
+    # cancelled on the tiers now, while the backend can still say so
+    from epd.router.openai.streaming import stop_pumps
+    await stop_pumps()
     await router.close()
 
 

@@ -364,3 +364,18 @@ def test_logprobs_stream_no_empty_chunk_for_an_output_with_no_tokens():
     with_logprobs = [c for c in chunks if c.choices and c.choices[0].logprobs is not None]
     assert [c.choices[0].delta.content for c in with_logprobs] == ["Hi", "!"]
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stopping_cancels_every_request_still_being_read_before_the_backend_closes():
+    from epd.router.openai.streaming import CorePump, stop_pumps
+    from epd.types import ChatRequest, SamplingParams
+
+    async def main():
+        core = FakeRouterCore(make_events(["a", "b"]), hang_after=1)
+        request = ChatRequest(messages=USER, sampling=SamplingParams(max_tokens=4), request_id="chatcmpl-stop")
+        pump = CorePump(core, request)
+        assert (await pump.next(None)).text == "a"  # the request is running, its reader parked
+        stopped = await stop_pumps(timeout_s=2)
+        return stopped, core.cancelled
+
+    assert asyncio.run(main()) == (1, ["chatcmpl-stop"])

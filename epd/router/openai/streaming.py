@@ -197,6 +197,18 @@ class CorePump:
             asyncio.get_running_loop().call_later(_LINGER_S, self._task.cancel)
 
 
+async def stop_pumps(timeout_s: float = 2.0) -> int:
+    """At shutdown, before the backend closes: abandon every request still being read (its cleanup
+    cancels it on every tier, which needs the backend) and wait up to ``timeout_s`` for those
+    cleanups. -> how many were still running."""
+    tasks = [task for task in _pumps if not task.done()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+    return len(tasks)
+
+
 def stream_error(exc: BaseException, request_id: str) -> EPDError:
     """What a stream that failed after its first event tells its client: our errors as they are,
     anything else (a bug) as an internal error naming the request, its trace in the log."""

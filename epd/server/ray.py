@@ -24,8 +24,7 @@ import ray
 
 from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
 from epd.server.parent import descendants, reap_with_me
-from epd.server.ray_sizing import ROUTER_CPUS, SizingError, demand_breakdown, check_fits, fit_local
-
+from epd.server.ray_sizing import ROUTER_CPUS, SizingError, check_fits, demand_breakdown, fit_local
 
 NODE = "node"  # RayDeployment.host: each actor binds its own node's IP
 _REGISTER_PERIOD_S = 1.0

@@ -135,7 +135,10 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # decodes first: they are latency-bound and cost one token each
-        ordered = sorted(self.running, key=lambda s: s.num_uncomputed_tokens > 1)
+        decodes, prefills = [], []  # decodes first, each group in its running order
+        for seq in self.running:
+            (prefills if len(seq.token_ids) - seq.num_computed_tokens > 1 else decodes).append(seq)
+        ordered = decodes + prefills if prefills else decodes
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         for seq in ordered:
             if budget == 0:

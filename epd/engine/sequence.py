@@ -122,7 +122,8 @@ class Sequence:
 
     def check_stop(self) -> bool:
         """Mark the sequence finished if its last token ends it; return whether it did."""
-        reason = stop_reason(self.sampling_params, self.eos_token_ids, self.num_output_tokens, self.token_ids[-1])
+        tokens = self.token_ids
+        reason = stop_reason(self.sampling_params, self.eos_token_ids, len(tokens) - self.num_prompt_tokens, tokens[-1])
         if reason is None:
             return False
         self.finish_reason = reason

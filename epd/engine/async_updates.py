@@ -1,26 +1,67 @@
 """The bridge from an engine loop thread to a coroutine: the loop thread ``put``s each request's
 ``TokenUpdate``s, one coroutine awaits them. A grpc.aio handler or the router's backend waits on
-this instead of a thread blocked on a queue, so a request in flight costs no thread."""
+this instead of a thread blocked on a queue, so a request in flight costs no thread.
+
+With an ``UpdateBatch``, a step's updates for every request cross to the event loop in one call
+(the engine loop flushes it once per step) instead of one thread-safe call, with its wake-up
+write, per request per step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from epd.engine.engine_loop import TokenUpdate
 
 
-class AsyncUpdates:
-    """Made on the event loop that reads it; ``put`` may be called from any thread."""
+class UpdateBatch:
+    """The updates of one step for every request that reads on ``loop``; ``flush`` (once per step,
+    on the engine loop's thread) delivers them in one call."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._pending: list[tuple[asyncio.Queue, TokenUpdate]] = []
+        self._lock = threading.Lock()
+
+    def add(self, queue: asyncio.Queue, update: TokenUpdate) -> None:
+        with self._lock:
+            self._pending.append((queue, update))
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if pending:
+            try:
+                self._loop.call_soon_threadsafe(_deliver, pending)
+            except RuntimeError:  # the event loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(pending: list[tuple[asyncio.Queue, TokenUpdate]]) -> None:
+    for queue, update in pending:
+        queue.put_nowait(update)
+
+
+class AsyncUpdates:
+    """Made on the event loop that reads it; ``put`` may be called from any thread. With ``batch``,
+    only the engine loop may put (it flushes the batch after each step and each round of calls)."""
+
+    def __init__(self, batch: UpdateBatch | None = None) -> None:
         self.loop = asyncio.get_running_loop()
+        self.batch = batch
         self._queue: asyncio.Queue[TokenUpdate] = asyncio.Queue()
 
     def put(self, update: TokenUpdate) -> None:
+        if self.batch is not None:
+            self.batch.add(self._queue, update)
+            return
         try:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, update)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    async def get(self, timeout_s: float) -> TokenUpdate:
-        """The next update; ``asyncio.TimeoutError`` when none came within ``timeout_s``."""
+    async def get(self, timeout_s: float | None = None) -> TokenUpdate:
+        """The next update; ``asyncio.TimeoutError`` when none came within ``timeout_s`` (None:
+        the caller keeps its own deadline)."""
+        if timeout_s is None:
+            return await self._queue.get()
         return await asyncio.wait_for(self._queue.get(), max(0.0, timeout_s))

@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from epd.config import EngineConfig
-from epd.engine.async_updates import AsyncUpdates
+from epd.engine.async_updates import AsyncUpdates, UpdateBatch
 from epd.engine.engine_loop import EngineLoop
-from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError
+from epd.errors import EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
 from epd.threads import ThreadPolicy
 
@@ -41,9 +41,10 @@ class InProcessBackend:
         self.loop = EngineLoop(build, name="in-process-loop", threads=threads).start()
         self.llm = built["llm"]
         self.embedding_row_bytes = self.llm.mm_spec.embedding_dim * self.llm.engine_config.torch_dtype.itemsize
+        self._batch: UpdateBatch | None = None  # made by start(), on the event loop that reads
 
     async def start(self) -> None:
-        pass
+        self._batch = UpdateBatch(asyncio.get_running_loop())  # a step's updates cross in one call
 
     async def close(self) -> None:
         self.loop.stop()
@@ -57,7 +58,7 @@ class InProcessBackend:
         pass
 
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
-        updates = AsyncUpdates()
+        updates = AsyncUpdates(self._batch)
         # the images are encoded there, on the engine thread
         added = self.loop.watch(lambda engine: self.llm.add_processed(job.prompt, job.sampling, job.request_id),
                                 updates)
@@ -73,10 +74,7 @@ class InProcessBackend:
         is_first, is_finished = True, False
         try:
             while not is_finished:
-                try:
-                    update = await updates.get(job.remaining_s())
-                except asyncio.TimeoutError:
-                    raise DeadlineExceeded(f"request {job.request_id} timed out") from None
+                update = await updates.get()  # the pipeline holds the request's deadline (one timer)
                 if update.error:
                     raise UpstreamError(f"request {job.request_id} failed: {update.error}")
                 is_finished = update.is_last

@@ -32,25 +32,34 @@ def test_a_stopping_decode_worker_finishes_its_stream_and_takes_no_new_one(model
         reference = router.chat(messages, LONG).token_ids
         workers = router.pipeline.backend.workers
         tokens, errors = [], []
+        resume = threading.Event()
 
         def stream() -> None:
             try:
                 for event in router.stream(messages, LONG):
                     tokens.extend(event.token_ids)
-                    time.sleep(0.03)  # a slow reader keeps the stream open while the worker is told to stop
+                    if len(tokens) > 2:
+                        # the reader pulls no more until the worker was told to stop: the stream stays open
+                        # on it (a slow reader alone raced the decode, whose tokens reach a lagging reader
+                        # in one piece: by the next look the whole stream could be over)
+                        resume.wait(60)
             except Exception as err:  # noqa: BLE001 - reported below
                 errors.append(err)
 
         reader = threading.Thread(target=stream)
         reader.start()
-        assert wait_until(lambda: len(tokens) > 2, 60)
-        busy = next(w for w in workers.workers["decode"] if w.in_flight)
-        other = next(w for w in workers.workers["decode"] if w is not busy)
-        process = next(p for p in cluster.processes if p.tier == "decode" and p.address == busy.address)
-        process.proc.send_signal(signal.SIGTERM)
-        assert wait_until(lambda: busy.stopping, 10)  # its health said DRAINING
-        assert workers.candidates("decode") == [c for c in workers.candidates("decode") if c.address == other.address]
-        assert router.chat(messages, LONG).token_ids == reference  # the new request went to the other one
+        try:
+            assert wait_until(lambda: len(tokens) > 2, 60)
+            busy = next(w for w in workers.workers["decode"] if w.in_flight)
+            other = next(w for w in workers.workers["decode"] if w is not busy)
+            process = next(p for p in cluster.processes if p.tier == "decode" and p.address == busy.address)
+            process.proc.send_signal(signal.SIGTERM)
+            assert wait_until(lambda: busy.stopping, 10)  # its health said DRAINING
+            assert workers.candidates("decode") == [c for c in workers.candidates("decode")
+                                                    if c.address == other.address]
+            assert router.chat(messages, LONG).token_ids == reference  # the new request went to the other one
+        finally:
+            resume.set()
         reader.join(120)
         assert not errors and tokens == reference  # the stream it held finished on it
         assert sum(router.pipeline.backend.moves.values()) == 0  # nothing migrated

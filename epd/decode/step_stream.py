@@ -11,39 +11,25 @@ before cost a wake-up and a message for every request in every step).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from epd.engine.async_updates import UpdateBatch
 from epd.engine.engine_loop import TokenUpdate
 
 
-class StepSink:
+class StepSink(UpdateBatch):
     """Where the engine loop thread puts the updates of one stream's requests; ``flush`` (once per
-    step, on that thread) hands what came to ``deliver`` on the event loop, in one call."""
+    step, on that thread) hands the step's (request id, update) pairs to ``deliver`` on the event
+    loop, in one call."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  deliver: Callable[[list[tuple[str, TokenUpdate]]], None]) -> None:
-        self._loop, self._deliver = loop, deliver
-        self._pending: list[tuple[str, TokenUpdate]] = []
-        self._lock = threading.Lock()
+        super().__init__(loop, deliver)
 
     def updates_for(self, request_id: str) -> "RequestUpdates":
         return RequestUpdates(self, request_id)
-
-    def add(self, request_id: str, update: TokenUpdate) -> None:
-        with self._lock:
-            self._pending.append((request_id, update))
-
-    def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        if pending:
-            try:
-                self._loop.call_soon_threadsafe(self._deliver, pending)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
 
 
 @dataclass(eq=False)
@@ -54,7 +40,7 @@ class RequestUpdates:
     request_id: str
 
     def put(self, update: TokenUpdate) -> None:
-        self.batch.add(self.request_id, update)
+        self.batch.add((self.request_id, update))
 
 
 @dataclass(eq=False)

@@ -9,31 +9,38 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 from epd.engine.engine_loop import TokenUpdate
 
 
 class UpdateBatch:
-    """The updates of one step for every request that reads on ``loop``; ``flush`` (once per step,
-    on the engine loop's thread) delivers them in one call."""
+    """What the engine loop's thread adds during one step, handed to ``deliver`` on ``loop`` in one
+    call by ``flush`` (once per step and per round of calls, on that thread; an empty flush sends
+    nothing). The decode tier's stream sink is one, the in-process backend's queues another."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._pending: list[tuple[asyncio.Queue, TokenUpdate]] = []
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
+        self._loop, self._deliver = loop, deliver
+        self._pending: list = []
         self._lock = threading.Lock()
 
-    def add(self, queue: asyncio.Queue, update: TokenUpdate) -> None:
+    def add(self, item) -> None:
         with self._lock:
-            self._pending.append((queue, update))
+            self._pending.append(item)
 
     def flush(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
         if pending:
             try:
-                self._loop.call_soon_threadsafe(_deliver, pending)
+                self._loop.call_soon_threadsafe(self._deliver, pending)
             except RuntimeError:  # the event loop is closed: nobody is listening any more
                 pass
+
+
+def queue_batch(loop: asyncio.AbstractEventLoop) -> UpdateBatch:
+    """A batch of (queue, update) pairs, each update put in its queue on ``loop``."""
+    return UpdateBatch(loop, _deliver)
 
 
 def _deliver(pending: list[tuple[asyncio.Queue, TokenUpdate]]) -> None:
@@ -42,8 +49,9 @@ def _deliver(pending: list[tuple[asyncio.Queue, TokenUpdate]]) -> None:
 
 
 class AsyncUpdates:
-    """Made on the event loop that reads it; ``put`` may be called from any thread. With ``batch``,
-    only the engine loop may put (it flushes the batch after each step and each round of calls)."""
+    """Made on the event loop that reads it; ``put`` may be called from any thread. With ``batch``
+    (a ``queue_batch``), only the engine loop may put (it flushes the batch after each step and each
+    round of calls)."""
 
     def __init__(self, batch: UpdateBatch | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -52,7 +60,7 @@ class AsyncUpdates:
 
     def put(self, update: TokenUpdate) -> None:
         if self.batch is not None:
-            self.batch.add(self._queue, update)
+            self.batch.add((self._queue, update))
             return
         try:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, update)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from epd.config import EngineConfig
-from epd.engine.async_updates import AsyncUpdates, UpdateBatch
+from epd.engine.async_updates import AsyncUpdates, UpdateBatch, queue_batch
 from epd.engine.engine_loop import EngineLoop
 from epd.errors import EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
@@ -44,7 +44,7 @@ class InProcessBackend:
         self._batch: UpdateBatch | None = None  # made by start(), on the event loop that reads
 
     async def start(self) -> None:
-        self._batch = UpdateBatch(asyncio.get_running_loop())  # a step's updates cross in one call
+        self._batch = queue_batch(asyncio.get_running_loop())  # a step's updates cross in one call
 
     async def close(self) -> None:
         self.loop.stop()

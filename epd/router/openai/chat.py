@@ -35,7 +35,6 @@ from epd.router.openai.responses import (
     DeltaFunction,
     DeltaMessage,
     DeltaToolCall,
-    ErrorResponse,
     ResponseFunction,
     ResponseMessage,
     ResponseToolCall,
@@ -46,7 +45,7 @@ from epd.router.openai.responses import (
     logprobs_content,
     usage_json,
 )
-from epd.router.openai.streaming import DONE, STATUS_CLIENT_GONE, ClientGone, CorePump, EventStream, sse, stream_error
+from epd.router.openai.streaming import DONE, STATUS_CLIENT_GONE, ClientGone, CorePump, EventStream, failure_frames, sse
 from epd.types import ChatRequest, StreamEvent, ToolCall
 
 log = logging.getLogger("epd.router.http")
@@ -156,7 +155,7 @@ class _ChatFrames:
         return b"".join(frames) + DONE
 
     def fail(self, exc: BaseException) -> bytes:
-        return sse(ErrorResponse.of_error(stream_error(exc, self.out.request_id))) + DONE
+        return failure_frames(exc, self.out.request_id)
 
 
 class _ChoiceState:

@@ -29,8 +29,8 @@ from epd.router.openai.requests import (
     structured_output,
     validation_error,
 )
-from epd.router.openai.responses import ChunkHead, ErrorResponse, Usage, error_response, usage_json
-from epd.router.openai.streaming import DONE, CorePump, EventStream, sse, stream_error
+from epd.router.openai.responses import ChunkHead, Usage, error_response, usage_json
+from epd.router.openai.streaming import DONE, CorePump, EventStream, failure_frames, sse
 from epd.router.request_rule import chat_request
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
@@ -196,7 +196,7 @@ class _TextFrames:
         return b"".join(frames) + DONE
 
     def fail(self, exc: BaseException) -> bytes:
-        return sse(ErrorResponse.of_error(stream_error(exc, self.out.request_id))) + DONE
+        return failure_frames(exc, self.out.request_id)
 
 
 class _Piece:

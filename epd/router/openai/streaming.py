@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from epd.errors import EPDError, InternalError
 from epd.router.api import RouterCore
+from epd.router.openai.responses import ErrorResponse
 from epd.types import ChatRequest, StreamEvent
 
 log = logging.getLogger("epd.router.http")
@@ -207,6 +208,11 @@ async def stop_pumps(timeout_s: float = 2.0) -> int:
     if tasks:
         await asyncio.wait(tasks, timeout=timeout_s)
     return len(tasks)
+
+
+def failure_frames(exc: BaseException, request_id: str) -> bytes:
+    """A stream that failed after its first event ends with an OpenAI error event and [DONE]."""
+    return sse(ErrorResponse.of_error(stream_error(exc, request_id))) + DONE
 
 
 def stream_error(exc: BaseException, request_id: str) -> EPDError:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import grpc
 
+from epd import loops
 from epd.errors import RETRY_AFTER_KEY
 
 MiB = 1024 * 1024
@@ -79,7 +80,7 @@ class AioServerThread:
     behind them."""
 
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = loops.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.server: grpc.aio.Server | None = None

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from epd import loops
 from epd.config import RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.types import ChatRequest, RequestOutput, SamplingParams, StreamEvent
@@ -24,7 +25,7 @@ _CALL_TIMEOUT_S = 600.0  # no call into the loop waits longer than this (a reque
 class SyncRouter:
     def __init__(self, pipeline: RequestPipeline) -> None:
         self.pipeline = pipeline
-        self._loop = asyncio.new_event_loop()
+        self._loop = loops.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sync-router", daemon=True)
         self._thread.start()
         try:

@@ -10,7 +10,6 @@ worker list equal to where the actors serve (``RayEPDCluster``).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import urllib.request
 
 import ray
 
+from epd import loops
 from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
 from epd.server.parent import descendants, reap_with_me
 from epd.server.ray_sizing import ROUTER_CPUS, SizingError, check_fits, demand_breakdown, fit_local
@@ -86,7 +86,7 @@ class RouterActor:
         ready = threading.Event()
 
         def run() -> None:
-            asyncio.run(serve(config, handle_signals=False,
+            loops.run(serve(config, handle_signals=False,
                               on_ready=lambda h, g, a: (setattr(self, "_urls", (h, g, a)), ready.set()),
                               on_server=lambda s: setattr(self, "_server", s)))
             ready.set()

@@ -15,6 +15,7 @@ import signal
 import grpc
 import uvicorn
 
+from epd import loops
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.server.flags import Command, load, run_or_exit
@@ -200,4 +201,4 @@ def main(argv: list[str] | None = None) -> None:
     config = run_or_exit("epd router", lambda: router_config_from_args(argv))
     from epd.router.auth import ApiKeys
     run_or_exit("epd router", lambda: key_rate_limiter(config, ApiKeys(config.api_keys, config.api_key_file)))
-    asyncio.run(serve(config))
+    loops.run(serve(config))

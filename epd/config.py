@@ -235,6 +235,8 @@ class WorkerConfig(_Config):
     io_threads: PositiveInt = Field(8, description="threads for blocking transfer work (imports, exports, lease "
                                                    "calls); requests in flight cost no thread")
     metrics_port: Port = Field(0, description="Prometheus /metrics port (0: a free one)")
+    stream_port: Port = Field(0, description="decode: TCP port of the routers' token streams (0: a free one; its "
+                                             "health answer tells routers which)")
     drain_timeout_s: float = Field(25.0, ge=0, description="on SIGTERM: take no new request (health says DRAINING) "
                                                            "and wait this long for the held ones before stopping "
                                                            "(below Kubernetes' terminationGracePeriodSeconds)")
@@ -310,6 +312,9 @@ class RouterConfig(_Config):
     encoder_policy: str = Field("hash_affinity", description="routing policy for encoders")
     prefill_policy: str = Field("prefix_affinity", description="routing policy for prefill")
     decode_policy: str = Field("least_loaded", description="routing policy for decode")
+    decode_link: Literal["tcp", "grpc"] = Field("tcp", description="how decode workers stream tokens back: tcp (the "
+                                                "TCP link a worker's health offers; gRPC when it offers none) or "
+                                                "grpc (always the gRPC Stream call: only the gRPC port reachable)")
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -84,6 +84,11 @@ class AioServerThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
         self.server: grpc.aio.Server | None = None
+        self._stops: list[Callable[[float], Awaitable[None]]] = []
+
+    def also_stop(self, stop: Callable[[float], Awaitable[None]]) -> None:
+        """``stop(grace_s)`` runs on the loop beside the gRPC server's own stop (another listener)."""
+        self._stops.append(stop)
 
     def run(self, coro, timeout_s: float | None = None):
         """Run a coroutine on the server's loop and wait for its result."""
@@ -114,9 +119,12 @@ class AioServerThread:
         """Stop the server (in-flight calls get ``grace_s``), then the loop and its thread."""
         if not self.loop.is_running():
             return
-        if self.server is not None:
+        stops = [*([self.server.stop] if self.server is not None else []), *self._stops]
+        if stops:
+            async def stop_all() -> None:
+                await asyncio.gather(*(stop(grace_s) for stop in stops), return_exceptions=True)
             try:
-                self.run(self.server.stop(grace_s), grace_s + 5.0)
+                self.run(stop_all(), grace_s + 5.0)
             except Exception:  # noqa: BLE001 - stopping anyway; the loop goes next
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -12,6 +12,9 @@ The files are read once, at start: a process that cannot read them does not star
 """
 from __future__ import annotations
 
+import os
+import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +46,33 @@ class MutualTls:
 
     def channel_options(self) -> tuple:
         return (("grpc.ssl_target_name_override", self.server_name),) if self.server_name else ()
+
+    # the same identity for what is not gRPC (the decode token stream's TCP link, epd.tcp_link)
+    def ssl_server_context(self) -> ssl.SSLContext:
+        """Demands a client certificate from the cluster's CA, as the gRPC servers do."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.verify_mode = ssl.CERT_REQUIRED
+        return self._with_identity(context)
+
+    def ssl_client_context(self) -> ssl.SSLContext:
+        """Checks the server's certificate against the cluster's CA and the host (or ``server_name``:
+        see ``ssl_server_hostname``) and presents this process's own."""
+        return self._with_identity(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+
+    def ssl_server_hostname(self, host: str) -> str:
+        return self.server_name or host.strip("[]")
+
+    def _with_identity(self, context: ssl.SSLContext) -> ssl.SSLContext:
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.load_verify_locations(cadata=self.ca_pem.decode())
+        # ssl loads a key pair from files only: a private directory, gone once it is read
+        with tempfile.TemporaryDirectory(prefix="epd-tls-") as private:
+            cert, key = os.path.join(private, "cert.pem"), os.path.join(private, "key.pem")
+            for path, data in ((cert, self.cert_pem), (key, self.key_pem)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            context.load_cert_chain(cert, key)
+        return context
 
 
 def _read(path: str, key: str) -> bytes:

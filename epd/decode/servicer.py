@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
 
 from epd.decode.step_stream import StepSink, StreamRequest
+from epd.decode.stream_listener import StreamListener
 from epd.decode.worker import DecodeWorker
 from epd.engine.engine_loop import TokenUpdate
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
@@ -26,15 +28,23 @@ _LATE_ADD_WAIT_S = 10.0  # a request the loop has not queued yet: how long to wa
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, ctx) -> None:
         self.worker, self.ctx, self.config, self.metrics = worker, ctx, ctx.config, ctx.metrics
+        self.listener: StreamListener | None = None  # the TCP link's, once started
 
     async def Stream(self, commands, context):
         # a coroutine that writes, not a generator that yields: when the router goes, gRPC cancels
-        # this task wherever it waits, and the finally below aborts what the stream still runs
+        # this task wherever it waits, and serve_stream's cleanup aborts what the stream still runs
+        await self.serve_stream(commands, context.write)
+
+    async def serve_stream(self, commands: AsyncIterator[decode_pb2.StreamCommand],
+                           write: Callable[[decode_pb2.StepBatch], Awaitable[None]]) -> None:
+        """One router's stream, on gRPC or on the TCP link (``epd.decode.stream_listener``): run
+        ``commands`` until they end (the router is done: end once its requests have) or break off
+        (a ``ConnectionError``: the router is gone, abort everything), ``write`` each step's batch."""
         stream = _RouterStream(self)
         reader = asyncio.create_task(stream.read(commands))
         try:
             while (batch := await stream.outbox.get()) is not None:
-                await context.write(batch)
+                await write(batch)
         finally:  # the router closed its side and nothing is left, or the stream is gone
             reader.cancel()
             await stream.close()
@@ -51,8 +61,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Health(self, request, context):
         engine = self.worker.engine
         sched = engine.scheduler
+        link = {"stream_port": self.listener.port, "stream_token": self.listener.token} if self.listener else {}
         return self.ctx.health(num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.importing),
-                               kv_usage=engine.block_manager.usage, num_steps=engine.num_steps)
+                               kv_usage=engine.block_manager.usage, num_steps=engine.num_steps, **link)
 
 
 class _RouterStream:
@@ -73,6 +84,9 @@ class _RouterStream:
                     self._start(command.start, command.timeout_ms / 1000 or self.s.config.request_timeout_s)
                 elif (state := self.requests.get(command.cancel)) is not None:
                     state.task.cancel()
+        except ConnectionError as err:  # the TCP link broke off: nobody is left to read what runs
+            log.info("a router's stream broke off (%s): aborting its %d request(s)", err, len(self.requests))
+            self.outbox.put_nowait(None)
         finally:
             self.closing = True
             self._end_if_done()
@@ -214,4 +228,12 @@ def build(ctx):
     worker = DecodeWorker(resolve_model(ctx.config.model), ctx.config.engine)
     ctx.metrics.watch_engine(worker.engine)
     servicer = DecodeServicer(worker, ctx)
+    if ctx.server is not None:  # the TCP link beside gRPC (a test's bare context has no loop to run it)
+        listener = servicer.listener = StreamListener(servicer, ctx.config.host, ctx.config.stream_port, ctx.tls)
+        try:
+            ctx.server.run(listener.start(), 30.0)
+        except BaseException:
+            worker.close()
+            raise
+        ctx.server.also_stop(listener.stop)
     return lambda server: decode_pb2_grpc.add_DecodeServicer_to_server(servicer, server), worker.close

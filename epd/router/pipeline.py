@@ -254,7 +254,7 @@ class _TextStream:
         self.tools = ToolCallStream() if parse_tool_calls else None
 
     def event(self, output: BackendOutput, prompt: ProcessedPrompt | None) -> StreamEvent:
-        text, matched = self.stops.feed(self.detok.add(output.token_ids))
+        text, matched, output = self._through_stops(output)
         finish_reason = "stop" if matched is not None else output.finish_reason
         stop_reason: str | int | None = matched
         if finish_reason and matched is None:
@@ -273,6 +273,24 @@ class _TextStream:
                            finish_reason=finish_reason, stop_reason=stop_reason, tool_calls=calls,
                            prompt_token_ids=list(prompt.prompt_token_ids) if prompt is not None else None,
                            num_cached_tokens=output.num_cached_tokens if prompt is not None else 0)
+
+
+    def _through_stops(self, output: BackendOutput) -> tuple[str, str | None, BackendOutput]:
+        """The output's text past the stop strings -> (text, the stop met or None, the output). A
+        stop met inside an output of several tokens (a reader that lagged gets its tokens in one
+        piece) ends it at the token that completed the match, as one token at a time would: the
+        tokens, logprobs and usage a client sees never depend on how its tokens were batched."""
+        if len(output.token_ids) <= 1 or not self.stops.stops:
+            text, matched = self.stops.feed(self.detok.add(output.token_ids))
+            return text, matched, output
+        pieces = []
+        for i, token_id in enumerate(output.token_ids):
+            text, matched = self.stops.feed(self.detok.add([token_id]))
+            pieces.append(text)
+            if matched is not None:
+                return "".join(pieces), matched, dataclasses.replace(
+                    output, token_ids=output.token_ids[:i + 1], logprobs=output.logprobs[:i + 1])
+        return "".join(pieces), None, output
 
 
 def count_media_parts(messages: list[dict]) -> dict[str, int]:

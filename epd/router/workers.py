@@ -38,6 +38,7 @@ class WorkerState:
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
     progress_at_s: float = field(default_factory=time.monotonic)  # last check that saw progress, or no work
+    tls: object = field(default=None, repr=False)  # the router's certificates (epd.tls.MutualTls), for links not gRPC
     # resolved when the worker leaves rotation: calls waiting on it give up then (see ``outage``)
     _left_rotation: asyncio.Future | None = field(default=None, repr=False)
 
@@ -171,7 +172,7 @@ class WorkerRegistry:
         w.consecutive_failures = max(w.consecutive_failures, self.unhealthy_after)
 
     def _state(self, tier: str, address: str) -> WorkerState:
-        return WorkerState(tier, address, open_channel(address, self._tls, aio=True))
+        return WorkerState(tier, address, open_channel(address, self._tls, aio=True), tls=self._tls)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self._check(w) for states in self.workers.values() for w in states))

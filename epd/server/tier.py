@@ -43,7 +43,7 @@ _DRAIN_NOTICE_S = 2.0  # how long a stopping worker answers DRAINING at least
 _TIERS = {"encoder": ("epd.encoder.servicer", True), "prefill": ("epd.prefill.servicer", True),
           "decode": ("epd.decode.servicer", False)}
 # worker flags a tier does not take (their settings belong to other tiers)
-_SKIPPED = {"encoder": ("engine", "overlap_prefill_with_encode"), "prefill": ("encoder",),
+_SKIPPED = {"encoder": ("engine", "overlap_prefill_with_encode", "stream_port"), "prefill": ("encoder", "stream_port"),
             "decode": ("encoder", "overlap_prefill_with_encode")}
 
 
@@ -58,6 +58,8 @@ class TierContext:
     store: TensorStore | None  # for producers (they export tensors); None for decode
     io: ThreadPoolExecutor  # blocking transfer work, off the event loop
     admission: TierAdmission
+    server: AioServerThread | None = None  # its loop runs the servicers (and what else a tier listens on)
+    tls: MutualTls | None = None  # this worker's identity, for listeners other than gRPC
 
     @property
     def host_id(self) -> str:
@@ -147,7 +149,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
             metrics.watch_store(store)
         admission = TierAdmission(tier, config.max_requests, config.max_imported_bytes)
         add_to_server, close = importlib.import_module(module_name).build(
-            TierContext(tier, config, address, metrics, store, io, admission))
+            TierContext(tier, config, address, metrics, store, io, admission, server, tls))
 
         def add_servicers(grpc_server) -> None:
             if store is not None:

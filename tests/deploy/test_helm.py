@@ -324,6 +324,10 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
         argv = ["10.1.2.3" if a == "$(POD_IP)" else a for a in argv]
         wc = worker_config_from_args(tier, argv)
         assert (wc.host, wc.port, wc.metrics_port) == ("10.1.2.3", 50051, 9090)
+        # decode's TCP link for the routers' token streams: a fixed port, open to them, only on decode
+        assert wc.stream_port == (50052 if tier == "decode" else 0)
+        assert ({p["name"]: p["containerPort"] for p in c["ports"]}.get("stream") ==
+                (50052 if tier == "decode" else None))
         assert wc.model == rc.model
         # one model_name label on every process's metrics: the router's first public name
         assert wc.public_model_name == (rc.served_model_name or (rc.model,))[0]
@@ -384,7 +388,8 @@ def test_the_secured_chart_wires_secrets_and_network_policies(rendered, tmp_path
         grpc_rule, metrics_rule = policies[f"epd-{tier}"]["spec"]["ingress"]
         assert grpc_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
                                                                       "app.kubernetes.io/part-of": "epd"}}}]
-        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"}]
+        assert grpc_rule["ports"] == [{"port": 50051, "protocol": "TCP"},
+                                      *([{"port": 50052, "protocol": "TCP"}] if tier == "decode" else [])]
         assert "from" not in metrics_rule and metrics_rule["ports"] == [{"port": 9090, "protocol": "TCP"}]
     (router_rule,) = policies["epd-router"]["spec"]["ingress"]
     assert router_rule["from"] == CASES["secured"]["networkPolicy"]["routerFrom"]
@@ -408,7 +413,7 @@ def test_probes_use_the_health_endpoints(rendered):
         assert c["startupProbe"]["tcpSocket"] == {"port": "grpc"}
         assert c["livenessProbe"]["httpGet"] == {"path": "/metrics", "port": "metrics"}
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        assert ports == {"grpc": 50051, "metrics": 9090}
+        assert ports == {"grpc": 50051, "metrics": 9090, **({"stream": 50052} if tier == "decode" else {})}
 
 
 def test_headless_services_publish_every_worker(rendered):
@@ -417,7 +422,7 @@ def test_headless_services_publish_every_worker(rendered):
         assert svc["spec"]["clusterIP"] == "None"
         assert svc["spec"]["publishNotReadyAddresses"] is True
         assert svc["spec"]["selector"]["app.kubernetes.io/component"] == tier
-        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics"}
+        assert {p["name"] for p in svc["spec"]["ports"]} == {"grpc", "metrics", *(["stream"] if tier == "decode" else [])}
     router = by_kind(rendered["scaled"], "Service")["epd-router"]
     assert router["spec"]["type"] == "NodePort"
     assert {p["name"]: p.get("nodePort") for p in router["spec"]["ports"]} == {"http": 30800, "grpc": None}
@@ -521,7 +526,7 @@ def test_schema_knows_every_config_field():
     assert set(defs["engineConfig"]["properties"]) == fields(EngineConfig)
     assert set(defs["encoderConfig"]["properties"]) == fields(EncoderConfig)
     assert set(defs["workerConfig"]["properties"]) == fields(
-        WorkerConfig, minus=("model", "served_model_name", "host", "port", "metrics_port", "transport", "tls",
+        WorkerConfig, minus=("model", "served_model_name", "host", "port", "metrics_port", "stream_port", "transport", "tls",
                              "host_id"))  # a pod is its own host (its own /dev/shm): the default says so
     # set by the chart itself (listeners and media policy come as arguments), or not for a chart at all;
     # API keys are a secret, never a ConfigMap value: a chart mounts them as api_key_file; tls comes

@@ -54,3 +54,32 @@ def test_the_stop_string_stays_in_the_output_when_asked_and_the_longer_of_two_at
     assert StopStrings(["ab", "abc"], include_in_output=True).feed("xxabcx") == ("xxabc", "abc")
     matcher = StopStrings(["END"], include_in_output=True)
     assert matcher.feed("one E") == ("one ", None) and matcher.feed("ND two") == ("END", "END")
+
+
+def test_a_stop_met_inside_a_batch_of_tokens_ends_at_the_token_that_completed_it():
+    """A reader that lagged gets several tokens in one output; what the client sees (tokens,
+    logprobs, text, usage) must be what it would have seen one token at a time."""
+    from epd.models.presets import resolve_model
+    from epd.models.tokenizer_loading import load_tokenizer
+    from epd.router.backends.base import BackendOutput
+    from epd.router.pipeline import _TextStream
+    from epd.types import TokenLogprobs
+
+    tokenizer = load_tokenizer(resolve_model("tiny-qwen2-vl"))
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog again and again.", add_special_tokens=False)
+    logprobs = [TokenLogprobs(token_id=t, logprob=-0.5) for t in ids]
+
+    def run(chunk: int):
+        stream, events = _TextStream(tokenizer, ["lazy"]), []
+        for start in range(0, len(ids), chunk):
+            events.append(stream.event(BackendOutput(ids[start:start + chunk], logprobs[start:start + chunk]), None))
+            if events[-1].finish_reason:
+                break
+        return ([t for e in events for t in e.token_ids], len([lp for e in events for lp in e.logprobs]),
+                "".join(e.text for e in events), events[-1].finish_reason, events[-1].stop_reason)
+
+    one_at_a_time = run(1)
+    assert one_at_a_time[2] == "The quick brown fox jumps over the " and one_at_a_time[3:] == ("stop", "lazy")
+    assert len(one_at_a_time[0]) < len(ids)  # the tokens after the stop never reach the client
+    for chunk in (2, 3, 5, len(ids)):
+        assert run(chunk) == one_at_a_time, chunk

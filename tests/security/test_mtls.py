@@ -108,9 +108,49 @@ def test_serve_with_mutual_tls_serves_and_every_tier_refuses_strangers(secured, 
                 _health(address, tier, channel)
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, (tier, what)
         assert _health(address, tier, open_channel(address, _tls(pki["client"]))).tier == tier
+    _decode_token_stream_refuses_strangers(workers["decode"], pki)
     # the refused handshakes cost nothing: the cluster still serves
     again = client.chat.completions.create(model="m", max_tokens=2, messages=chat("Again?", [data_url(image)]))
     assert again.choices[0].finish_reason == "length"
+
+
+def _decode_token_stream_refuses_strangers(address: str, pki) -> None:
+    """The decode worker's TCP link (routers' token streams) demands the cluster's certificates as
+    its gRPC port does: a stranger gets no byte of a stream; the cluster's client gets one."""
+    import asyncio
+    import ssl
+
+    from epd.router.backends.tcp_stream import TcpStreamCall
+    from epd.v1 import decode_pb2
+
+    health = _health(address, "decode", open_channel(address, _tls(pki["client"])))
+    host, port = address.rpartition(":")[0], health.stream_port
+    assert port, "the decode worker offers no TCP link"
+    ca = pki["cluster"].ca.read_bytes()
+    no_cert = ssl.create_default_context(cadata=ca.decode())
+    no_cert.check_hostname = False
+    strangers = {"plain text": None, "no client certificate": no_cert,
+                 "another CA": MutualTls(pki["stranger"].cert.read_bytes(), pki["stranger"].key.read_bytes(),
+                                         ca).ssl_client_context()}
+
+    async def stranger_reads(context) -> bytes:
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                host, port, ssl=context, server_hostname=host if context else None), 10)
+            writer.write(b"\x00" * 16)  # no TLS record, or a frame nobody may send
+            return await asyncio.wait_for(reader.read(), 10)
+        except (ssl.SSLError, ConnectionError):
+            return b""
+
+    async def member_opens() -> bool:
+        call = TcpStreamCall(host, port, health.stream_token, _tls(pki["client"]))
+        await call.write(decode_pb2.StreamCommand(cancel="nothing-running"))  # a no-op once in
+        await call.done_writing()
+        return [batch async for batch in call] == []
+
+    for what, context in strangers.items():
+        assert asyncio.run(stranger_reads(context)) == b"", what
+    assert asyncio.run(member_opens())
 
 
 @pytest.mark.slow

@@ -73,8 +73,10 @@ def test_a_sink_hands_over_a_steps_updates_in_one_call_on_the_event_loop():
 @pytest.mark.slow
 def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_streams():
     """16 requests at once on one decode worker: the router receives at most one message per engine
-    step of that worker (a message per request per step would be 16 times as many)."""
+    step of that worker (a message per request per step would be 16 times as many), on the TCP link
+    the worker offers (the default) and on the gRPC call (``decode_link: grpc``) alike."""
     from epd.models.presets import resolve_model
+    from epd.router.backends.tcp_stream import TcpStreamCall
     from epd.router.sync import SyncRouter
     from epd.server.local import LocalCluster
     from epd.types import ChatRequest, SamplingParams
@@ -82,29 +84,35 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
 
     model_dir = resolve_model("null-qwen2-vl")
     num_requests, num_tokens = 16, 48
-    with LocalCluster(str(model_dir)) as cluster, SyncRouter.over_workers(
-            model_dir, encoders=cluster.encoders, prefills=cluster.prefills, decodes=cluster.decodes) as router:
+    seen = {}
+    with LocalCluster(str(model_dir)) as cluster:
         metrics = next(f.split("=", 1)[1] for p in cluster.processes if p.tier == "decode" for f in p.ready_fields
                        if f.startswith("metrics="))
-        steps_before = sample_sum(scrape(metrics), "epd_engine_steps_total")
+        for decode_link in ("tcp", "grpc"):
+            with SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
+                                         decodes=cluster.decodes, decode_link=decode_link) as router:
+                steps_before = sample_sum(scrape(metrics), "epd_engine_steps_total")
 
-        async def one(i: int) -> int:
-            request = ChatRequest(messages=[{"role": "user", "content": f"Story {i}, please."}],
-                                  sampling=SamplingParams(max_tokens=num_tokens), request_id=f"s{i}")
-            return sum([len(event.token_ids) async for event in router.pipeline.generate(request)])
+                async def one(i: int) -> int:
+                    request = ChatRequest(messages=[{"role": "user", "content": f"Story {i}, please."}],
+                                          sampling=SamplingParams(max_tokens=num_tokens), request_id=f"s{i}")
+                    return sum([len(event.token_ids) async for event in router.pipeline.generate(request)])
 
-        async def all_of_them():
-            return await asyncio.gather(*(one(i) for i in range(num_requests)))
+                async def all_of_them():
+                    return await asyncio.gather(*(one(i) for i in range(num_requests)))
 
-        counts = router.run(all_of_them())
-        steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
-        link = router.pipeline.backend.decode_links[cluster.decodes[0]]
-    assert counts == [num_tokens] * num_requests
-    # a message per request per step would be one per token from decode whatever the steps; with
-    # any two requests sharing a step (steps < those tokens) the counts tell the designs apart
-    tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill
-    assert steps < tokens_from_decode, "the requests never shared a step: nothing to tell apart"
-    assert 0 < link.num_batches <= steps, (link.num_batches, steps)
+                counts = router.run(all_of_them())
+                steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
+                link = router.pipeline.backend.decode_links[cluster.decodes[0]]
+                seen[decode_link] = (counts, steps, link.num_batches, isinstance(link._call, TcpStreamCall))
+    for decode_link, (counts, steps, num_batches, over_tcp) in seen.items():
+        assert counts == [num_tokens] * num_requests, decode_link
+        # a message per request per step would be one per token from decode whatever the steps; with
+        # any two requests sharing a step (steps < those tokens) the counts tell the designs apart
+        tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill
+        assert steps < tokens_from_decode, f"{decode_link}: the requests never shared a step: nothing to tell apart"
+        assert 0 < num_batches <= steps, (decode_link, num_batches, steps)
+        assert over_tcp == (decode_link == "tcp")
 
 
 def test_a_request_failing_with_an_unexpected_error_is_answered_and_let_go():

@@ -4,6 +4,9 @@ that worker shares one long-lived ``Stream`` call. Starts and cancels go out on 
 ``StepChannel``, where its tokens wait for its reader. A reader that falls behind (a slow client)
 gets what piled up in one piece; it holds up nobody else.
 
+The stream runs on the worker's TCP link (``epd.tcp_link``) when its health offers one, else on
+the gRPC ``Stream`` call; both carry the same messages and end the same ways.
+
 Losing the stream (the worker died, restarted, or left rotation) ends every request on it with the
 error, and each moves on as before; the next request opens a new stream.
 """
@@ -20,7 +23,9 @@ from epd.errors import EPDError, UpstreamError
 from epd.protocol import logprobs_from_proto
 from epd.router.backends.base import BackendOutput
 from epd.router.backends.moves import WorkerLost, lost_message
+from epd.router.backends.tcp_stream import TcpStreamCall
 from epd.router.workers import WorkerState
+from epd.tcp_link import split_host
 from epd.v1 import decode_pb2
 
 log = logging.getLogger("epd.router")
@@ -80,8 +85,10 @@ class DecodeLink:
     """The stream to one decode worker. ``map_error`` turns the stream's gRPC failure into the
     error its requests end with (the backend's: it also takes a dead worker out of rotation)."""
 
-    def __init__(self, worker: WorkerState, map_error: Callable[[grpc.aio.AioRpcError], EPDError]) -> None:
-        self.worker, self._map_error = worker, map_error
+    def __init__(self, worker: WorkerState, map_error: Callable[[grpc.aio.AioRpcError], EPDError], *,
+                 over_tcp: bool = True) -> None:
+        """``over_tcp``: on the worker's TCP link when its health offers one (else the gRPC call)."""
+        self.worker, self._map_error, self.over_tcp = worker, map_error, over_tcp
         self.channels: dict[str, StepChannel] = {}
         self.num_batches = 0  # messages received: one per engine step of the worker, whatever the requests
         self._call = None
@@ -115,7 +122,12 @@ class DecodeLink:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _open(self) -> None:
-        self._call = self.worker.stub.Stream()
+        health = self.worker.last_health
+        if self.over_tcp and health.stream_port:  # the TCP link the worker offers: far cheaper per message
+            self._call = TcpStreamCall(split_host(self.worker.address), health.stream_port, health.stream_token,
+                                       self.worker.tls)
+        else:
+            self._call = self.worker.stub.Stream()
         self._outbox, self._lost = asyncio.Queue(), False
         outage = self.worker.outage()  # a wedged worker keeps the stream open: leaving rotation ends it
         outage.add_done_callback(lambda _, call=self._call: self._on_outage(call))
@@ -134,7 +146,7 @@ class DecodeLink:
             while (command := await outbox.get()) is not None:
                 await call.write(command)
             await call.done_writing()
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, OSError):
             pass  # the stream is gone: its reader ends every request with the reason
 
     async def _read(self, call) -> None:

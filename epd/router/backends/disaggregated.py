@@ -335,7 +335,8 @@ class DisaggregatedBackend:
             if link is not None:  # the address was removed and added again: a new worker state
                 self._in_background(link.close())
             link = self.decode_links[decode.address] = DecodeLink(
-                decode, lambda err: self._rpc_error("decode", decode.address, err))
+                decode, lambda err: self._rpc_error("decode", decode.address, err),
+                over_tcp=self.config.decode_link == "tcp")
         return link
 
     # ---- workers --------------------------------------------------------------------------------

@@ -151,6 +151,7 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
 {{- $_ := unset $cfg "encoder" -}}
 {{- end -}}
 {{- $managed := dict "model" (include "epd.modelRef" $root) "host" "0.0.0.0" "port" (int $root.Values.workerPorts.grpc) "metrics_port" (int $root.Values.workerPorts.metrics) "transport" $root.Values.transport -}}
+{{- if eq $tier "decode" }}{{ $_ := set $managed "stream_port" (int $root.Values.workerPorts.stream) }}{{ end -}}
 {{- /* the router's public name(s): the workers' metrics carry the same model_name label */ -}}
 {{- with (get ($root.Values.router.config | default dict) "served_model_name") }}{{ $_ := set $managed "served_model_name" . }}{{ end -}}
 {{- with (include "epd.tlsConfig" $root | fromYaml) }}{{ $_ := set $managed "tls" . }}{{ end -}}

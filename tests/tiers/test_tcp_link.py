@@ -1,0 +1,163 @@
+"""The TCP link between a router and a decode worker (epd.tcp_link), in-process on 127.0.0.1: the
+worker's listener and the router's call with a stand-in for the decode servicer. What a stream
+must keep from the gRPC call: commands in order, the router's end as the normal end, a cut
+connection aborting the worker's side and reading as UNAVAILABLE on the router's; and what a
+listener must refuse (a stranger's hello, an oversized or broken frame) without going down."""
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import grpc
+import pytest
+
+from epd.decode.stream_listener import StreamListener
+from epd.router.backends.tcp_stream import TcpStreamCall
+from epd.tcp_link import MAX_FRAME_BYTES, LinkBroken, frame, read_message
+from epd.v1 import decode_pb2
+
+
+class _Servicer:
+    """Echoes each cancel command back as a one-step batch, and records how its commands ended."""
+
+    def __init__(self) -> None:
+        self.commands: list[decode_pb2.StreamCommand] = []
+        self.ended: list[str] = []
+
+    async def serve_stream(self, commands, write) -> None:
+        try:
+            async for command in commands:
+                self.commands.append(command)
+                await write(decode_pb2.StepBatch(requests=[decode_pb2.RequestStep(request_id=command.cancel,
+                                                                                  token_ids=[7])]))
+            self.ended.append("end")
+        except ConnectionError as err:
+            self.ended.append(f"broken: {err}")
+
+
+async def _listening(servicer) -> StreamListener:
+    listener = StreamListener(servicer, "127.0.0.1", 0)
+    await listener.start()
+    return listener
+
+
+async def _eventually(predicate, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not within the time")
+
+
+def test_a_stream_carries_commands_and_batches_and_ends_when_the_router_says_so():
+    async def run():
+        servicer = _Servicer()
+        listener = await _listening(servicer)
+        call = TcpStreamCall("127.0.0.1", listener.port, listener.token)
+        for request_id in ("a", "b"):
+            await call.write(decode_pb2.StreamCommand(cancel=request_id))
+        received = []
+        async for batch in call:
+            received.append(batch.requests[0].request_id)
+            if len(received) == 2:
+                await call.done_writing()
+        await _eventually(lambda: servicer.ended)
+        await listener.stop(1.0)
+        return received, servicer
+
+    received, servicer = asyncio.run(run())
+    assert received == ["a", "b"]
+    assert [c.cancel for c in servicer.commands] == ["a", "b"] and servicer.ended == ["end"]
+
+
+def test_a_cut_connection_breaks_off_the_workers_side_and_is_unavailable_on_the_routers():
+    async def run():
+        servicer = _Servicer()
+        listener = await _listening(servicer)
+        router_cut = TcpStreamCall("127.0.0.1", listener.port, listener.token)
+        await router_cut.write(decode_pb2.StreamCommand(cancel="a"))
+        router_cut.cancel()  # the router let go without an end: the worker must abort what it had
+        with pytest.raises(asyncio.CancelledError):
+            async for _ in router_cut:
+                pass
+        await _eventually(lambda: servicer.ended)
+        worker_gone = TcpStreamCall("127.0.0.1", listener.port, listener.token)
+        await worker_gone.write(decode_pb2.StreamCommand(cancel="b"))
+        batches = aiter(worker_gone)
+        first = await anext(batches)
+        await listener.stop(0.0)  # the worker goes while the stream is open
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await anext(batches)
+        refused = TcpStreamCall("127.0.0.1", listener.port, listener.token)  # nobody listens any more
+        with pytest.raises(grpc.aio.AioRpcError) as nobody:
+            await refused.write(decode_pb2.StreamCommand(cancel="c"))
+        return servicer, first, lost.value, nobody.value
+
+    servicer, first, lost, nobody = asyncio.run(run())
+    assert servicer.ended[0].startswith("broken:") and "without ending" in servicer.ended[0]
+    assert first.requests[0].request_id == "b"
+    assert lost.code() == grpc.StatusCode.UNAVAILABLE and "token stream" in lost.details()
+    assert nobody.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_listener_refuses_a_strangers_hello_and_broken_frames_and_keeps_serving():
+    async def raw(port: int, data: bytes) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        try:
+            return await asyncio.wait_for(reader.read(), 5)  # what the worker answers before it closes
+        finally:
+            writer.close()
+
+    async def run():
+        servicer = _Servicer()
+        listener = await _listening(servicer)
+        answers = {
+            "wrong token": await raw(listener.port, frame(decode_pb2.StreamCommand(hello="not-the-token"))),
+            "no hello first": await raw(listener.port, frame(decode_pb2.StreamCommand(cancel="a"))),
+            "oversized frame": await raw(listener.port, struct.pack("<I", MAX_FRAME_BYTES + 1)),
+            "not protobuf": await raw(listener.port, struct.pack("<I", 3) + b"\xff\xff\xff"),
+        }
+        wrong_token = TcpStreamCall("127.0.0.1", listener.port, "another-workers-token")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await wrong_token.write(decode_pb2.StreamCommand(cancel="x"))
+        good = TcpStreamCall("127.0.0.1", listener.port, listener.token)  # the worker still serves
+        await good.write(decode_pb2.StreamCommand(cancel="ok"))
+        batch = await anext(aiter(good))
+        await good.done_writing()
+        await listener.stop(1.0)
+        return answers, refused.value, batch, servicer
+
+    answers, refused, batch, servicer = asyncio.run(run())
+    assert answers == {what: b"" for what in answers}  # closed, and nothing said to a stranger
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE and "another worker" in refused.details()
+    assert batch.requests[0].request_id == "ok" and [c.cancel for c in servicer.commands] == ["ok"]
+
+
+def test_a_frame_is_read_whole_or_the_link_is_broken():
+    async def read(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_message(reader, decode_pb2.StepBatch)
+
+    batch = decode_pb2.StepBatch(requests=[decode_pb2.RequestStep(request_id="r", token_ids=[1, 2])])
+    assert asyncio.run(read(frame(batch))) == batch
+    assert asyncio.run(read(b"")) is None  # closed between messages: the stream's end
+    for broken, why in ((frame(batch)[:-1], "bytes into"), (b"\x01\x00", "header"),
+                        (struct.pack("<I", MAX_FRAME_BYTES + 1), "at most")):
+        with pytest.raises(LinkBroken, match=why):
+            asyncio.run(read(broken))
+
+
+def test_a_taken_stream_port_is_an_error_that_names_it():
+    async def run():
+        first = await _listening(_Servicer())
+        second = StreamListener(_Servicer(), "127.0.0.1", first.port)
+        try:
+            with pytest.raises(RuntimeError, match=f"127.0.0.1:{first.port}.*taken"):
+                await second.start()
+        finally:
+            await first.stop(0.0)
+
+    asyncio.run(run())

@@ -2,7 +2,8 @@
 process spends per token, with the model's own cost taken out (the zero-cost ``null-qwen2-vl``)
 and kept in (``tiny-qwen2-vl``).
 
-For each model and each topology (one decode worker, two, and ``--aggregated``), in one run: text-
+For each model and each topology (one decode worker, two, ``--aggregated``, and ``1d-grpc``: one decode
+worker streaming over its gRPC call instead of the TCP link, the link's baseline), in one run: text-
 only and one-image chats at each concurrency. Printed per point: tokens/s through the router; CPU
 ms per streamed token of the router, of each tier, and of the client; decode CPU ms per engine step
 (the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
@@ -13,7 +14,7 @@ stream), SSE counted by lines, only the last event (usage) parsed, spread over s
 its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,tiny-qwen2-vl] [--streams 64,256]
-        [--tokens 256] [--topologies 1d,2d,aggregated] [--kinds text,image] [--out cp.json] [--api-key K]
+        [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc] [--kinds text,image] [--out cp.json] [--api-key K]
 
 Only loopback; every process started is stopped.
 """
@@ -34,7 +35,9 @@ from dataclasses import asdict, dataclass, field
 from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the checkout on sys.path)
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-_TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ())}
+_TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ()),
+               # decode's tokens over its gRPC Stream call instead of the TCP link: the link's baseline
+               "1d-grpc": ("epd", ("--decode-link", "grpc"))}
 _AUTH = {"header": b""}  # with --api-key: every request's Authorization line (the client processes fork)
 _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
 

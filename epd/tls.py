@@ -12,6 +12,7 @@ The files are read once, at start: a process that cannot read them does not star
 """
 from __future__ import annotations
 
+import functools
 import os
 import ssl
 import tempfile
@@ -56,8 +57,8 @@ class MutualTls:
 
     def ssl_client_context(self) -> ssl.SSLContext:
         """Checks the server's certificate against the cluster's CA and the host (or ``server_name``:
-        see ``ssl_server_hostname``) and presents this process's own."""
-        return self._with_identity(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
+        see ``ssl_server_hostname``) and presents this process's own. Made once per identity."""
+        return _client_context(self)
 
     def ssl_server_hostname(self, host: str) -> str:
         return self.server_name or host.strip("[]")
@@ -73,6 +74,11 @@ class MutualTls:
                     f.write(data)
             context.load_cert_chain(cert, key)
         return context
+
+
+@functools.lru_cache(maxsize=4)
+def _client_context(tls: MutualTls) -> ssl.SSLContext:
+    return tls._with_identity(ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT))
 
 
 def _read(path: str, key: str) -> bytes:

@@ -39,7 +39,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                            write: Callable[[decode_pb2.StepBatch], Awaitable[None]]) -> None:
         """One router's stream, on gRPC or on the TCP link (``epd.decode.stream_listener``): run
         ``commands`` until they end (the router is done: end once its requests have) or break off
-        (a ``ConnectionError``: the router is gone, abort everything), ``write`` each step's batch."""
+        (an ``OSError``: the router is gone, abort everything), ``write`` each step's batch.
+        -> whether the router ended it (False: it broke off)."""
         stream = _RouterStream(self)
         reader = asyncio.create_task(stream.read(commands))
         try:
@@ -48,6 +49,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         finally:  # the router closed its side and nothing is left, or the stream is gone
             reader.cancel()
             await stream.close()
+        return not stream.broken
 
     async def _import(self, request_id: str, handle, timeout_s: float):
         def run():
@@ -75,6 +77,7 @@ class _RouterStream:
         self.sink = StepSink(asyncio.get_running_loop(), self._deliver)
         self.requests: dict[str, StreamRequest] = {}
         self.closing = False  # the router sent its last command: end once its requests have
+        self.broken = False  # the connection broke off instead
         self._cleanups: set[asyncio.Task] = set()  # requests letting go of what they hold
 
     async def read(self, commands) -> None:
@@ -84,8 +87,9 @@ class _RouterStream:
                     self._start(command.start, command.timeout_ms / 1000 or self.s.config.request_timeout_s)
                 elif (state := self.requests.get(command.cancel)) is not None:
                     state.task.cancel()
-        except ConnectionError as err:  # the TCP link broke off: nobody is left to read what runs
+        except OSError as err:  # the TCP link broke off (reset, TLS, timeout): nobody is left to read what runs
             log.info("a router's stream broke off (%s): aborting its %d request(s)", err, len(self.requests))
+            self.broken = True
             self.outbox.put_nowait(None)
         finally:
             self.closing = True

@@ -64,15 +64,18 @@ class StreamListener:
                 return
 
             async def write(batch: decode_pb2.StepBatch) -> None:
+                if writer.is_closing():  # uvloop raises RuntimeError on a closed transport
+                    raise ConnectionResetError("the router's connection is closed")
                 writer.write(frame(batch))
                 await writer.drain()  # a router that reads slowly holds this stream's steps, nobody else's
 
-            await self.servicer.serve_stream(_commands(reader), write)
-        except (ConnectionError, asyncio.TimeoutError) as err:
+            if await self.servicer.serve_stream(_commands(reader), write):
+                await write(decode_pb2.StepBatch(end=True))  # the router ended it: say nothing was lost
+        except (OSError, asyncio.TimeoutError) as err:  # ConnectionError, ssl.SSLError, a timed-out socket
             log.info("token stream from %s ended: %s", peer, err or type(err).__name__)
         finally:
             self._connections.discard(task)
-            writer.close()
+            writer.transport.abort()  # what is unsent is of no use to anyone now
 
     async def _greeted(self, reader, writer, peer) -> bool:
         hello = await asyncio.wait_for(read_message(reader, decode_pb2.StreamCommand), HELLO_TIMEOUT_S)
@@ -86,7 +89,8 @@ class StreamListener:
 
 
 async def _commands(reader: asyncio.StreamReader) -> AsyncIterator[decode_pb2.StreamCommand]:
-    """The router's commands until its ``end``; a connection closed before it broke off."""
+    """The router's commands until its ``end``; a connection closed before it broke off
+    (``LinkBroken``, or the socket's own ``OSError``)."""
     while (command := await read_message(reader, decode_pb2.StreamCommand)) is not None:
         if command.WhichOneof("command") == "end":
             return

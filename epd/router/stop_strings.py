@@ -1,7 +1,8 @@
 """Stop strings over streamed text: the output ends just before the first match (or just after it,
 with ``include_in_output``, vLLM's ``include_stop_str_in_output``), which may span several deltas.
 Text that could still grow into a stop string is held back until the next delta decides it (tokens
-are never held back)."""
+are never held back; the pipeline feeds an output of several tokens one token at a time, so the
+tokens a stop ends with never depend on how they were batched)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -77,7 +77,12 @@ def test_a_stop_string_truncates_the_output_and_cancels_the_backend_on_both_fron
         assert backend.wait_cancelled(5)
         result = sdk.chat("Hi", stop="o w")
     assert response.choices[0].message.content == "Hello " and response.choices[0].finish_reason == "stop"
-    assert response.usage.completion_tokens == sum(len(ids) for ids in outputs[:3])  # tokens are never held back
+    # the tokens through the one that completed the stop: what the client would get one token at a
+    # time (an output of several tokens is cut there), never those after it
+    flat = [t for ids in outputs for t in ids]
+    through_stop = next(i + 1 for i in range(len(flat)) if "world" in tokenizer.decode(flat[:i + 1]))
+    assert through_stop < sum(len(ids) for ids in outputs[:3])  # the stop came inside the third output
+    assert response.usage.completion_tokens == through_stop
     assert result.text == "Hell" and result.finish_reason == "stop" and len(backend.cancelled) == 2
 
 

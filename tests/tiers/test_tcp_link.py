@@ -31,8 +31,10 @@ class _Servicer:
                 await write(decode_pb2.StepBatch(requests=[decode_pb2.RequestStep(request_id=command.cancel,
                                                                                   token_ids=[7])]))
             self.ended.append("end")
+            return True
         except ConnectionError as err:
             self.ended.append(f"broken: {err}")
+            return False
 
 
 async def _listening(servicer) -> StreamListener:
@@ -161,3 +163,65 @@ def test_a_taken_stream_port_is_an_error_that_names_it():
             await first.stop(0.0)
 
     asyncio.run(run())
+
+
+def test_a_cut_is_immediate_even_to_a_wedged_worker_and_a_hello_cut_short_leaves_no_socket():
+    """A worker that stopped reading (wedged, partitioned) must not hold the router's reader when
+    the router cuts the link (its requests move then), nor keep a socket whose hello never got an
+    answer; and a worker that closes without its own end frame, even after the router's end, was
+    lost, not done."""
+    async def run():
+        seen_eof = asyncio.Event()
+
+        async def wedged(reader, writer):  # acknowledges the hello, then never reads again
+            await read_message(reader, decode_pb2.StreamCommand)
+            writer.write(frame(decode_pb2.StepBatch()))
+            await asyncio.sleep(30)
+
+        async def silent(reader, writer):  # never answers the hello; notes when the router lets go
+            try:
+                await reader.read()
+            except ConnectionError:  # the router aborted: a reset, not an end of file
+                pass
+            seen_eof.set()
+
+        async def closes_at_end(reader, writer):  # acknowledges, reads until the end, closes without its frame
+            await read_message(reader, decode_pb2.StreamCommand)
+            writer.write(frame(decode_pb2.StepBatch()))
+            while not (await read_message(reader, decode_pb2.StreamCommand)).end:
+                pass
+            writer.close()
+
+        servers = [await asyncio.start_server(h, "127.0.0.1", 0) for h in (wedged, silent, closes_at_end)]
+        port = [srv.sockets[0].getsockname()[1] for srv in servers]
+        try:
+            call = TcpStreamCall("127.0.0.1", port[0], "t")
+            reading = asyncio.ensure_future(anext(aiter(call)))
+            big = decode_pb2.StreamCommand(cancel="x" * (8 << 20))  # more than the socket buffers take
+            writing = asyncio.ensure_future(call.write(big))
+            await asyncio.sleep(0.3)
+            started = asyncio.get_running_loop().time()
+            call.cancel()
+            done, _ = await asyncio.wait({reading}, timeout=5)
+            cut_s = asyncio.get_running_loop().time() - started
+            writing.cancel()
+            reader_cancelled = bool(done) and reading.cancelled()
+
+            hello = TcpStreamCall("127.0.0.1", port[1], "t")
+            await asyncio.sleep(0.2)
+            hello.cancel()
+            await asyncio.wait_for(seen_eof.wait(), 5)
+
+            ended = TcpStreamCall("127.0.0.1", port[2], "t")
+            await ended.done_writing()
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                async for _ in ended:
+                    pass
+            return reader_cancelled, cut_s, lost.value
+        finally:
+            for srv in servers:
+                srv.close()
+
+    reader_cancelled, cut_s, lost = asyncio.run(run())
+    assert reader_cancelled and cut_s < 1.0, cut_s
+    assert lost.code() == grpc.StatusCode.UNAVAILABLE

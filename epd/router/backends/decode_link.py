@@ -95,6 +95,7 @@ class DecodeLink:
         self._outbox: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._lost = False
+        self._forget_outage: Callable[[], object] = lambda: None
 
     def start(self, request: decode_pb2.GenerateRequest, timeout_s: float) -> StepChannel:
         """Start ``request`` on the stream (opened if it is not); -> where its tokens come."""
@@ -130,7 +131,9 @@ class DecodeLink:
             self._call = self.worker.stub.Stream()
         self._outbox, self._lost = asyncio.Queue(), False
         outage = self.worker.outage()  # a wedged worker keeps the stream open: leaving rotation ends it
-        outage.add_done_callback(lambda _, call=self._call: self._on_outage(call))
+        on_outage = lambda _, call=self._call: self._on_outage(call)  # noqa: E731
+        outage.add_done_callback(on_outage)
+        self._forget_outage = lambda: outage.remove_done_callback(on_outage)
         self._tasks = [asyncio.create_task(self._write(self._call, self._outbox)),
                        asyncio.create_task(self._read(self._call))]
 
@@ -179,6 +182,7 @@ class DecodeLink:
         if call is not self._call:
             return
         self._call = None
+        self._forget_outage()  # a worker that stays in rotation keeps no callback per ended stream
         self._tasks[0].cancel()  # the writer: nothing more goes out on this stream
         channels, self.channels = self.channels, {}
         for channel in channels.values():

@@ -22,7 +22,6 @@ class TcpStreamCall:
         self._where = f"decode {host}:{port} token stream"
         self._connected = asyncio.ensure_future(self._connect(host, port, token, tls))
         self._connected.add_done_callback(lambda f: f.cancelled() or f.exception())  # read by the reader
-        self._ended = False  # the router said ``end``: the worker closing is the stream's normal end
         self._cancelled = False
 
     async def _connect(self, host: str, port: int, token: str, tls):
@@ -31,53 +30,64 @@ class TcpStreamCall:
             name = tls.ssl_server_hostname(host) if tls is not None else None
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=context, server_hostname=name), HELLO_TIMEOUT_S)
-            writer.write(frame(decode_pb2.StreamCommand(hello=token)))
-            if await asyncio.wait_for(read_message(reader, decode_pb2.StepBatch), HELLO_TIMEOUT_S) is None:
-                writer.close()
-                raise LinkBroken("the worker closed the connection at the hello (another worker at that address?)")
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as err:
             raise self._unavailable(err) from None
+        try:
+            writer.write(frame(decode_pb2.StreamCommand(hello=token)))
+            if await asyncio.wait_for(read_message(reader, decode_pb2.StepBatch), HELLO_TIMEOUT_S) is None:
+                raise LinkBroken("the worker closed the connection at the hello (another worker at that address?)")
+        except BaseException as err:  # cancelled or timed out meanwhile too: the socket goes now
+            writer.transport.abort()
+            if isinstance(err, (OSError, ssl.SSLError, asyncio.TimeoutError)):
+                raise self._unavailable(err) from None
+            raise
         return reader, writer
 
     async def write(self, command: decode_pb2.StreamCommand) -> None:
         _, writer = await self._connected
+        if self._cancelled or writer.is_closing():  # uvloop raises RuntimeError on a closed transport
+            raise self._unavailable(ConnectionResetError("the link is closed"))
         try:
             writer.write(frame(command))
             await writer.drain()
-        except OSError as err:
+        except (OSError, RuntimeError) as err:
             raise self._unavailable(err) from None
 
     async def done_writing(self) -> None:
-        self._ended = True
         await self.write(decode_pb2.StreamCommand(end=True))
 
     def cancel(self) -> None:
-        """Cut the link (the reader ends with ``CancelledError``, as a cancelled gRPC call's does)."""
+        """Cut the link now (the reader ends with ``CancelledError``, as a cancelled gRPC call's
+        does): an abort, not a close, which would wait for a wedged worker to take what is unsent
+        or to answer TLS's goodbye."""
         self._cancelled = True
         if not self._connected.done():
             self._connected.cancel()
         elif not self._connected.cancelled() and self._connected.exception() is None:
-            self._connected.result()[1].close()
+            self._connected.result()[1].transport.abort()
 
     def __aiter__(self):
         return self._batches()
 
     async def _batches(self):
-        reader, _ = await self._connected
-        while True:
-            try:
-                batch = await read_message(reader, decode_pb2.StepBatch)
-            except OSError as err:
-                if self._cancelled:
-                    raise asyncio.CancelledError from None
-                raise self._unavailable(err) from None
-            if batch is None:
+        reader, writer = await self._connected
+        try:
+            while True:
+                try:
+                    batch = await read_message(reader, decode_pb2.StepBatch)
+                except (OSError, ssl.SSLError) as err:
+                    if self._cancelled:
+                        raise asyncio.CancelledError from None
+                    raise self._unavailable(err) from None
                 if self._cancelled:
                     raise asyncio.CancelledError
-                if self._ended:
+                if batch is None:
+                    raise self._unavailable(ConnectionResetError("the worker closed the connection"))
+                if batch.end:  # the worker's own end of the stream (after the router's): nothing was lost
                     return
-                raise self._unavailable(ConnectionResetError("the worker closed the connection"))
-            yield batch
+                yield batch
+        finally:
+            writer.transport.abort()  # however it ended, nothing more comes or goes on this socket
 
     def _unavailable(self, err: BaseException) -> grpc.aio.AioRpcError:
         what = str(err) or type(err).__name__

@@ -13,7 +13,7 @@ from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.grammar import GrammarCompiler
 from epd.engine.memory_profile import kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
-from epd.engine.model_runner import ModelRunner
+from epd.engine.model_runner import ModelRunner, local_heads
 from epd.engine.sampler import Sampler
 from epd.engine.scheduler import Scheduler, SchedulerConfig
 from epd.engine.sequence import Sequence
@@ -31,7 +31,7 @@ class LLMEngine:
             if load_tokenizer is not None else None
         cfg = model.config
         dtype = config.torch_dtype
-        bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize
+        bytes_per_token = 2 * cfg.num_hidden_layers * local_heads(model)[1] * cfg.head_dim * dtype.itemsize
         model = model.to(device=config.target_device, dtype=dtype)
         if config.gpu_memory_utilization is not None and config.target_device.startswith("cuda"):
             num_blocks = kv_blocks_for_device_memory(model, config, bytes_per_token, mm_token_ids)

@@ -38,6 +38,13 @@ class StepInputs:
     every_row_samples: bool = False  # a decode step: logits of every row, no gather of the hidden states
 
 
+def local_heads(model: torch.nn.Module) -> tuple[int, int]:
+    """(query heads, KV heads) this process's part of the model holds: all of them, or a
+    tensor-parallel rank's (its ``local_heads``)."""
+    cfg = model.config
+    return getattr(model, "local_heads", None) or (cfg.num_attention_heads, cfg.num_key_value_heads)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, num_blocks: int, block_size: int,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -54,13 +61,14 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.attention_backend = resolve_backend(attention_backend, self.device, dtype)
+        num_heads, num_kv_heads = local_heads(model)
         self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype, block_size))
+            num_heads, num_kv_heads, cfg.head_dim, dtype, block_size))
         self.block_tables = BlockTableMirror()
         graphs = list(decode_graph_sizes) if captures_decode_graphs(self.device, self.attention_backend) else []
         self.kv_pages = num_blocks + (1 if graphs else 0)  # + the decode graphs' padding page, owned by no sequence
         self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, self.kv_pages * block_size,
-                                         cfg.num_key_value_heads, cfg.head_dim, dtype, self.device)
+                                         num_kv_heads, cfg.head_dim, dtype, self.device)
         self.graphs = None
         if graphs:
             from epd.engine.decode_graphs import DecodeGraphRunner

@@ -40,6 +40,16 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def iter_weight_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
+    """Yield (name, lazy slice) over every shard: indexing the slice (``[a:b]``, ``[:, a:b]``,
+    ``[:]``) reads only those elements from the file, so a tensor-parallel rank reads only its part.
+    A slice is valid until the next one is yielded."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
 def read_chat_template(model_dir: Path) -> str | None:
     """``chat_template.jinja`` wins, then ``chat_template.json``, then tokenizer_config.json."""
     model_dir = Path(model_dir)

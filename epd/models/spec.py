@@ -92,9 +92,11 @@ class ProcessedPrompt:
 class ModelFamily(Protocol):
     name: str
 
-    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
-                 ) -> torch.nn.Module:
-        """The language model on our engine, weights loaded straight onto ``device`` in ``dtype``."""
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tp=None) -> torch.nn.Module:
+        """The language model on our engine, weights loaded straight onto ``device`` in ``dtype``;
+        with ``tp`` (an ``epd.models.parallel.TensorParallel``, families that support it), this
+        rank's part of it only."""
 
     def load_vision(self, model_dir: Path, *, dtype: torch.dtype, device: str):
         """The vision encoder (an ``epd.encoder.runner.EncoderModel``)."""

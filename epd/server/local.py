@@ -355,7 +355,10 @@ class LocalCluster:
             try:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.proc.pid, signal.SIGKILL)
+                try:
+                    os.killpg(p.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:  # not a group leader (a process started without its own session)
+                    p.proc.kill()
                 p.proc.wait(5)
 
     def __enter__(self) -> "LocalCluster":

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from epd.models.checkpoint import iter_weights, read_config
+from epd.models.checkpoint import iter_weight_slices, read_config
 from epd.models.layers import PackedLinear, default_weight_loader, skipping_init
+from epd.models.parallel import SINGLE, TensorParallel
 from epd.models.qwen2_vl.llm import Qwen2ForCausalLM, Qwen2TextConfig
 from epd.models.spec import MultimodalSpec
 from epd.multimodal.layout import PromptLayout, build_prompt_layout
@@ -51,9 +52,11 @@ def _canonical_llm_name(name: str) -> str | None:
 
 
 def load_llm_weights(model: Qwen2ForCausalLM, model_dir: Path) -> None:
+    """Every LLM weight of the checkpoint into ``model``, read lazily: a tensor-parallel layer
+    (``epd.models.parallel``) reads only its own rows or columns from the file."""
     params = dict(model.named_parameters())
     loaded = set()
-    for ckpt_name, tensor in iter_weights(model_dir):
+    for ckpt_name, lazy in iter_weight_slices(model_dir):
         name = _canonical_llm_name(ckpt_name)
         if name is None or (name == "lm_head.weight" and model.config.tie_word_embeddings):
             continue
@@ -61,13 +64,18 @@ def load_llm_weights(model: Qwen2ForCausalLM, model_dir: Path) -> None:
             if f".{ckpt_part}." in name:
                 target = name.replace(f".{ckpt_part}.", f".{packed}.")
                 module_name, param_name = target.rsplit(".", 1)
-                model.get_submodule(module_name).load_shard(param_name, tensor, shard)
+                model.get_submodule(module_name).load_shard(param_name, lazy, shard)
                 loaded.add(f"{target}#{shard}")
                 break
         else:
             if name not in params:
                 raise ValueError(f"checkpoint weight {ckpt_name!r} has no place in the LLM")
-            default_weight_loader(params[name], tensor)
+            module_name, _, param_name = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            if param_name == "weight" and hasattr(module, "load_weight"):
+                module.load_weight(lazy)
+            else:
+                default_weight_loader(params[name], lazy[:])
             loaded.add(name)
     _check_all_loaded(model, loaded, model_dir)
 
@@ -85,12 +93,13 @@ def _check_all_loaded(model: Qwen2ForCausalLM, loaded: set[str], model_dir: Path
         raise ValueError(f"{model_dir}: checkpoint lacks LLM weights {missing[:8]}")
 
 
-def build_llm(model_class: type, cfg, model_dir: Path, *, device: str, dtype: torch.dtype):
-    """``model_class(cfg)`` with the checkpoint's weights, straight to ``device`` in ``dtype``, one
-    checkpoint tensor at a time: no float32 copy of the whole model on the host first (30 GB for a
-    7B model)."""
+def build_llm(model_class: type, cfg, model_dir: Path, *, device: str, dtype: torch.dtype,
+              tp: TensorParallel = SINGLE):
+    """``model_class(cfg, tp)`` with the checkpoint's weights, straight to ``device`` in ``dtype``,
+    one checkpoint tensor at a time: no float32 copy of the whole model on the host first (30 GB for
+    a 7B model), and with ``tp`` only this rank's part of each."""
     with torch.device("meta"), skipping_init():
-        model = model_class(cfg).to(dtype)  # on meta: no memory yet
+        model = model_class(cfg, tp).to(dtype)  # on meta: no memory yet
     model = model.to_empty(device=device)  # the rotary frequencies are recomputed, in float32
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -102,10 +111,10 @@ class QwenVLFamily:
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
-                 ) -> Qwen2ForCausalLM:
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tp: TensorParallel = SINGLE) -> Qwen2ForCausalLM:
         return build_llm(Qwen2ForCausalLM, text_config_from_hf(read_config(model_dir)), model_dir, device=device,
-                         dtype=dtype)
+                         dtype=dtype, tp=tp)
 
     def load_vision(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
         from epd.models.qwen2_vl.vision import QwenVisionEncoder

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from epd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
-from epd.models.layers import MRotaryEmbedding, PackedLinear, RMSNorm, SiluAndMul, apply_rotary
+from epd.models.layers import MRotaryEmbedding, RMSNorm, SiluAndMul, apply_rotary
+from epd.models.parallel import (SINGLE, ColumnParallelPacked, HeadLayout, ParallelLMHead, RowParallelLinear,
+                                 TensorParallel, VocabParallelEmbedding)
 
 
 @dataclass(frozen=True)
@@ -45,14 +47,18 @@ class Qwen2TextConfig:
 class Qwen2Attention(nn.Module):
     qkv_bias = True
 
-    def __init__(self, cfg: Qwen2TextConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: Qwen2TextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+        """With ``tp``: this rank's heads only (``epd.models.parallel.HeadLayout``)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        heads = HeadLayout.of(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, cfg.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = PackedLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=self.qkv_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        kv_start = heads.first_kv_head * self.head_dim
+        self.qkv_proj = ColumnParallelPacked(cfg.hidden_size, [q_size, kv_size, kv_size],
+                                             [heads.first_head * self.head_dim, kv_start, kv_start], bias=self.qkv_bias)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, tp,
+                                        "num_attention_heads x head_dim")
         self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = self.head_dim ** -0.5
 
@@ -73,10 +79,11 @@ class Qwen2Attention(nn.Module):
 
 
 class Qwen2MLP(nn.Module):
-    def __init__(self, cfg: Qwen2TextConfig) -> None:
+    def __init__(self, cfg: Qwen2TextConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = PackedLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        local = tp.split(cfg.intermediate_size, "intermediate_size")
+        self.gate_up_proj = ColumnParallelPacked(cfg.hidden_size, [local] * 2, [tp.rank * local] * 2, bias=False)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, "intermediate_size")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +93,10 @@ class Qwen2MLP(nn.Module):
 class Qwen2DecoderLayer(nn.Module):
     attention_class: type[nn.Module] = Qwen2Attention
 
-    def __init__(self, cfg: Qwen2TextConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: Qwen2TextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = self.attention_class(cfg, layer_idx)
-        self.mlp = Qwen2MLP(cfg)
+        self.self_attn = self.attention_class(cfg, layer_idx, tp)
+        self.mlp = Qwen2MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -108,14 +115,18 @@ class Qwen2ForCausalLM(nn.Module):
     rotary_class: type[nn.Module] = MRotaryEmbedding
     deepstack_levels = 0  # vision levels added after the first layers (Qwen3-VL's deepstack)
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, tp: TensorParallel = SINGLE) -> None:
+        """``tp``: this process's rank among the tensor-parallel ranks (``epd.models.parallel``);
+        every rank builds the model with its own, and holds 1/``tp.size`` of it."""
         super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.config, self.tp = cfg, tp
+        heads = HeadLayout.of(cfg.num_attention_heads, cfg.num_key_value_heads, tp)
+        self.local_heads = (heads.num_heads, heads.num_kv_heads)  # what this rank's KV cache and attention hold
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList([self.layer_class(cfg, i, tp) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = self.rotary_class(cfg.head_dim, cfg.rope_theta, list(cfg.mrope_section))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

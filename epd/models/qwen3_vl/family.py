@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from epd.models.checkpoint import read_config
+from epd.models.parallel import SINGLE, TensorParallel
 from epd.models.qwen2_vl.family import QwenVLFamily, build_llm
 from epd.models.qwen3_vl.llm import Qwen3ForCausalLM, Qwen3TextConfig
 from epd.models.spec import MultimodalSpec
@@ -45,10 +46,10 @@ def text_config_from_hf(hf: dict) -> Qwen3TextConfig:
 class Qwen3VLFamily(QwenVLFamily):
     """Qwen2-VL's vision loading, media settings and input processor; its own LLM, spec and layout."""
 
-    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32
-                 ) -> Qwen3ForCausalLM:
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tp: TensorParallel = SINGLE) -> Qwen3ForCausalLM:
         return build_llm(Qwen3ForCausalLM, text_config_from_hf(read_config(model_dir)), model_dir, device=device,
-                         dtype=dtype)
+                         dtype=dtype, tp=tp)
 
     def mm_spec(self, model_dir: Path) -> MultimodalSpec:
         hf = read_config(model_dir)

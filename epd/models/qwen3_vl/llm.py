@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from epd.models.layers import InterleavedMRotaryEmbedding, RMSNorm
+from epd.models.parallel import SINGLE, TensorParallel
 from epd.models.qwen2_vl.llm import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
 
 
@@ -44,8 +45,8 @@ class Qwen3TextConfig:
 class Qwen3Attention(Qwen2Attention):
     qkv_bias = False
 
-    def __init__(self, cfg: Qwen3TextConfig, layer_idx: int) -> None:
-        super().__init__(cfg, layer_idx)
+    def __init__(self, cfg: Qwen3TextConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, layer_idx, tp)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)  # per head, before the rotary
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 

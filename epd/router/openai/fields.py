@@ -67,7 +67,8 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _works("temperature", "[0, 2]; 0 is greedy"),
     _works("top_p", "(0, 1]"),
     _works("seed", "a 64-bit integer; the same seed draws the same tokens on any tier and batch"),
-    _works("stop", "a string or up to any number of strings, cut from the answer"),
+    _works("stop", "a string or up to any number of strings, cut from the answer; the tokens (and `usage`) end "
+           "with the one that completed the match, however they were batched"),
     _works("stream", "server-sent events, OpenAI's chunk shape"),
     _works("stream_options", "include_usage; vLLM's continuous_usage_stats (usage on every chunk); another key "
                              "is a 400"),

@@ -16,12 +16,12 @@ def _generate(args: argparse.Namespace) -> int:
         engine_config = load_config(EngineConfig, args.engine_flags.overrides(args), source="command line")
     except ConfigError as err:
         raise ValueError(str(err)) from None
-    llm = LLM(args.model, engine_config=engine_config)
     content = [{"type": kind, kind: str(Path(p).resolve())} for kind, p in args.media]
     content.append({"type": "text", "text": args.prompt})
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     kwargs = json.loads(args.mm_processor_kwargs) if args.mm_processor_kwargs else None
-    out = llm.chat([{"role": "user", "content": content}], params, mm_processor_kwargs=kwargs)[0]
+    with LLM(args.model, engine_config=engine_config) as llm:
+        out = llm.chat([{"role": "user", "content": content}], params, mm_processor_kwargs=kwargs)[0]
     if args.json:
         print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids,
                           "text": out.text, "finish_reason": out.finish_reason}))

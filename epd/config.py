@@ -100,6 +100,10 @@ class EngineConfig(_Config):
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="ranks the LLM is cut into, one process each (gloo on the CPU, NCCL on CUDA); the in-process "
+                       "engine (epd generate, epd.LLM, --aggregated) so far; decode steps run eager",
+        json_schema_extra={"aliases": ["-tp"]})
     cuda_graph_batch_sizes: tuple[PositiveInt, ...] = Field(
         (), description="decode batch sizes captured as CUDA graphs, on CUDA with attention_backend flashinfer "
                         "(empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs, at most 256)")

@@ -11,7 +11,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.errors import InvalidRequest
-from epd.models.registry import family_for, load_llm_for
+from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.media import MediaInput
@@ -40,10 +40,33 @@ class LLM:
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        self.engine = LLMEngine(load_llm_for(self.model_dir, self.engine_config), self._sized_beside_the_vision_tower(),
-                                eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids,
-                                load_tokenizer=lambda: self.tokenizer)
+        self._ranks = None  # tensor parallel: the other ranks (epd.engine.tensor_parallel), this one is rank 0
+        if self.engine_config.tensor_parallel_size > 1:
+            from epd.engine.tensor_parallel import RankGroup
+            self._ranks = RankGroup(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids)
+        try:
+            model = self.family.load_llm(self.model_dir, device=self.engine_config.target_device,
+                                         dtype=self.engine_config.torch_dtype,
+                                         **({"tp": self._ranks.tp} if self._ranks is not None else {}))
+            self.engine = LLMEngine(model, self._sized_beside_the_vision_tower(), eos_token_ids=eos,
+                                    mm_token_ids=self.mm_spec.mm_token_ids, load_tokenizer=lambda: self.tokenizer)
+        except BaseException:
+            self.close()
+            raise
+        self.engine.runner.ranks = self._ranks
         self.allowed_local_media_path = allowed_local_media_path
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (nothing to do with one rank). Idempotent."""
+        ranks, self._ranks = self._ranks, None
+        if ranks is not None:
+            ranks.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _sized_beside_the_vision_tower(self) -> EngineConfig:
         """The vision tower shares this process's device: a KV cache sized from the GPU's memory

@@ -22,6 +22,24 @@ def test_a_positional_model_sets_both_the_router_and_the_workers():
         serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
 
 
+def test_tensor_parallel_size_goes_to_the_in_process_engine_and_tiers_refuse_it_in_one_line():
+    from epd.config import EngineConfig
+    from epd.engine.tensor_parallel import TensorParallelConfigError, check_supported
+    from epd.server.tier import worker_config_from_args
+
+    aggregated = serve_config_from_args(["tiny-qwen2-vl", "--aggregated", "-tp", "2"])
+    assert aggregated.router.engine.tensor_parallel_size == 2
+    assert serve_config_from_args(["tiny-qwen2-vl", "--tensor-parallel-size", "2", "--aggregated"]) \
+        .router.engine.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="tensor-parallel-size 2: prefill and decode workers run one rank"):
+        serve_config_from_args(["tiny-qwen2-vl", "-tp", "2"])
+    with pytest.raises(ConfigError, match="a decode worker runs one rank so far"):
+        worker_config_from_args("decode", ["-tp", "2"])
+    assert worker_config_from_args("prefill", ["-tp", "1"]).engine.tensor_parallel_size == 1
+    with pytest.raises(TensorParallelConfigError, match="on cuda: the ranks run on the CPU"):
+        check_supported(EngineConfig(tensor_parallel_size=2, device="cuda"))
+
+
 def test_a_flag_setting_configs_with_different_defaults_names_each_default_in_its_help():
     from epd.config import WorkerConfig
     from epd.server.serve import serve_command

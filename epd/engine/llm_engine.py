@@ -44,8 +44,9 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.max_model_len), self.block_manager,
                                    on_finish=on_finish)
-        graph_sizes = () if config.enforce_eager else (config.cuda_graph_batch_sizes
-                                                       or tuple(decode_batch_buckets(config.max_num_seqs)))
+        # tensor parallel: every rank must replay a step's collectives, so steps stay eager for now
+        graph_sizes = () if config.enforce_eager or config.tensor_parallel_size > 1 else (
+            config.cuda_graph_batch_sizes or tuple(decode_batch_buckets(config.max_num_seqs)))
         self.runner = ModelRunner(model, num_blocks=num_blocks,
                                   block_size=config.block_size, device=config.target_device, dtype=dtype,
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids,

@@ -69,6 +69,7 @@ class ModelRunner:
         self.kv_pages = num_blocks + (1 if graphs else 0)  # + the decode graphs' padding page, owned by no sequence
         self.kv_cache = KVCache.allocate(cfg.num_hidden_layers, self.kv_pages * block_size,
                                          num_kv_heads, cfg.head_dim, dtype, self.device)
+        self.ranks = None  # rank 0 of a tensor-parallel group: what sends each step to the others
         self.graphs = None
         if graphs:
             from epd.engine.decode_graphs import DecodeGraphRunner
@@ -78,8 +79,16 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
         step = self.prepare(out)
+        if self.ranks is not None:  # tensor parallel: the other ranks run the same step with their part
+            self.ranks.send_step(step)
+        return self.forward(step), step.sampling_chunks
+
+    @torch.inference_mode()
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """The model over one step's inputs -> logits [B, V] of the rows that sample (every
+        tensor-parallel rank runs this, each with its part of the model and of the KV cache)."""
         if self.graphs is not None and (logits := self.graphs.run(step)) is not None:
-            return logits, step.sampling_chunks
+            return logits
         self.backend.plan(step.meta)  # once per step, before the first layer
         main_rows, deepstack = self._split_deepstack(step)
         embeds, _ = fuse_input_embeds(self.model.embed_tokens, step.input_ids, main_rows,
@@ -87,8 +96,7 @@ class ModelRunner:
                                       mm_token_indices=step.mm_token_indices)
         extra = {"deepstack": deepstack} if deepstack is not None else {}
         hidden = self.model(embeds.to(self.dtype), step.positions, self.kv_cache, step.meta, self.backend, **extra)
-        logits = self.model.compute_logits(hidden if step.every_row_samples else hidden[step.logits_indices])
-        return logits, step.sampling_chunks
+        return self.model.compute_logits(hidden if step.every_row_samples else hidden[step.logits_indices])
 
     def _split_deepstack(self, step: StepInputs) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """A deepstack model's rows are packed ``[main | level 1 | ... | level L]``: the main part is

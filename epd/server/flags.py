@@ -52,10 +52,10 @@ class Command:
             if not _flaggable(annotation):
                 continue  # structured values (e.g. CUDA graph buckets) come from the YAML only
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            self._flag(extra.get("flag", name), (*at, name), annotation, info)
+            self._flag(extra.get("flag", name), (*at, name), annotation, info, tuple(extra.get("aliases", ())))
         return self
 
-    def _flag(self, name: str, path: Path, annotation, info) -> None:
+    def _flag(self, name: str, path: Path, annotation, info, aliases: tuple[str, ...] = ()) -> None:
         if name in self.flags:  # the same setting in several configs: one flag sets them all
             flag = self.flags[name]
             flag.paths.append(path)
@@ -72,8 +72,8 @@ class Command:
             action = self.parser.add_argument(option, dest=dest, default=None, action="append",
                                               metavar=_metavar(annotation),
                                               help=_help(info.description, defaults, repeatable=True))
-        else:
-            action = self.parser.add_argument(option, dest=dest, default=None, metavar=_metavar(annotation),
+        else:  # aliases: vLLM's short forms (-tp)
+            action = self.parser.add_argument(*aliases, option, dest=dest, default=None, metavar=_metavar(annotation),
                                               help=_help(info.description, defaults))
         self.flags[name] = _Flag(dest, [path], action, defaults, info.description, repeatable)
 

@@ -55,6 +55,10 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
     if config.router.aggregated and config.launcher == "ray":
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
                           "use the local launcher")
+    tp = config.worker.engine.tensor_parallel_size
+    if tp > 1 and not config.router.aggregated:
+        raise ConfigError(f"command line: --tensor-parallel-size {tp}: prefill and decode workers run one rank so "
+                          "far; --aggregated runs the engine in ranks, or use 1")
     if config.router.aggregated:  # the one process runs the engine the workers would have
         config = config.model_copy(update={"router": config.router.model_copy(update={"engine": config.worker.engine})})
     return config

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
-from epd.config import WorkerConfig
+from epd.config import ConfigError, WorkerConfig
 from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
@@ -184,7 +184,11 @@ def tier_command(tier: str) -> Command:
 def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
     command = tier_command(tier)
     args = command.parser.parse_args(argv)
-    return load(WorkerConfig, command, args, yaml_path=args.config, prog=f"epd {tier}")
+    config = load(WorkerConfig, command, args, yaml_path=args.config, prog=f"epd {tier}")
+    if tier != "encoder" and config.engine.tensor_parallel_size > 1:
+        raise ConfigError(f"tensor_parallel_size {config.engine.tensor_parallel_size}: a {tier} worker runs one "
+                          "rank so far (the in-process engine takes more: epd generate, --aggregated); use 1")
+    return config
 
 
 def main(tier: str, argv: list[str] | None = None) -> None:

@@ -23,7 +23,12 @@ from epd.models.spec import MultimodalSpec
 class NullFamily(QwenVLFamily):
     """Qwen2-VL's prompt rules (processor, template, M-RoPE layout) over the zero-cost models."""
 
-    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32) -> NullLLM:
+    def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 tp=None) -> NullLLM:
+        if tp is not None and tp.size > 1:
+            from epd.models.parallel import TensorParallelError
+            raise TensorParallelError(f"the zero-cost model is not cut into ranks (tensor_parallel_size {tp.size}); "
+                                      "use 1")
         return NullLLM(text_config(read_config(model_dir))).to(device=device, dtype=dtype).eval()
 
     def load_vision(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):

@@ -48,6 +48,7 @@ class InProcessBackend:
 
     async def close(self) -> None:
         self.loop.stop()
+        self.llm.close()  # tensor-parallel ranks, once no step runs
 
     def health(self) -> dict:
         sched = self.llm.engine.scheduler  # lengths only: a snapshot is enough for a health answer

@@ -1,0 +1,164 @@
+"""Tensor-parallel ranks of the in-process engine. Rank 0 is the process the engine runs in: it
+schedules, prepares each step, runs its part of the model and samples. Ranks 1..N-1 are processes
+of their own, each holding its part of the model (``epd.models.parallel``) and of the KV cache; they
+run every step rank 0 sends them, and the model's collectives (an all-reduce per sublayer, the
+logits' all-gather) join the ranks inside the forward.
+
+A step crosses on the process group as raw tensors, three broadcasts: a header of sizes, every
+integer input packed in one int64 buffer (token ids, positions, slots, page metadata, the rows' and
+logits' indices), and the embedding rows when the step has any. Nothing is pickled. Rank 0's
+scheduler decides the pages and slots, so every rank writes its KV heads into the same slots.
+
+So far: the CPU (gloo, the ranks meeting on 127.0.0.1); steps run eager (a CUDA graph would have to
+be replayed by every rank); a KV import (the decode tier) is not cut into ranks yet.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from epd.engine.attention.metadata import HostPageMetadata, metadata_on
+from epd.engine.model_runner import StepInputs
+
+_HEADER_LEN = 12
+_STEP, _STOP = 1, 2
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the ranks block in a broadcast between steps: an engine idle for hours must not time them out
+_GROUP_TIMEOUT = datetime.timedelta(days=30)
+_START_TIMEOUT_S = 300.0
+
+
+class TensorParallelConfigError(ValueError):
+    """A tensor-parallel size this engine cannot run (the message says what would work)."""
+
+
+def check_supported(config) -> None:
+    size = config.tensor_parallel_size
+    if size > 1 and not config.target_device.startswith("cpu"):
+        raise TensorParallelConfigError(f"tensor_parallel_size {size} on {config.target_device}: the ranks run on "
+                                        f"the CPU (gloo) so far; use tensor_parallel_size 1 on CUDA")
+    if size > 1 and dist.is_initialized():
+        raise TensorParallelConfigError(f"tensor_parallel_size {size}: this process already belongs to a "
+                                        "process group (one tensor-parallel engine per process)")
+
+
+class RankGroup:
+    """Rank 0's side: starts ranks 1..N-1, joins the process group with them, sends each step,
+    stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0)."""
+
+    def __init__(self, model_dir, config, mm_token_ids: tuple[int, ...]) -> None:
+        from epd.models.parallel import TensorParallel
+
+        check_supported(config)
+        size, port = config.tensor_parallel_size, _free_port()
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are processes of this host
+        ctx = multiprocessing.get_context("spawn")
+        self._procs = [ctx.Process(target=_rank_main, name=f"epd-tp-rank{rank}", daemon=True,
+                                   args=(str(model_dir), config.model_dump_json(), tuple(mm_token_ids), rank, size,
+                                         port)) for rank in range(1, size)]
+        for proc in self._procs:
+            proc.start()
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+                                    timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
+        except BaseException:
+            self._reap()
+            raise
+        self.tp = TensorParallel(0, size, dist.group.WORLD)
+
+    def send_step(self, step: StepInputs) -> None:
+        host = step.meta.host
+        rows = torch.cat(step.mm_rows) if len(step.mm_rows) > 1 else (step.mm_rows[0] if step.mm_rows else None)
+        ints = [step.input_ids, step.positions.reshape(-1), host.slot_mapping, host.query_start_loc, host.seq_lens,
+                host.block_tables.reshape(-1), host.kv_indptr, host.kv_indices, host.kv_last_page_len,
+                step.mm_token_indices, step.text_token_indices, step.logits_indices]
+        packed = torch.cat([torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).reshape(-1)
+                            .to(torch.int64) for a in ints])
+        header = torch.tensor([_STEP, step.input_ids.shape[0], len(host.seq_lens), step.meta.num_decodes,
+                               host.block_tables.shape[1], len(host.kv_indices),
+                               0 if rows is None else rows.shape[0], 0 if rows is None else rows.shape[1],
+                               0 if rows is None else _DTYPES.index(rows.dtype), len(step.logits_indices),
+                               int(step.every_row_samples), packed.numel()], dtype=torch.int64)
+        dist.broadcast(header, src=0)
+        dist.broadcast(packed, src=0)
+        if rows is not None:
+            dist.broadcast(rows.contiguous(), src=0)
+
+    def close(self) -> None:
+        """The ranks stop (they leave their loop), then the process group goes."""
+        if dist.is_initialized():
+            try:
+                dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), src=0)
+            finally:
+                self._reap()
+                dist.destroy_process_group()
+
+    def _reap(self) -> None:
+        for proc in self._procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+
+
+def receive_step(runner) -> StepInputs | None:
+    """A rank's next step from rank 0 (None: stop)."""
+    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+    dist.broadcast(header, src=0)
+    op, t, b, num_decodes, width, k, r, d, dtype_code, num_logits, every_row, total = header.tolist()
+    if op == _STOP:
+        return None
+    packed = torch.empty(total, dtype=torch.int64)
+    dist.broadcast(packed, src=0)
+    sizes = [t, 3 * t, t, b + 1, b, b * width, b + 1, k, b, r, t - r, num_logits]
+    parts = list(packed.split(sizes))
+    rows = None
+    if r:
+        rows = torch.empty(r, d, dtype=_DTYPES[dtype_code])
+        dist.broadcast(rows, src=0)
+    input_ids, positions, slots, qsl, seq_lens, tables, indptr, indices, last_len, mm_idx, text_idx, logits_idx = parts
+    i32 = lambda x: x.to(torch.int32).numpy()  # noqa: E731
+    host = HostPageMetadata(query_start_loc=i32(qsl), seq_lens=i32(seq_lens), block_tables=i32(tables).reshape(b, width),
+                            kv_indptr=i32(indptr), kv_indices=i32(indices), kv_last_page_len=i32(last_len),
+                            slot_mapping=slots.numpy())
+    meta = metadata_on(host, host.slot_mapping, num_decodes, runner.block_size, runner.kv_pages, runner._to_device)
+    return StepInputs(input_ids=input_ids, positions=positions.reshape(3, t), meta=meta,
+                      mm_rows=[rows] if rows is not None else [], mm_token_indices=mm_idx, text_token_indices=text_idx,
+                      logits_indices=logits_idx, sampling_chunks=[], every_row_samples=bool(every_row))
+
+
+def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], rank: int, size: int,
+               port: int) -> None:
+    """Rank ``rank`` (>= 1): its part of the model and an engine of the same size as rank 0's (the
+    same pages), then every step rank 0 sends, until it says stop or goes away."""
+    from epd.config import EngineConfig
+    from epd.engine.llm_engine import LLMEngine
+    from epd.models.parallel import TensorParallel
+    from epd.models.registry import family_for
+    from epd.threads import apply_thread_policy
+
+    config = EngineConfig.model_validate_json(config_json)
+    apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=_GROUP_TIMEOUT)
+    try:
+        tp = TensorParallel(rank, size, dist.group.WORLD)
+        model = family_for(model_dir).load_llm(model_dir, device=config.target_device, dtype=config.torch_dtype,
+                                               tp=tp)
+        runner = LLMEngine(model, config, eos_token_ids=(), mm_token_ids=mm_token_ids).runner
+        while (step := receive_step(runner)) is not None:
+            runner.forward(step)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

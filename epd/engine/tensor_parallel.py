@@ -59,18 +59,41 @@ class RankGroup:
         size, port = config.tensor_parallel_size, _free_port()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are processes of this host
         ctx = multiprocessing.get_context("spawn")
+        joining = ctx.Queue()
         self._procs = [ctx.Process(target=_rank_main, name=f"epd-tp-rank{rank}", daemon=True,
                                    args=(str(model_dir), config.model_dump_json(), tuple(mm_token_ids), rank, size,
-                                         port)) for rank in range(1, size)]
-        for proc in self._procs:
-            proc.start()
+                                         port, joining)) for rank in range(1, size)]
         try:
+            for proc in self._procs:
+                proc.start()
+            self._wait_until_joining(joining)
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
                                     timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
         except BaseException:
             self._reap()
             raise
         self.tp = TensorParallel(0, size, dist.group.WORLD)
+
+    def _wait_until_joining(self, joining) -> None:
+        """Every rank started and is about to join the group; a rank that died first is an error
+        now, not a wait for the group's timeout (a script that starts ranks must be importable
+        without running itself: ``if __name__ == "__main__":``, as with any spawned process)."""
+        import queue
+        import time
+
+        pending, deadline = {p.name for p in self._procs}, time.monotonic() + _START_TIMEOUT_S
+        while pending:
+            try:
+                pending.discard(joining.get(timeout=0.5))
+            except queue.Empty:
+                dead = [p for p in self._procs if p.name in pending and p.exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"tensor-parallel rank process {dead[0].name} exited with code "
+                                       f"{dead[0].exitcode} before joining (its error is above; a script "
+                                       "needs 'if __name__ == \"__main__\":' around what it runs)") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} did not start within "
+                                       f"{_START_TIMEOUT_S:.0f} s") from None
 
     def send_step(self, step: StepInputs) -> None:
         host = step.meta.host
@@ -134,7 +157,7 @@ def receive_step(runner) -> StepInputs | None:
 
 
 def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], rank: int, size: int,
-               port: int) -> None:
+               port: int, joining) -> None:
     """Rank ``rank`` (>= 1): its part of the model and an engine of the same size as rank 0's (the
     same pages), then every step rank 0 sends, until it says stop or goes away."""
     from epd.config import EngineConfig
@@ -145,6 +168,7 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
 
     config = EngineConfig.model_validate_json(config_json)
     apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
+    joining.put(multiprocessing.current_process().name)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=_GROUP_TIMEOUT)
     try:

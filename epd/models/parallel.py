@@ -8,7 +8,8 @@ it).
 - Row-parallel (``RowParallelLinear``: o_proj, down_proj): each rank holds the matching input
   columns, computes a partial sum, and one all-reduce adds them.
 - Vocab-parallel (``VocabParallelEmbedding``, ``ParallelLMHead``): each rank holds a range of the
-  vocabulary's rows; a lookup is masked to the rank's range and all-reduced, logits are all-gathered.
+  vocabulary's rows; a lookup is masked to the rank's range and all-reduced, logits are gathered on
+  rank 0, which samples.
 - KV heads are split like the query heads; with fewer KV heads than ranks each KV head is
   replicated on ``size / num_kv_heads`` ranks (the ranks whose query heads read it), because a
   KV head cannot be split below one head.
@@ -46,13 +47,16 @@ class TensorParallel:
             torch.distributed.all_reduce(t, group=self.group)
         return t
 
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``t`` joined on the last dim, in rank order."""
+    def gather_last_to_first(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` joined on the last dim, in rank order, on rank 0 (which samples);
+        the other ranks get their own ``t`` back. Only rank 0 receives: an all-gather of a batch's
+        logits ([8, 151,936] floats, 4.9 MB) to every rank cost more than the step's LM head."""
         if self.size == 1:
             return t
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        torch.distributed.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=-1)
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else None
+        torch.distributed.gather(t, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else t
 
     def split(self, total: int, what: str) -> int:
         """``total`` cut evenly -> this rank's share; one that does not divide is refused."""
@@ -142,8 +146,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """The LM head's rows of this rank's vocabulary range; ``forward`` gives every rank the whole
-    ``[N, vocab]`` logits (all-gathered), so any rank can sample."""
+    """The LM head's rows of this rank's vocabulary range; ``forward`` gives rank 0, which samples,
+    the whole ``[N, vocab]`` logits (the other ranks: their own columns, which nobody reads)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, tp: TensorParallel) -> None:
         super().__init__()
@@ -152,7 +156,7 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(local, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_gather_last(F.linear(hidden, self.weight))
+        return self.tp.gather_last_to_first(F.linear(hidden, self.weight))
 
     def load_weight(self, loaded) -> None:
         _copy(self.weight, _rows(loaded, self.start, self.weight.shape[0]))

@@ -101,8 +101,9 @@ class EngineConfig(_Config):
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
     tensor_parallel_size: PositiveInt = Field(
-        1, description="ranks the LLM is cut into, one process each (gloo on the CPU, NCCL on CUDA); the in-process "
-                       "engine (epd generate, epd.LLM, --aggregated) so far; decode steps run eager",
+        1, description="ranks the LLM is cut into, one process each, each with a KV cache of the configured size "
+                       "(its heads); so far the in-process engine (epd generate, epd.LLM, --aggregated) on the "
+                       "CPU (gloo)",
         json_schema_extra={"aliases": ["-tp"]})
     cuda_graph_batch_sizes: tuple[PositiveInt, ...] = Field(
         (), description="decode batch sizes captured as CUDA graphs, on CUDA with attention_backend flashinfer "

@@ -40,6 +40,21 @@ def test_tensor_parallel_size_goes_to_the_in_process_engine_and_tiers_refuse_it_
         check_supported(EngineConfig(tensor_parallel_size=2, device="cuda"))
 
 
+@pytest.mark.parametrize("model, tp, expected", [("tiny-qwen2-vl", "3", "num_attention_heads (4) does not divide into 3"),
+                                                 ("null-qwen2-vl", "2", "its LLM is not cut into ranks")])
+def test_a_tensor_parallel_size_the_model_cannot_take_is_one_line_and_exit_2_before_any_rank_starts(
+        capsys, model, tp, expected):
+    import multiprocessing
+
+    from epd.cli import main
+
+    assert main(["generate", "--model", model, "--prompt", "hi", "--max-tokens", "2", "-tp", tp]) == 2
+    err = capsys.readouterr().err.strip()  # (a preset's first use may print its checkpoint's progress bar first)
+    assert err.splitlines()[-1].startswith("epd generate: error: ") and expected in err.splitlines()[-1], err
+    assert "Traceback" not in err and "[rank" not in err, err
+    assert not multiprocessing.active_children()
+
+
 def test_a_flag_setting_configs_with_different_defaults_names_each_default_in_its_help():
     from epd.config import WorkerConfig
     from epd.server.serve import serve_command

@@ -29,6 +29,10 @@ class LLMEngine:
         against it; called at the first one); without it a request with structured output is refused."""
         self.grammar_compiler = GrammarCompiler(load_tokenizer, model.config.vocab_size) \
             if load_tokenizer is not None else None
+        model_ranks = getattr(getattr(model, "tp", None), "size", 1)
+        if config.tensor_parallel_size != model_ranks:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}, but the model was built for "
+                             f"{model_ranks} rank(s) (epd.LLM starts the ranks; a worker runs one)")
         cfg = model.config
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * local_heads(model)[1] * cfg.head_dim * dtype.itemsize
@@ -98,6 +102,8 @@ class LLMEngine:
         its prompt and of ``output_token_ids`` (tokens it produced before a migration) is written
         into our cache when it is admitted, with its whole token budget reserved. A KV of the wrong
         shape or dtype is refused here (ValueError), before it could fail a whole step."""
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("a KV import is not cut into tensor-parallel ranks yet")
         self.runner.check_kv(kv, len(prompt_token_ids) + len(output_token_ids))
         self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,

@@ -79,9 +79,15 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
         step = self.prepare(out)
-        if self.ranks is not None:  # tensor parallel: the other ranks run the same step with their part
+        if self.ranks is None:
+            return self.forward(step), step.sampling_chunks
+        self.ranks.check()  # tensor parallel: the other ranks run the same step with their part
+        try:
             self.ranks.send_step(step)
-        return self.forward(step), step.sampling_chunks
+            return self.forward(step), step.sampling_chunks
+        except Exception as err:
+            self.ranks.fail(err)  # a rank may have died mid-step: the collectives no longer line up
+            raise
 
     @torch.inference_mode()
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -124,6 +130,8 @@ class ModelRunner:
         each layer's K and V straight into their place in it. ``allocate(shape, dtype)``: where the
         copy lives (prefill passes its TensorStore's shared memory: the CPU hand-off to decode is
         then a lease on this very memory, not a second copy)."""
+        if self.ranks is not None:
+            raise ValueError("a KV export is not cut into tensor-parallel ranks yet")
         slots = self._to_device(self._slots(block_table, 0, num_tokens))
         k0 = self.kv_cache.k[0]
         shape = (len(self.kv_cache.k), 2, num_tokens, *k0.shape[1:])

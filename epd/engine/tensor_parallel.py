@@ -10,11 +10,15 @@ logits' indices), and the embedding rows when the step has any. Nothing is pickl
 scheduler decides the pages and slots, so every rank writes its KV heads into the same slots.
 
 So far: the CPU (gloo, the ranks meeting on 127.0.0.1); steps run eager (a CUDA graph would have to
-be replayed by every rank); a KV import (the decode tier) is not cut into ranks yet.
+be replayed by every rank); a KV import or export (the prefill and decode tiers) is not cut into
+ranks yet. A failed step or a lost rank leaves the ranks out of step for good: every later step is
+refused and the engine reports itself unhealthy, to be restarted. Each rank holds a KV cache of the
+configured size (its heads only): on one host that is N x ``kv_cache_bytes`` of memory.
 """
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing
 import os
 import socket
@@ -26,6 +30,7 @@ import torch.distributed as dist
 from epd.engine.attention.metadata import HostPageMetadata, metadata_on
 from epd.engine.model_runner import StepInputs
 
+log = logging.getLogger("epd.engine")
 _HEADER_LEN = 12
 _STEP, _STOP = 1, 2
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,7 +60,11 @@ class RankGroup:
     def __init__(self, model_dir, config, mm_token_ids: tuple[int, ...]) -> None:
         from epd.models.parallel import TensorParallel
 
+        from epd.models.checkpoint import read_config
+        from epd.models.parallel import check_cuttable
+
         check_supported(config)
+        check_cuttable(read_config(model_dir), config.tensor_parallel_size)
         size, port = config.tensor_parallel_size, _free_port()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are processes of this host
         ctx = multiprocessing.get_context("spawn")
@@ -73,6 +82,32 @@ class RankGroup:
             self._reap()
             raise
         self.tp = TensorParallel(0, size, dist.group.WORLD)
+        self.failure: str | None = None  # set once the ranks can no longer run steps together
+
+    def wait_until_loaded(self) -> None:
+        """Every rank built its part and its engine (rank 0 calls this once its own are built): a
+        rank that failed to load is an error now, not at the first request."""
+        try:
+            dist.barrier()
+        except RuntimeError as err:
+            self.failure = f"a tensor-parallel rank failed while loading: {err}"
+            raise RuntimeError(self.failure) from None
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None and all(p.is_alive() for p in self._procs)
+
+    def check(self) -> None:
+        """Before a step: the ranks must all be there (after a failed step or a lost rank they are
+        out of step for good; the engine is to be restarted)."""
+        if self.failure is None and not all(p.is_alive() for p in self._procs):
+            dead = next(p for p in self._procs if not p.is_alive())
+            self.failure = f"tensor-parallel rank {dead.name} exited (code {dead.exitcode})"
+        if self.failure is not None:
+            raise RuntimeError(f"{self.failure}; the engine must be restarted")
+
+    def fail(self, err: BaseException) -> None:
+        self.failure = self.failure or f"a step failed on the tensor-parallel ranks: {type(err).__name__}: {err}"
 
     def _wait_until_joining(self, joining) -> None:
         """Every rank started and is about to join the group; a rank that died first is an error
@@ -114,13 +149,22 @@ class RankGroup:
             dist.broadcast(rows.contiguous(), src=0)
 
     def close(self) -> None:
-        """The ranks stop (they leave their loop), then the process group goes."""
-        if dist.is_initialized():
-            try:
+        """The ranks stop (they leave their loop; one that cannot hear it is killed), then the
+        process group goes. Never raises: it runs on the way out of other errors too."""
+        if self.failure == "closed" or not dist.is_initialized():
+            return
+        try:
+            if self.healthy:
                 dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), src=0)
-            finally:
-                self._reap()
+        except RuntimeError as err:  # a rank already gone: it is reaped below
+            log.warning("tensor-parallel ranks: the stop did not reach every rank (%s)", err)
+        finally:
+            self.failure = "closed"
+            self._reap()
+            try:
                 dist.destroy_process_group()
+            except RuntimeError as err:
+                log.warning("tensor-parallel ranks: destroying the process group: %s", err)
 
     def _reap(self) -> None:
         for proc in self._procs:
@@ -168,6 +212,7 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
 
     config = EngineConfig.model_validate_json(config_json)
     apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
+    _exit_with_parent()
     joining.put(multiprocessing.current_process().name)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=_GROUP_TIMEOUT)
@@ -176,10 +221,27 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
         model = family_for(model_dir).load_llm(model_dir, device=config.target_device, dtype=config.torch_dtype,
                                                tp=tp)
         runner = LLMEngine(model, config, eos_token_ids=(), mm_token_ids=mm_token_ids).runner
+        dist.barrier()  # loaded: rank 0 waits for this before it takes requests
         while (step := receive_step(runner)) is not None:
             runner.forward(step)
     finally:
         dist.destroy_process_group()
+
+
+def _exit_with_parent() -> None:
+    """A rank whose rank 0 died goes too (before the group exists nothing else would tell it: it
+    would wait for the group's rendezvous)."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _free_port() -> int:

@@ -68,6 +68,16 @@ class TensorParallel:
 SINGLE = TensorParallel()
 
 
+def check_cuttable(hf_config: dict, size: int) -> None:
+    """A checkpoint's LLM (its ``config.json``) cut into ``size`` ranks, or ``TensorParallelError``
+    naming the number that does not divide: checked before any rank starts."""
+    text = {**hf_config, **hf_config.get("text_config", {})}
+    tp = TensorParallel(0, size)
+    HeadLayout.of(text["num_attention_heads"], text["num_key_value_heads"], tp)
+    tp.split(text["intermediate_size"], "intermediate_size")
+    tp.split(text["vocab_size"], "vocab_size")
+
+
 @dataclass(frozen=True)
 class HeadLayout:
     """This rank's attention heads: ``num_heads`` query heads from ``first_head`` and

@@ -56,6 +56,9 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
                           "use the local launcher")
     tp = config.worker.engine.tensor_parallel_size
+    if tp > 1 and config.worker.engine.target_device.startswith("cuda"):
+        raise ConfigError(f"command line: --tensor-parallel-size {tp} on {config.worker.engine.target_device}: the "
+                          "ranks run on the CPU (gloo) so far; use --device cpu or 1")
     if tp > 1 and not config.router.aggregated:
         raise ConfigError(f"command line: --tensor-parallel-size {tp}: prefill and decode workers run one rank so "
                           "far; --aggregated runs the engine in ranks, or use 1")

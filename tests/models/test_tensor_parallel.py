@@ -76,3 +76,28 @@ def test_epd_llm_in_two_ranks_gives_transformers_tokens_on_multi_image_chats(mod
         rank_procs = [p for p in multiprocessing.active_children() if p.name.startswith("epd-tp-rank")]
         assert len(rank_procs) == 1
     assert not any(p.is_alive() for p in rank_procs)
+
+
+def test_a_lost_rank_refuses_every_later_step_and_close_still_cleans_up(model_dir):
+    """A rank killed between steps (its process gone): the next step is refused with what happened,
+    not hung in a collective; the LLM says it is unhealthy; close() neither raises nor leaves a
+    process behind."""
+    from epd.config import EngineConfig
+    from epd.llm import LLM
+    from epd.types import SamplingParams
+
+    if "qwen3" in model_dir:
+        pytest.skip("one model shows it")
+    config = EngineConfig(tensor_parallel_size=2, block_size=4, num_kv_blocks=256)
+    llm = LLM(model_dir, engine_config=config)
+    try:
+        assert llm.healthy and llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))[0].token_ids
+        (rank1,) = [p for p in multiprocessing.active_children() if p.name.startswith("epd-tp-rank")]
+        rank1.kill()
+        rank1.join(10)
+        with pytest.raises(RuntimeError, match="epd-tp-rank1 exited.*must be restarted"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
+        assert not llm.healthy
+    finally:
+        llm.close()
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("epd-tp-rank")]

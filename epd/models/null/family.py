@@ -23,9 +23,11 @@ from epd.models.spec import MultimodalSpec
 class NullFamily(QwenVLFamily):
     """Qwen2-VL's prompt rules (processor, template, M-RoPE layout) over the zero-cost models."""
 
+    supports_tensor_parallel = False
+
     def load_llm(self, model_dir: Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  tp=None) -> NullLLM:
-        if tp is not None and tp.size > 1:
+        if tp is not None and tp.size > 1:  # LLM checks supports_tensor_parallel first; a direct caller here
             from epd.models.parallel import TensorParallelError
             raise TensorParallelError(f"the zero-cost model is not cut into ranks (tensor_parallel_size {tp.size}); "
                                       "use 1")

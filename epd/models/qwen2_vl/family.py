@@ -108,6 +108,8 @@ def build_llm(model_class: type, cfg, model_dir: Path, *, device: str, dtype: to
 
 
 class QwenVLFamily:
+    supports_tensor_parallel = True  # its LLM takes a ``tp`` (epd.models.parallel)
+
     def __init__(self, name: str) -> None:
         self.name = name
 

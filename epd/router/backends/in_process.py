@@ -12,6 +12,7 @@ TTFT p50 was 499 ms instead of 35 ms.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from epd.errors import EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
 from epd.threads import ThreadPolicy
 
+log = logging.getLogger("epd.router")
+_CLOSE_RANKS_S = 120.0  # a step in flight (a long CPU prefill) finishes first
 _BUSY_THREADS = 1  # the router's asyncio event loop (HTTP, gRPC, detokenizing): busy under load
 
 
@@ -47,13 +50,20 @@ class InProcessBackend:
         self._batch = queue_batch(asyncio.get_running_loop())  # a step's updates cross in one call
 
     async def close(self) -> None:
+        if self.llm.engine.runner.ranks is not None:  # tensor parallel: stopped between two steps, on the engine thread
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self.loop.call(lambda _engine: self.llm.close())),
+                                       _CLOSE_RANKS_S)
+            except (asyncio.TimeoutError, RuntimeError) as err:
+                log.warning("aggregated engine: its tensor-parallel ranks did not stop between steps (%s)", err)
         self.loop.stop()
-        self.llm.close()  # tensor-parallel ranks, once no step runs
+        self.llm.close()  # a no-op once closed above
 
     def health(self) -> dict:
         sched = self.llm.engine.scheduler  # lengths only: a snapshot is enough for a health answer
-        return {"status": "ok", "mode": "aggregated", "workers": {},
+        return {"status": "ok" if self.llm.healthy else "error", "mode": "aggregated", "workers": {},
                 "num_running": len(sched.running), "num_waiting": len(sched.waiting)}
+
 
     def refresh_metrics(self, metrics) -> None:
         pass

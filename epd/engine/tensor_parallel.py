@@ -21,7 +21,6 @@ import datetime
 import logging
 import multiprocessing
 import os
-import socket
 
 import numpy as np
 import torch
@@ -65,7 +64,12 @@ class RankGroup:
 
         check_supported(config)
         check_cuttable(read_config(model_dir), config.tensor_parallel_size)
-        size, port = config.tensor_parallel_size, _free_port()
+        size = config.tensor_parallel_size
+        # the rendezvous store first, on a port the OS picks and it keeps: no window for another
+        # process to take a port picked here and let go
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
+                              wait_for_workers=False)
+        port = store.port
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are processes of this host
         ctx = multiprocessing.get_context("spawn")
         joining = ctx.Queue()
@@ -76,7 +80,7 @@ class RankGroup:
             for proc in self._procs:
                 proc.start()
             self._wait_until_joining(joining)
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=size,
+            dist.init_process_group("gloo", store=store, rank=0, world_size=size,
                                     timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
         except BaseException:
             self._reap()
@@ -214,8 +218,8 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
     apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
     _exit_with_parent()
     joining.put(multiprocessing.current_process().name)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=_GROUP_TIMEOUT)
+    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
     try:
         tp = TensorParallel(rank, size, dist.group.WORLD)
         model = family_for(model_dir).load_llm(model_dir, device=config.target_device, dtype=config.torch_dtype,
@@ -242,9 +246,3 @@ def _exit_with_parent() -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -34,6 +34,15 @@ def frame(message: Message) -> bytes:
     return _HEADER.pack(len(data)) + data
 
 
+async def send(writer: asyncio.StreamWriter, message: Message) -> None:
+    """One message out, waiting while the peer's buffer is full (a slow reader holds only its own
+    link). A closed link is a ``ConnectionResetError`` (uvloop would raise RuntimeError there)."""
+    if writer.is_closing():
+        raise ConnectionResetError("the link is closed")
+    writer.write(frame(message))
+    await writer.drain()
+
+
 async def read_message(reader: asyncio.StreamReader, message_type: type[M]) -> M | None:
     """The next message; None when the peer closed the connection between two. Raises
     ``LinkBroken`` (or the socket's ``ConnectionError``)."""

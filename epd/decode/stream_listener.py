@@ -16,7 +16,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 
-from epd.tcp_link import HELLO_TIMEOUT_S, LinkBroken, frame, read_message
+from epd.tcp_link import HELLO_TIMEOUT_S, LinkBroken, read_message, send
 from epd.v1 import decode_pb2
 
 log = logging.getLogger("epd.decode")
@@ -64,13 +64,10 @@ class StreamListener:
                 return
 
             async def write(batch: decode_pb2.StepBatch) -> None:
-                if writer.is_closing():  # uvloop raises RuntimeError on a closed transport
-                    raise ConnectionResetError("the router's connection is closed")
-                writer.write(frame(batch))
-                await writer.drain()  # a router that reads slowly holds this stream's steps, nobody else's
+                await send(writer, batch)
 
             if await self.servicer.serve_stream(_commands(reader), write):
-                await write(decode_pb2.StepBatch(end=True))  # the router ended it: say nothing was lost
+                await send(writer, decode_pb2.StepBatch(end=True))  # the router ended it: say nothing was lost
         except (OSError, asyncio.TimeoutError) as err:  # ConnectionError, ssl.SSLError, a timed-out socket
             log.info("token stream from %s ended: %s", peer, err or type(err).__name__)
         finally:
@@ -83,8 +80,7 @@ class StreamListener:
                 or not hmac.compare_digest(hello.hello.encode(), self.token.encode()):
             log.warning("token stream from %s: the first frame is not this worker's hello; closed", peer)
             return False
-        writer.write(frame(decode_pb2.StepBatch()))
-        await writer.drain()
+        await send(writer, decode_pb2.StepBatch())
         return True
 
 

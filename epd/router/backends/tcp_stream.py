@@ -11,7 +11,7 @@ import ssl
 
 import grpc
 
-from epd.tcp_link import HELLO_TIMEOUT_S, LinkBroken, frame, read_message
+from epd.tcp_link import HELLO_TIMEOUT_S, LinkBroken, frame, read_message, send
 from epd.v1 import decode_pb2
 
 
@@ -45,11 +45,10 @@ class TcpStreamCall:
 
     async def write(self, command: decode_pb2.StreamCommand) -> None:
         _, writer = await self._connected
-        if self._cancelled or writer.is_closing():  # uvloop raises RuntimeError on a closed transport
+        if self._cancelled:
             raise self._unavailable(ConnectionResetError("the link is closed"))
         try:
-            writer.write(frame(command))
-            await writer.drain()
+            await send(writer, command)
         except (OSError, RuntimeError) as err:
             raise self._unavailable(err) from None
 

@@ -32,23 +32,31 @@ class BlockTableMirror:
 
     def rows_for(self, seqs) -> np.ndarray:
         """Each sequence's row, its table brought up to date -> int64 [len(seqs)]. Per sequence this
-        is a lookup and two comparisons (it runs for every sequence of every step)."""
+        is a lookup and two comparisons (it runs for every sequence of every step); the sequences
+        new here get rows after the pass, which marked every row this step uses."""
         self._step += 1
         step, rows = self._step, self._rows
-        if any(seq.seq_id not in rows for seq in seqs):
-            self._make_room(seqs)
-        out = []
-        for seq in seqs:
+        out, missing = [], []
+        for i, seq in enumerate(seqs):
             row = rows.get(seq.seq_id)
             if row is None:
-                row = rows[seq.seq_id] = _Row(self._free.pop(), seq.block_table, 0)
+                missing.append(i)
+                out.append(-1)
+                continue
             table = seq.block_table
-            if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
-                row.table, row.written = table, 0
-            if row.written < len(table):
+            if row.table is not table or row.written != len(table):
+                if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
+                    row.table, row.written = table, 0
                 self._write(row, table)
             row.used = step
             out.append(row.index)
+        if missing:
+            self._make_room(len(missing))
+            for i in missing:
+                seq = seqs[i]
+                row = rows[seq.seq_id] = _Row(self._free.pop(), seq.block_table, 0, step)
+                self._write(row, seq.block_table)
+                out[i] = row.index
         return np.array(out, dtype=np.int64)
 
     def _write(self, row: _Row, table: list[int]) -> None:
@@ -59,13 +67,13 @@ class BlockTableMirror:
         self.array[row.index, row.written:len(table)] = table[row.written:]
         row.written = len(table)
 
-    def _make_room(self, seqs) -> None:
-        """Free rows for the sequences not mirrored yet: evict the least recently used rows of
-        sequences outside this step, and grow the array when this step alone needs more."""
-        wanted = {seq.seq_id for seq in seqs}
-        missing = sum(1 for seq_id in wanted if seq_id not in self._rows)
+    def _make_room(self, missing: int) -> None:
+        """Free ``missing`` rows: evict the least recently used rows of sequences outside this step
+        (every row this step uses is marked), and grow the array when this step alone needs more."""
         if missing > len(self._free):
-            for seq_id in sorted((i for i in self._rows if i not in wanted), key=lambda i: self._rows[i].used):
+            step = self._step
+            for seq_id in sorted((i for i, row in self._rows.items() if row.used != step),
+                                 key=lambda i: self._rows[i].used):
                 if missing <= len(self._free):
                     break
                 self._free.append(self._rows.pop(seq_id).index)

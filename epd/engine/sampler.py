@@ -184,27 +184,39 @@ def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 _GREEDY, _PLAIN, _FILTERED, _SEEDED = "greedy", "plain", "filtered", "seeded"
+_ONLY_GREEDY = (_GREEDY, False, False)  # the common row: the maximum, nothing else to do
 
 
 class _Rows:
     """A step's rows sorted by what they need, in one pass over the batch (a pass per question was
-    a visible share of a large decode batch's step)."""
+    a visible share of a large decode batch's step). What a sequence needs never changes but its
+    grammar: its kind, logits processors and logprobs are read once (``_needs``)."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.greedy, self.plain, self.filtered = [], [], []
         self.processed, self.grammars, self.logprobs = [], [], []
         by_kind = {_GREEDY: self.greedy, _PLAIN: self.plain, _FILTERED: self.filtered}
         for i, seq in enumerate(seqs):
-            kind = sample_kind(seq)
-            if kind is not _SEEDED:
-                by_kind[kind].append(i)
-            params = seq.sampling_params
-            if params.has_logits_processors:
-                self.processed.append(i)
+            needs = seq.sample_needs or _needs(seq)
+            if needs is _ONLY_GREEDY:
+                self.greedy.append(i)
+            else:
+                kind, processed, logprobs = needs
+                if kind is not _SEEDED:
+                    by_kind[kind].append(i)
+                if processed:
+                    self.processed.append(i)
+                if logprobs:
+                    self.logprobs.append(i)
             if seq.grammar is not None:
                 self.grammars.append(i)
-            if params.logprobs is not None:
-                self.logprobs.append(i)
+
+
+def _needs(seq: Sequence) -> tuple[str, bool, bool]:
+    params = seq.sampling_params
+    needs = (sample_kind(seq), params.has_logits_processors, params.logprobs is not None)
+    seq.sample_needs = _ONLY_GREEDY if needs == _ONLY_GREEDY else needs
+    return seq.sample_needs
 
 
 def sample_kind(seq: Sequence) -> str:

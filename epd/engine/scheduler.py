@@ -134,31 +134,43 @@ class Scheduler:
             out.imported.append(seq)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # decodes first: they are latency-bound and cost one token each
-        decodes, prefills = [], []  # decodes first, each group in its running order
-        for seq in self.running:
-            (prefills if len(seq.token_ids) - seq.num_computed_tokens > 1 else decodes).append(seq)
-        ordered = decodes + prefills if prefills else decodes
+        # decodes first: they are latency-bound and cost one token each; each group in its running
+        # order. One pass schedules the decodes and sets the prefills aside (a copy of the list:
+        # a preemption removes from it). A sequence is classed before any preemption of this step.
+        prefills = []
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
-        for seq in ordered:
+        chunks = out.chunks
+        for seq in tuple(self.running):
+            length = len(seq.token_ids)
+            if length - seq.num_computed_tokens > 1:
+                prefills.append(seq)
+                continue
             if budget == 0:
-                break
+                return 0
             if seq.status is not running:  # preempted by an earlier iteration of this loop
                 continue
-            length = len(seq.token_ids)
-            if length - seq.num_computed_tokens == 1 and seq.inputs_ready_until is None \
-                    and len(seq.block_table) * block_size >= length:
-                n = 1  # the common decode step, without the general checks below (same outcome)
+            if seq.inputs_ready_until is None and len(seq.block_table) * block_size >= length:
+                chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, 1))  # the common decode step
+                budget -= 1
             else:
-                n = seq.schedulable_tokens(budget)
-                if n == 0:
-                    out.num_waiting_on_inputs += 1
-                    continue
-                if not self._make_room(seq, out):
-                    continue
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
-            budget -= n
+                budget = self._schedule_one(seq, out, budget)
+        for seq in prefills:
+            if budget == 0:
+                break
+            if seq.status is running:
+                budget = self._schedule_one(seq, out, budget)
         return budget
+
+    def _schedule_one(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int:
+        """The general case: what the inputs allow, blocks found (preempting if need be)."""
+        n = seq.schedulable_tokens(budget)
+        if n == 0:
+            out.num_waiting_on_inputs += 1
+            return budget
+        if not self._make_room(seq, out):
+            return budget
+        out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+        return budget - n
 
     def _make_room(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """Ensure ``seq`` has blocks for all its tokens, preempting the newest others if needed."""

@@ -54,12 +54,17 @@ class Sequence:
         self.mm_items = mm_items or []
         self.mm = mm
         self.eos_token_ids = eos_token_ids
+        # every token that can end this request before its length does: one set lookup per step
+        # tells a decode step that did not stop (stop_reason decides the rest, min_tokens included)
+        self._ending_tokens = frozenset(sampling_params.stop_token_ids) | (
+            frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids))
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table whose hashes are published (prefix cache)
         self.sample_kind: str | None = None  # how the sampler draws its rows, once it looked (sampler.sample_kind)
+        self.sample_needs: tuple | None = None  # and what else it does for them (sampler._needs)
         # one entry per output token when logprobs are asked for: resumed outputs' were sent by the
         # worker that made them (None here), so the list stays aligned with the outputs
         self.output_logprobs: list[TokenLogprobs | None] = (
@@ -123,7 +128,10 @@ class Sequence:
     def check_stop(self) -> bool:
         """Mark the sequence finished if its last token ends it; return whether it did."""
         tokens = self.token_ids
-        reason = stop_reason(self.sampling_params, self.eos_token_ids, len(tokens) - self.num_prompt_tokens, tokens[-1])
+        num_output_tokens = len(tokens) - self.num_prompt_tokens
+        if num_output_tokens < self.sampling_params.max_tokens and tokens[-1] not in self._ending_tokens:
+            return False  # the common step: stop_reason would say None
+        reason = stop_reason(self.sampling_params, self.eos_token_ids, num_output_tokens, tokens[-1])
         if reason is None:
             return False
         self.finish_reason = reason

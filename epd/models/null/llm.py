@@ -33,7 +33,8 @@ class NullTextConfig:
 
 
 class NullEmbedding(nn.Module):
-    """Zeros of the hidden width for any ids (no table: a real one of this width would be GBs)."""
+    """Rows of the hidden width for any ids, left as allocated (no table: a real one of this width
+    would be GBs)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -41,7 +42,8 @@ class NullEmbedding(nn.Module):
         self.register_buffer("_device", torch.empty(0), persistent=False)  # follows .to(device, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(input_ids.shape[0], self.embedding_dim, dtype=self._device.dtype,
+        # no arithmetic and no memset: only column 0, which the forward overwrites, is ever read
+        return torch.empty(input_ids.shape[0], self.embedding_dim, dtype=self._device.dtype,
                            device=self._device.device)
 
 

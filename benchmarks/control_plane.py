@@ -42,6 +42,16 @@ _AUTH = {"header": b""}  # with --api-key: every request's Authorization line (t
 _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
 
 
+def kv_bytes_per_token(model: str) -> int:
+    """K and V of every layer for one token, at fp32 (the CPU's dtype), from the checkpoint's config."""
+    from epd.models.presets import resolve_model
+    with open(os.path.join(resolve_model(model), "config.json")) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    return text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * head_dim * 4
+
+
 def cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
@@ -125,11 +135,14 @@ class Point:
 class Cluster:
     """A started ``epd serve`` and its processes' pids (from its banner)."""
 
-    def __init__(self, model: str, topology: str, api_key: str = "", max_batch: int = 64) -> None:
+    def __init__(self, model: str, topology: str, api_key: str = "", max_batch: int = 64,
+                 tokens_per_stream: int = 256) -> None:
         system, extra = _TOPOLOGIES[topology]
         auth = ("--api-key", api_key) if api_key else ()
-        # every stream decoding at once: a batch of the largest concurrency, and the KV it needs
-        batch = ("--max-num-seqs", str(max_batch), "--kv-cache-bytes", str(max(256, 4 * max_batch) << 20))
+        # every stream decoding at once: a batch of the largest concurrency, and the KV it needs (a
+        # decode worker reserves each request's whole budget: a smaller cache would cap the batch)
+        kv_bytes = max(256 << 20, max_batch * (tokens_per_stream + 64) * kv_bytes_per_token(model))
+        batch = ("--max-num-seqs", str(max_batch), "--kv-cache-bytes", str(kv_bytes))
         self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra, *auth,
                              *batch)
 
@@ -206,7 +219,8 @@ def main() -> int:
     print(header, flush=True)
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
-            with Cluster(model, topology, args.api_key, max(int(n) for n in args.streams.split(","))) as cluster:
+            with Cluster(model, topology, args.api_key, max(int(n) for n in args.streams.split(",")),
+                         args.tokens) as cluster:
                 warm = Point(model, topology, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections
                 for kind in args.kinds.split(","):

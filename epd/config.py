@@ -414,6 +414,10 @@ class ServeConfig(_Config):
                                                           "0,1): worker i runs on cuda:<the i-th, round robin>")
     prefill_gpus: tuple[str, ...] = Field((), description="CUDA device indices for the prefill workers")
     decode_gpus: tuple[str, ...] = Field((), description="CUDA device indices for the decode workers")
+    prefill_tp: PositiveInt | None = Field(
+        None, description="tensor-parallel ranks of each prefill worker (default: --tensor-parallel-size)")
+    decode_tp: PositiveInt | None = Field(
+        None, description="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size)")
     threads_per_tier: PositiveInt | None = Field(
         None, description="intra-op threads of each tier process (default: the host's cores split between them)")
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
@@ -459,6 +463,13 @@ class ServeConfig(_Config):
         if names and self.worker.served_model_name != names:
             object.__setattr__(self, "worker", self.worker.model_copy(update={"served_model_name": names}))
         return self
+
+    def tensor_parallel_size(self, tier: str) -> int:
+        """Ranks of each of ``tier``'s workers: its own flag, else the workers' engine's (encoders: 1,
+        a vision tower stays whole and encoders scale by replicas)."""
+        if tier == "encoder":
+            return 1
+        return getattr(self, f"{tier}_tp") or self.worker.engine.tensor_parallel_size
 
     def devices(self, tier: str) -> list[str]:
         """The ``--device`` of each of ``tier``'s workers in turn (empty: the worker config's own)."""

@@ -10,6 +10,7 @@ from epd.config import EncoderConfig, EngineConfig
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
+from epd.engine.tensor_parallel import load_engine
 from epd.errors import InvalidRequest
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
@@ -40,44 +41,20 @@ class LLM:
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
         eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        self._ranks = None  # tensor parallel: the other ranks (epd.engine.tensor_parallel), this one is rank 0
-        if self.engine_config.tensor_parallel_size > 1:
-            from epd.engine.tensor_parallel import RankGroup
-            from epd.models.parallel import TensorParallelError
-            if not getattr(self.family, "supports_tensor_parallel", False):
-                raise TensorParallelError(f"{self.model_dir.name}: its LLM is not cut into ranks (tensor_parallel_size "
-                                          f"{self.engine_config.tensor_parallel_size}); use 1")
-            self._ranks = RankGroup(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids)
-        try:
-            model = self.family.load_llm(self.model_dir, device=self.engine_config.target_device,
-                                         dtype=self.engine_config.torch_dtype,
-                                         **({"tp": self._ranks.tp} if self._ranks is not None else {}))
-            self.engine = LLMEngine(model, self._sized_beside_the_vision_tower(), eos_token_ids=eos,
-                                    mm_token_ids=self.mm_spec.mm_token_ids, load_tokenizer=lambda: self.tokenizer)
-        except BaseException:
-            self.close()  # never raises: the error above is the one to see
-            raise
-        self.engine.runner.ranks = self._ranks
-        if self._ranks is not None:
-            try:
-                self._ranks.wait_until_loaded()
-            except BaseException:
-                self.close()
-                raise
+        self.engine = load_engine(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids, lambda model: LLMEngine(
+            model, self._sized_beside_the_vision_tower(), eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids,
+            load_tokenizer=lambda: self.tokenizer))
         self.allowed_local_media_path = allowed_local_media_path
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (nothing to do with one rank). Idempotent;
         a closed LLM with ranks refuses further steps (the engine keeps the closed group)."""
-        ranks, self._ranks = self._ranks, None
-        if ranks is not None:
-            ranks.close()
+        self.engine.close()
 
     @property
     def healthy(self) -> bool:
         """False once a tensor-parallel rank is lost or a step failed across them."""
-        ranks = self.engine.runner.ranks
-        return ranks is None or ranks.healthy
+        return self.engine.healthy
 
     def __enter__(self) -> "LLM":
         return self

@@ -4,6 +4,7 @@ chat_template_kwargs, --allowed-origins (CORS) and --allowed-media-domains."""
 from __future__ import annotations
 
 import base64
+import re
 
 import httpx
 import openai
@@ -22,20 +23,35 @@ def test_a_positional_model_sets_both_the_router_and_the_workers():
         serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
 
 
-def test_tensor_parallel_size_goes_to_the_in_process_engine_and_tiers_refuse_it_in_one_line():
+def test_tensor_parallel_sizes_go_to_the_engine_of_each_tier_and_a_bad_one_is_one_line():
     from epd.config import EngineConfig
     from epd.engine.tensor_parallel import TensorParallelConfigError, check_supported
+    from epd.server.serve import _one_rank, _tier_args
     from epd.server.tier import worker_config_from_args
 
     aggregated = serve_config_from_args(["tiny-qwen2-vl", "--aggregated", "-tp", "2"])
     assert aggregated.router.engine.tensor_parallel_size == 2
     assert serve_config_from_args(["tiny-qwen2-vl", "--tensor-parallel-size", "2", "--aggregated"]) \
         .router.engine.tensor_parallel_size == 2
-    with pytest.raises(ConfigError, match="tensor-parallel-size 2: prefill and decode workers run one rank"):
-        serve_config_from_args(["tiny-qwen2-vl", "-tp", "2"])
-    with pytest.raises(ConfigError, match="a decode worker runs one rank so far"):
-        worker_config_from_args("decode", ["-tp", "2"])
-    assert worker_config_from_args("prefill", ["-tp", "1"]).engine.tensor_parallel_size == 1
+    # -tp is every engine tier's; --prefill-tp / --decode-tp win; encoders stay whole
+    both = serve_config_from_args(["tiny-qwen2-vl", "-tp", "2"])
+    assert _tier_args(both) == {"prefill": ["--tensor-parallel-size", "2"], "decode": ["--tensor-parallel-size", "2"]}
+    assert _one_rank(both.worker).engine.tensor_parallel_size == 1  # what the encoders (and the file) get
+    split = serve_config_from_args(["tiny-qwen2-vl", "--prefill-tp", "2", "--decode-tp", "4"])
+    assert _tier_args(split) == {"prefill": ["--tensor-parallel-size", "2"], "decode": ["--tensor-parallel-size", "4"]}
+    assert _tier_args(serve_config_from_args(["tiny-qwen2-vl", "-tp", "2", "--decode-tp", "1"])) == \
+        {"prefill": ["--tensor-parallel-size", "2"]}
+    refusals = [(["--decode-tp", "3"], "--decode-tp 3: num_attention_heads (4) does not divide into 3 tensor-parallel "
+                                       "ranks; tiny-qwen2-vl runs at 1, 2, 4"),
+                (["--prefill-tp", "2", "--aggregated"], "--prefill-tp with --aggregated, which runs one engine"),
+                (["-tp", "2", "--device", "cuda"], "on CUDA: the ranks run on the CPU"),
+                (["-tp", "2", "--launcher", "ray"], "with the Ray launcher: it places one-rank workers so far")]
+    for flags, expected in refusals:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            serve_config_from_args(["tiny-qwen2-vl", *flags])
+    with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size 8: num_attention_heads (4) does not divide")):
+        worker_config_from_args("decode", ["--model", "tiny-qwen2-vl", "-tp", "8"])
+    assert worker_config_from_args("prefill", ["--model", "tiny-qwen2-vl", "-tp", "2"]).engine.tensor_parallel_size == 2
     with pytest.raises(TensorParallelConfigError, match="on cuda: the ranks run on the CPU"):
         check_supported(EngineConfig(tensor_parallel_size=2, device="cuda"))
 

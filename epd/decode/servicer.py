@@ -229,7 +229,7 @@ def build(ctx):
     """The decode tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
     from epd.models.presets import resolve_model
 
-    worker = DecodeWorker(resolve_model(ctx.config.model), ctx.config.engine)
+    worker = DecodeWorker(resolve_model(ctx.config.model), ctx.config.engine, on_engine_lost=ctx.on_engine_lost)
     ctx.metrics.watch_engine(worker.engine)
     servicer = DecodeServicer(worker, ctx)
     if ctx.server is not None:  # the TCP link beside gRPC (a test's bare context has no loop to run it)

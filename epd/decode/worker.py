@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import queue
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -17,26 +18,31 @@ from epd.engine.engine_loop import EngineLoop
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
-from epd.models.registry import load_llm_for
+from epd.engine.tensor_parallel import load_engine, watch_ranks
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.protocol import DecodeJob
 from epd.threads import ThreadPolicy
 
 
 class DecodeWorker:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig) -> None:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig, *,
+                 on_engine_lost: Callable[[str], None] | None = None) -> None:
+        """``on_engine_lost(reason)``: called once when the engine can never step again (a
+        tensor-parallel rank lost; ``EngineLoop``): the worker's process is to stop."""
         model_dir = Path(model_dir)
         # prefix caching buys nothing here: the KV arrives computed
         cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, cfg), cfg, eos_token_ids=(),
-                                                 load_tokenizer=functools.partial(load_tokenizer, model_dir)),
-                               name="decode-loop",
-                               threads=ThreadPolicy("decode", override=engine_config.num_threads)).start()
+        self.loop = EngineLoop(lambda: load_engine(model_dir, cfg, (), lambda model: LLMEngine(
+            model, cfg, eos_token_ids=(), load_tokenizer=functools.partial(load_tokenizer, model_dir))),
+            name="decode-loop", threads=ThreadPolicy("decode", override=engine_config.num_threads),
+            on_engine_lost=on_engine_lost).start()
         self.engine = self.loop.engine
+        watch_ranks(self.engine, on_engine_lost)
 
     def close(self) -> None:
         self.loop.stop()
+        self.engine.close()
 
     def start(self, job: DecodeJob, kv: torch.Tensor, updates=None) -> tuple[Future, queue.SimpleQueue]:
         """Queue a prefilled request; -> (Future[Sequence] once it is queued on the engine, where the

@@ -48,10 +48,14 @@ class TokenUpdate:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "engine-loop", *,
-                 threads: ThreadPolicy | None = None) -> None:
+                 threads: ThreadPolicy | None = None, on_engine_lost: Callable[[str], None] | None = None) -> None:
         """``engine``: the engine, or a zero-argument factory that ``start`` runs on the loop thread;
         ``threads``: the intra-op thread policy the loop thread applies first (default: no busy
-        threads besides it, no override; ``name`` is the role it logs)."""
+        threads besides it, no override; ``name`` is the role it logs); ``on_engine_lost(reason)``:
+        a worker's way out when its engine can never step again (a tensor-parallel rank lost): the
+        loop stops without failing its requests, which the process's end moves to other workers
+        (without it, they fail and the engine reports itself unhealthy)."""
+        self._on_engine_lost = on_engine_lost
         self._make_engine = (lambda: engine) if hasattr(engine, "step") else engine  # an engine, or its factory
         self._threads = threads or ThreadPolicy(role=name)
         self.engine: LLMEngine | None = None  # set on the loop thread by start()
@@ -152,6 +156,11 @@ class EngineLoop:
         try:
             self.engine.step()
         except Exception as err:  # noqa: BLE001 - fail the requests, keep the worker alive
+            if self._on_engine_lost is not None and not self.engine.healthy:
+                log.error("engine step failed and the engine cannot go on (%s): stopping, its requests move", err)
+                self._stop.set()
+                self._on_engine_lost(f"engine step failed: {err}")
+                return False
             log.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine step failed: {err}")
             return False

@@ -102,8 +102,6 @@ class LLMEngine:
         its prompt and of ``output_token_ids`` (tokens it produced before a migration) is written
         into our cache when it is admitted, with its whole token budget reserved. A KV of the wrong
         shape or dtype is refused here (ValueError), before it could fail a whole step."""
-        if self.config.tensor_parallel_size > 1:
-            raise ValueError("a KV import is not cut into tensor-parallel ranks yet")
         self.runner.check_kv(kv, len(prompt_token_ids) + len(output_token_ids))
         self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,
@@ -113,6 +111,18 @@ class LLMEngine:
         seq.imported_kv = kv
         self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)
         return seq
+
+    @property
+    def healthy(self) -> bool:
+        """False once a tensor-parallel rank is lost or a step failed across the ranks."""
+        ranks = self.runner.ranks
+        return ranks is None or ranks.healthy
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks, if any (never raises; idempotent). Not while a step runs:
+        from the thread that steps, or once it stopped."""
+        if self.runner.ranks is not None:
+            self.runner.ranks.close()
 
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it."""

@@ -62,6 +62,7 @@ class ModelRunner:
         self.dtype = dtype
         self.attention_backend = resolve_backend(attention_backend, self.device, dtype)
         num_heads, num_kv_heads = local_heads(model)
+        self.num_kv_heads_total = cfg.num_key_value_heads  # what a KV hand-off carries, whatever the ranks
         self.backend = ATTENTION_BACKENDS.get(self.attention_backend)(AttentionSpec(
             num_heads, num_kv_heads, cfg.head_dim, dtype, block_size))
         self.block_tables = BlockTableMirror()
@@ -81,12 +82,21 @@ class ModelRunner:
         step = self.prepare(out)
         if self.ranks is None:
             return self.forward(step), step.sampling_chunks
-        self.ranks.check()  # tensor parallel: the other ranks run the same step with their part
+        # tensor parallel: the other ranks run the same step with their part
+        return self._with_ranks(self._forward_in_ranks, step), step.sampling_chunks
+
+    def _forward_in_ranks(self, step: StepInputs) -> torch.Tensor:
+        self.ranks.send_step(step)
+        return self.forward(step)
+
+    def _with_ranks(self, work, *args):
+        """``work(*args)``, which the other tensor-parallel ranks join: refused once they are out of
+        step, and a failure leaves them so (a rank may have died mid-collective)."""
+        self.ranks.check()
         try:
-            self.ranks.send_step(step)
-            return self.forward(step), step.sampling_chunks
+            return work(*args)
         except Exception as err:
-            self.ranks.fail(err)  # a rank may have died mid-step: the collectives no longer line up
+            self.ranks.fail(err)
             raise
 
     @torch.inference_mode()
@@ -126,17 +136,31 @@ class ModelRunner:
 
     # ---- KV hand-off between workers ---------------------------------------------------------
     def read_kv(self, block_table: list[int], num_tokens: int, allocate=None) -> torch.Tensor:
-        """-> [num_layers, 2, num_tokens, num_kv_heads, head_dim], a contiguous copy, written once:
-        each layer's K and V straight into their place in it. ``allocate(shape, dtype)``: where the
-        copy lives (prefill passes its TensorStore's shared memory: the CPU hand-off to decode is
-        then a lease on this very memory, not a second copy)."""
-        if self.ranks is not None:
-            raise ValueError("a KV export is not cut into tensor-parallel ranks yet")
-        slots = self._to_device(self._slots(block_table, 0, num_tokens))
+        """-> [num_layers, 2, num_tokens, num_kv_heads, head_dim], every KV head of the model (a
+        tensor-parallel engine joins its ranks' heads), a contiguous copy, written once: each
+        layer's K and V straight into their place in it. ``allocate(shape, dtype)``: where the copy
+        lives (prefill passes its TensorStore's shared memory: the CPU hand-off to decode is then a
+        lease on this very memory, not a second copy)."""
+        slots = self._slots(block_table, 0, num_tokens)
         k0 = self.kv_cache.k[0]
-        shape = (len(self.kv_cache.k), 2, num_tokens, *k0.shape[1:])
+        shape = (len(self.kv_cache.k), 2, num_tokens, self.num_kv_heads_total, k0.shape[2])
         out = allocate(shape, k0.dtype) if allocate is not None and k0.device.type == "cpu" else \
             torch.empty(shape, dtype=k0.dtype, device=k0.device)
+        if self.ranks is None:
+            self.read_kv_at(slots, out)
+            return out
+        self._with_ranks(self._read_kv_in_ranks, slots, out)
+        return out
+
+    def _read_kv_in_ranks(self, slots: torch.Tensor, out: torch.Tensor) -> None:
+        self.ranks.read_kv(slots, out, self.read_kv_at)  # the ranks read theirs while this one does
+
+    def read_kv_at(self, slots: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This process's KV heads at ``slots`` -> [num_layers, 2, len(slots), local KV heads, head_dim]."""
+        slots = self._to_device(slots)
+        k0 = self.kv_cache.k[0]
+        if out is None:
+            out = torch.empty((len(self.kv_cache.k), 2, len(slots), *k0.shape[1:]), dtype=k0.dtype, device=k0.device)
         for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
             torch.index_select(k, 0, slots, out=out[layer, 0])
             torch.index_select(v, 0, slots, out=out[layer, 1])
@@ -144,14 +168,23 @@ class ModelRunner:
 
     def check_kv(self, kv: torch.Tensor, num_tokens: int) -> None:
         """Refuse a KV this cache cannot take: another model, dtype or prompt length."""
-        expected = (len(self.kv_cache.k), 2, num_tokens, *self.kv_cache.k[0].shape[1:])
+        expected = (len(self.kv_cache.k), 2, num_tokens, self.num_kv_heads_total, self.kv_cache.k[0].shape[2])
         if tuple(kv.shape) != expected or kv.dtype != self.dtype:
             raise ValueError(f"imported KV has shape {tuple(kv.shape)} and dtype {kv.dtype}, expected "
                              f"{expected} and {self.dtype}")
 
     def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+        """An imported KV (every head of the model) into this sequence's pages; a tensor-parallel
+        engine hands each rank its own heads."""
         self.check_kv(kv, kv.shape[2])
-        slots = self._to_device(self._slots(block_table, 0, kv.shape[2]))
+        slots = self._slots(block_table, 0, kv.shape[2])
+        if self.ranks is not None:
+            kv = self._with_ranks(self.ranks.write_kv, slots, kv)  # -> this rank's heads
+        self.write_kv_at(slots, kv)
+
+    def write_kv_at(self, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """``kv`` [num_layers, 2, len(slots), local KV heads, head_dim]: this process's heads."""
+        slots = self._to_device(slots)
         kv = kv.to(self.device, non_blocking=True)
         for layer, (k, v) in enumerate(zip(self.kv_cache.k, self.kv_cache.v)):
             k.index_copy_(0, slots, kv[layer, 0])

@@ -6,14 +6,20 @@ logits' all-gather) join the ranks inside the forward.
 
 A step crosses on the process group as raw tensors, three broadcasts: a header of sizes, every
 integer input packed in one int64 buffer (token ids, positions, slots, page metadata, the rows' and
-logits' indices), and the embedding rows when the step has any. Nothing is pickled. Rank 0's
-scheduler decides the pages and slots, so every rank writes its KV heads into the same slots.
+logits' indices), and the embedding rows when the step has any (rank 0 imported them: the ranks
+never see a handle). Nothing is pickled. Rank 0's scheduler decides the pages and slots, so every
+rank writes its KV heads into the same slots.
+
+A KV hand-off between tiers always carries every KV head of the model, whatever either side's TP
+size: an export (prefill) gathers each rank's heads into rank 0's copy, an import (decode) scatters
+each rank exactly its heads (the one head it shares with other ranks when the model has fewer KV
+heads than ranks). So a prefill at TP a feeds a decode at TP b for any a and b.
 
 So far: the CPU (gloo, the ranks meeting on 127.0.0.1); steps run eager (a CUDA graph would have to
-be replayed by every rank); a KV import or export (the prefill and decode tiers) is not cut into
-ranks yet. A failed step or a lost rank leaves the ranks out of step for good: every later step is
-refused and the engine reports itself unhealthy, to be restarted. Each rank holds a KV cache of the
-configured size (its heads only): on one host that is N x ``kv_cache_bytes`` of memory.
+be replayed by every rank). A failed step or a lost rank leaves the ranks out of step for good:
+every later step is refused and the engine reports itself unhealthy, to be restarted (a worker
+process stops at once: ``watch``). Each rank holds a KV cache of the configured size (its heads
+only): on one host that is N x ``kv_cache_bytes`` of memory.
 """
 from __future__ import annotations
 
@@ -31,7 +37,7 @@ from epd.engine.model_runner import StepInputs
 
 log = logging.getLogger("epd.engine")
 _HEADER_LEN = 12
-_STEP, _STOP = 1, 2
+_STEP, _STOP, _WRITE_KV, _READ_KV = 1, 2, 3, 4
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the ranks block in a broadcast between steps: an engine idle for hours must not time them out
 _GROUP_TIMEOUT = datetime.timedelta(days=30)
@@ -52,19 +58,86 @@ def check_supported(config) -> None:
                                         "process group (one tensor-parallel engine per process)")
 
 
+def load_engine(model_dir, config, mm_token_ids: tuple[int, ...], build):
+    """The engine of ``model_dir``: ``build(model)`` -> an ``LLMEngine``, run on the LLM loaded
+    whole, or (``tensor_parallel_size`` > 1) on rank 0's part once ranks 1..N-1 are started, then
+    returned once every rank has loaded; its runner holds the ranks (``LLMEngine.close`` stops them)."""
+    from epd.models.registry import family_for, load_llm_for
+
+    if config.tensor_parallel_size == 1:
+        return build(load_llm_for(model_dir, config))
+    check_runnable(model_dir, config)
+    family = family_for(model_dir)
+    ranks = RankGroup(model_dir, config, mm_token_ids)
+    try:
+        engine = build(family.load_llm(model_dir, device=config.target_device, dtype=config.torch_dtype,
+                                       tp=ranks.tp))
+        engine.runner.ranks = ranks
+        ranks.wait_until_loaded()
+    except BaseException:
+        ranks.close()  # never raises: the error above is the one to see
+        raise
+    return engine
+
+
+def watch_ranks(engine, on_lost) -> None:
+    """``on_lost(reason)`` once the engine's ranks are lost (nothing to watch without ranks or
+    without ``on_lost``)."""
+    if engine.runner.ranks is not None and on_lost is not None:
+        engine.runner.ranks.watch(on_lost)
+
+
+def check_runnable(model_dir, config, what: str = "tensor_parallel_size") -> None:
+    """``config.tensor_parallel_size`` ranks of ``model_dir`` can run here, or an error saying what
+    would (``TensorParallelConfigError`` or ``TensorParallelError``; both ValueErrors): checked
+    before any rank starts, so a bad size is one line at start."""
+    from pathlib import Path
+
+    from epd.models.checkpoint import read_config
+    from epd.models.parallel import TensorParallelError, check_cuttable
+    from epd.models.registry import family_for
+
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    check_supported(config)
+    if not getattr(family_for(model_dir), "supports_tensor_parallel", False):
+        raise TensorParallelError(f"{Path(model_dir).name}: its LLM is not cut into ranks ({what} {size}); use 1")
+    hf_config = read_config(model_dir)
+    try:
+        check_cuttable(hf_config, size)
+    except TensorParallelError as err:
+        works = [n for n in range(1, 17) if _cuttable(hf_config, n)]
+        raise TensorParallelError(f"{what} {size}: {err}; {Path(model_dir).name} runs at "
+                                  f"{', '.join(map(str, works))}") from None
+
+
+def _cuttable(hf_config: dict, size: int) -> bool:
+    from epd.models.parallel import TensorParallelError, check_cuttable
+    try:
+        check_cuttable(hf_config, size)
+    except TensorParallelError:
+        return False
+    return True
+
+
 class RankGroup:
     """Rank 0's side: starts ranks 1..N-1, joins the process group with them, sends each step,
     stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0)."""
 
     def __init__(self, model_dir, config, mm_token_ids: tuple[int, ...]) -> None:
-        from epd.models.parallel import TensorParallel
-
         from epd.models.checkpoint import read_config
-        from epd.models.parallel import check_cuttable
+        from epd.models.parallel import HeadLayout, TensorParallel, check_cuttable
 
         check_supported(config)
-        check_cuttable(read_config(model_dir), config.tensor_parallel_size)
+        hf_config = read_config(model_dir)
+        check_cuttable(hf_config, config.tensor_parallel_size)
         size = config.tensor_parallel_size
+        text = {**hf_config, **hf_config.get("text_config", {})}
+        # each rank's KV heads [first, first + n) of the model's: where its part of a hand-off goes
+        self.kv_heads = [(layout.first_kv_head, layout.num_kv_heads) for layout in (
+            HeadLayout.of(text["num_attention_heads"], text["num_key_value_heads"], TensorParallel(rank, size))
+            for rank in range(size))]
         # the rendezvous store first, on a port the OS picks and it keeps: no window for another
         # process to take a port picked here and let go
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
@@ -152,6 +225,45 @@ class RankGroup:
         if rows is not None:
             dist.broadcast(rows.contiguous(), src=0)
 
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """An imported KV [layers, 2, T, every KV head, head_dim] for ``slots``: each other rank gets
+        its heads (one scatter) -> rank 0's."""
+        dist.broadcast(_header(_WRITE_KV, len(slots), _DTYPES.index(kv.dtype)), src=0)
+        dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
+        parts = [kv[:, :, :, first:first + n].contiguous() for first, n in self.kv_heads]
+        mine = torch.empty_like(parts[0])
+        dist.scatter(mine, parts, src=0)
+        return mine
+
+    def read_kv(self, slots: torch.Tensor, out: torch.Tensor, read_local) -> None:
+        """Every KV head at ``slots`` into ``out`` [layers, 2, T, every KV head, head_dim]: the other
+        ranks read theirs while ``read_local(slots)`` reads rank 0's, then one gather. A head shared
+        by several ranks is written once per rank, with the same values."""
+        dist.broadcast(_header(_READ_KV, len(slots), _DTYPES.index(out.dtype)), src=0)
+        dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
+        mine = read_local(slots)
+        parts = [torch.empty_like(mine) for _ in self.kv_heads]
+        dist.gather(mine, parts, dst=0)
+        for (first, n), part in zip(self.kv_heads, parts):
+            out[:, :, :, first:first + n] = part
+
+    def watch(self, on_lost, interval_s: float = 0.25) -> None:
+        """Call ``on_lost(reason)`` once, from a thread of its own, when a rank is lost or a step
+        failed across the ranks, even while the engine is idle (a worker process stops then: its
+        requests move to other workers and its supervisor starts it again)."""
+        import threading
+        import time
+
+        def run() -> None:
+            while self.failure != "closed":
+                if not self.healthy:
+                    on_lost(self.failure or next(f"tensor-parallel rank {p.name} exited (code {p.exitcode})"
+                                                 for p in self._procs if not p.is_alive()))
+                    return
+                time.sleep(interval_s)
+
+        threading.Thread(target=run, name="tp-watch", daemon=True).start()
+
     def close(self) -> None:
         """The ranks stop (they leave their loop; one that cannot hear it is killed), then the
         process group goes. Never raises: it runs on the way out of other errors too."""
@@ -159,7 +271,7 @@ class RankGroup:
             return
         try:
             if self.healthy:
-                dist.broadcast(torch.tensor([_STOP] + [0] * (_HEADER_LEN - 1), dtype=torch.int64), src=0)
+                dist.broadcast(_header(_STOP), src=0)
         except RuntimeError as err:  # a rank already gone: it is reaped below
             log.warning("tensor-parallel ranks: the stop did not reach every rank (%s)", err)
         finally:
@@ -178,13 +290,38 @@ class RankGroup:
                 proc.join(10)
 
 
-def receive_step(runner) -> StepInputs | None:
-    """A rank's next step from rank 0 (None: stop)."""
+def _header(op: int, *fields: int) -> torch.Tensor:
+    return torch.tensor([op, *fields] + [0] * (_HEADER_LEN - 1 - len(fields)), dtype=torch.int64)
+
+
+def serve_rank(runner) -> None:
+    """A rank (>= 1): what rank 0 sends, until it says stop (a lost rank 0 ends it with an error)."""
     header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-    dist.broadcast(header, src=0)
-    op, t, b, num_decodes, width, k, r, d, dtype_code, num_logits, every_row, total = header.tolist()
-    if op == _STOP:
-        return None
+    while True:
+        dist.broadcast(header, src=0)
+        fields = header.tolist()
+        op = fields[0]
+        if op == _STOP:
+            return
+        if op == _STEP:
+            runner.forward(_receive_step(runner, fields))
+            continue
+        slots = torch.empty(fields[1], dtype=torch.int64)
+        dist.broadcast(slots, src=0)
+        if op == _WRITE_KV:
+            k0 = runner.kv_cache.k[0]
+            mine = torch.empty((len(runner.kv_cache.k), 2, fields[1], *k0.shape[1:]), dtype=_DTYPES[fields[2]])
+            dist.scatter(mine, None, src=0)
+            runner.write_kv_at(slots, mine)
+        elif op == _READ_KV:
+            dist.gather(runner.read_kv_at(slots), None, dst=0)
+        else:
+            raise RuntimeError(f"tensor-parallel rank: unknown operation {op} from rank 0")
+
+
+def _receive_step(runner, header: list[int]) -> StepInputs:
+    """The rest of a step whose header came."""
+    _, t, b, num_decodes, width, k, r, d, dtype_code, num_logits, every_row, total = header
     packed = torch.empty(total, dtype=torch.int64)
     dist.broadcast(packed, src=0)
     sizes = [t, 3 * t, t, b + 1, b, b * width, b + 1, k, b, r, t - r, num_logits]
@@ -226,8 +363,7 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
                                                tp=tp)
         runner = LLMEngine(model, config, eos_token_ids=(), mm_token_ids=mm_token_ids).runner
         dist.barrier()  # loaded: rank 0 waits for this before it takes requests
-        while (step := receive_step(runner)) is not None:
-            runner.forward(step)
+        serve_rank(runner)
     finally:
         dist.destroy_process_group()
 

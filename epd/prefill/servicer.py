@@ -104,7 +104,8 @@ def build(ctx):
 
     config = ctx.config
     worker = PrefillWorker(resolve_model(config.model), config.engine,
-                           overlap_with_encode=config.overlap_prefill_with_encode, allocate_kv=ctx.store.shared_empty)
+                           overlap_with_encode=config.overlap_prefill_with_encode, allocate_kv=ctx.store.shared_empty,
+                           on_engine_lost=ctx.on_engine_lost)
     ctx.metrics.watch_engine(worker.engine)
     servicer = PrefillServicer(worker, ctx)
     return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), worker.close

@@ -11,6 +11,7 @@ import functools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,8 +22,9 @@ from epd.engine.engine_loop import EngineLoop, TokenUpdate
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
+from epd.engine.tensor_parallel import load_engine, watch_ranks
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
-from epd.models.registry import family_for, load_llm_for
+from epd.models.registry import family_for
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.prefill.inbox import EmbeddingInbox
 from epd.protocol import PrefillJob
@@ -61,9 +63,11 @@ class PrefillTicket:
 
 class PrefillWorker:
     def __init__(self, model_dir: str | Path, engine_config: EngineConfig, *, overlap_with_encode: bool = True,
-                 allocate_kv=None) -> None:
+                 allocate_kv=None, on_engine_lost: Callable[[str], None] | None = None) -> None:
         """``allocate_kv(shape, dtype)``: where a finished prompt's KV is copied out to (the tier
-        passes its TensorStore's shared memory, so the hand-off to decode copies nothing more)."""
+        passes its TensorStore's shared memory, so the hand-off to decode copies nothing more);
+        ``on_engine_lost(reason)``: called once when the engine can never step again (a
+        tensor-parallel rank lost; ``EngineLoop``): the worker's process is to stop."""
         model_dir = Path(model_dir)
         self.allocate_kv = allocate_kv
         # True: text before the first image is prefilled while encoders still work (EPD's
@@ -74,17 +78,21 @@ class PrefillWorker:
         self._tickets: dict[str, PrefillTicket] = {}
         self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
-        self.loop = EngineLoop(lambda: LLMEngine(load_llm_for(model_dir, engine_config), engine_config,
-                                                 eos_token_ids=(), mm_token_ids=self.spec.mm_token_ids,
-                                                 on_finish=self._on_finish,
-                                                 load_tokenizer=functools.partial(load_tokenizer, model_dir)),
-                               name="prefill-loop",
-                               threads=ThreadPolicy("prefill", override=engine_config.num_threads)).start()
+        # (rank 0 of a tensor-parallel engine imports each embedding and sends the rows with the step)
+        build = functools.partial(LLMEngine, config=engine_config, eos_token_ids=(),
+                                  mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish,
+                                  load_tokenizer=functools.partial(load_tokenizer, model_dir))
+        self.loop = EngineLoop(
+            lambda: load_engine(model_dir, engine_config, self.spec.mm_token_ids, build),
+            name="prefill-loop", threads=ThreadPolicy("prefill", override=engine_config.num_threads),
+            on_engine_lost=on_engine_lost).start()
         self.engine = self.loop.engine
+        watch_ranks(self.engine, on_engine_lost)
         self.inbox = EmbeddingInbox(on_arrival=self.loop.wake, on_failure=self._fail)
 
     def close(self) -> None:
         self.loop.stop()
+        self.engine.close()
 
     # ---- the router's calls -------------------------------------------------------------------
     def admit(self, job: PrefillJob, updates=None) -> PrefillTicket:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import resource
 import signal
 import sys
@@ -47,11 +48,20 @@ class Stop(enum.Enum):
     TERM = "SIGTERM"  # a supervisor's (Kubernetes, Ray, epd serve to the router): drain, routers told
     INT = "SIGINT"  # Ctrl-C, or a launcher that stopped the router first: drain, nobody left to tell
     PARENT_GONE = "launcher gone"  # its launcher died: no one to drain for, stop at once
+    ENGINE_LOST = "engine lost"  # its engine can never step again (a tensor-parallel rank died): stop at once
+
+
+def stop_engine_lost(reason: str) -> None:
+    """From any thread: this process's engine can never step again; ``wait_for_stop`` returns
+    ``Stop.ENGINE_LOST`` (a signal to itself: the main thread may be blocked in the wait)."""
+    logging.getLogger("epd.server").error("the engine is lost (%s): stopping at once, its requests move to other "
+                                          "workers", reason)
+    os.kill(os.getpid(), signal.SIGUSR1)
 
 
 def wait_for_stop() -> Stop:
-    """Block until SIGTERM, SIGINT or the death of the launcher that started this process
-    (``epd.server.parent``); main thread only. -> which came first."""
+    """Block until SIGTERM, SIGINT, the death of the launcher that started this process
+    (``epd.server.parent``) or ``stop_engine_lost``; main thread only. -> which came first."""
     stop = threading.Event()
     received: list[Stop] = []
 
@@ -61,6 +71,7 @@ def wait_for_stop() -> Stop:
 
     signal.signal(signal.SIGTERM, lambda *_: on(Stop.TERM))
     signal.signal(signal.SIGINT, lambda *_: on(Stop.INT))
+    signal.signal(signal.SIGUSR1, lambda *_: on(Stop.ENGINE_LOST))
     watch_parent(lambda: on(Stop.PARENT_GONE))
     stop.wait()
     return received[0]

@@ -55,16 +55,47 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
     if config.router.aggregated and config.launcher == "ray":
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
                           "use the local launcher")
-    tp = config.worker.engine.tensor_parallel_size
-    if tp > 1 and config.worker.engine.target_device.startswith("cuda"):
-        raise ConfigError(f"command line: --tensor-parallel-size {tp} on {config.worker.engine.target_device}: the "
-                          "ranks run on the CPU (gloo) so far; use --device cpu or 1")
-    if tp > 1 and not config.router.aggregated:
-        raise ConfigError(f"command line: --tensor-parallel-size {tp}: prefill and decode workers run one rank so "
-                          "far; --aggregated runs the engine in ranks, or use 1")
+    _check_tensor_parallel(config)
     if config.router.aggregated:  # the one process runs the engine the workers would have
         config = config.model_copy(update={"router": config.router.model_copy(update={"engine": config.worker.engine})})
     return config
+
+
+def _check_tensor_parallel(config: ServeConfig) -> None:
+    """Tensor-parallel sizes this launch can run, or one line saying what would."""
+    sizes = {flag: size for flag, size in (("--tensor-parallel-size", config.worker.engine.tensor_parallel_size),
+                                           ("--prefill-tp", config.prefill_tp), ("--decode-tp", config.decode_tp))
+             if size is not None and size > 1}
+    if not sizes:
+        return
+    flag, size = next(iter(sizes.items()))
+    if config.worker.engine.target_device.startswith("cuda") or config.prefill_gpus or config.decode_gpus:
+        raise ConfigError(f"command line: {flag} {size} on CUDA: the ranks run on the CPU (gloo) so far; use "
+                          "--device cpu or 1")
+    if config.router.aggregated and (config.prefill_tp or config.decode_tp):
+        raise ConfigError(f"command line: {'--prefill-tp' if config.prefill_tp else '--decode-tp'} with --aggregated, "
+                          "which runs one engine: use --tensor-parallel-size")
+    if config.launcher == "ray" and not config.router.aggregated:
+        raise ConfigError(f"command line: {flag} {size} with the Ray launcher: it places one-rank workers so far; "
+                          "use the local launcher or 1")
+    from epd.engine.tensor_parallel import check_runnable
+    from epd.models.presets import resolve_model
+    engine = config.worker.engine
+    tiers = (("--tensor-parallel-size", engine.tensor_parallel_size),) if config.router.aggregated else (
+        ("--prefill-tp" if config.prefill_tp else "--tensor-parallel-size", config.tensor_parallel_size("prefill")),
+        ("--decode-tp" if config.decode_tp else "--tensor-parallel-size", config.tensor_parallel_size("decode")))
+    for flag, size in tiers:
+        try:
+            check_runnable(resolve_model(config.router.model), engine.model_copy(update={"tensor_parallel_size": size}),
+                           flag)
+        except ValueError as err:
+            raise ConfigError(f"command line: {err}") from None
+
+
+def _tier_args(config: ServeConfig) -> dict[str, list[str]]:
+    """Each tier's own tensor-parallel size (the workers share one config file)."""
+    return {tier: ["--tensor-parallel-size", str(config.tensor_parallel_size(tier))]
+            for tier in ("encoder", "prefill", "decode") if config.tensor_parallel_size(tier) > 1}
 
 
 def wait_healthy(url: str, timeout_s: float) -> dict:
@@ -108,7 +139,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
     counts = (0, 0, 0) if router.aggregated else (config.encoders, config.prefills, config.decodes)
     cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
-                           worker_config=config.worker, standby=config.standby and config.max_restarts > 0,
+                           worker_config=_one_rank(config.worker), tier_args=_tier_args(config),
+                           standby=config.standby and config.max_restarts > 0,
                            devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")})
     try:
         what = "the aggregated engine (no tiers)" if router.aggregated else \
@@ -132,6 +164,12 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
+
+
+def _one_rank(worker: WorkerConfig) -> WorkerConfig:
+    """The config every worker starts from, at one rank: the encoders' (a vision tower is not cut)
+    and the default of the tiers that get their own size as a flag (``_tier_args``)."""
+    return worker.model_copy(update={"engine": worker.engine.model_copy(update={"tensor_parallel_size": 1})})
 
 
 def _metrics_of(process) -> str:

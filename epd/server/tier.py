@@ -29,7 +29,14 @@ from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
 from epd.server.flags import Command, load, run_or_exit
 from epd.server.metrics import TierMetrics
-from epd.server.process import Stop, announce_ready, configure_logging, raise_open_files_limit, wait_for_stop
+from epd.server.process import (
+    Stop,
+    announce_ready,
+    configure_logging,
+    raise_open_files_limit,
+    stop_engine_lost,
+    wait_for_stop,
+)
 from epd.tls import MutualTls, use_for_process
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 from epd.transport.choose import local_host_id
@@ -60,6 +67,8 @@ class TierContext:
     admission: TierAdmission
     server: AioServerThread | None = None  # its loop runs the servicers (and what else a tier listens on)
     tls: MutualTls | None = None  # this worker's identity, for listeners other than gRPC
+    # what an engine that can never step again calls (a tensor-parallel rank lost): the process stops
+    on_engine_lost: Callable[[str], None] | None = None
 
     @property
     def host_id(self) -> str:
@@ -149,7 +158,7 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
             metrics.watch_store(store)
         admission = TierAdmission(tier, config.max_requests, config.max_imported_bytes)
         add_to_server, close = importlib.import_module(module_name).build(
-            TierContext(tier, config, address, metrics, store, io, admission, server, tls))
+            TierContext(tier, config, address, metrics, store, io, admission, server, tls, stop_engine_lost))
 
         def add_servicers(grpc_server) -> None:
             if store is not None:
@@ -185,9 +194,16 @@ def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
     command = tier_command(tier)
     args = command.parser.parse_args(argv)
     config = load(WorkerConfig, command, args, yaml_path=args.config, prog=f"epd {tier}")
-    if tier != "encoder" and config.engine.tensor_parallel_size > 1:
-        raise ConfigError(f"tensor_parallel_size {config.engine.tensor_parallel_size}: a {tier} worker runs one "
-                          "rank so far (the in-process engine takes more: epd generate, --aggregated); use 1")
+    if tier == "encoder" and config.engine.tensor_parallel_size > 1:
+        raise ConfigError(f"tensor_parallel_size {config.engine.tensor_parallel_size}: an encoder is not cut into "
+                          "ranks (its vision tower stays whole; encoders scale by replicas); use 1")
+    if config.engine.tensor_parallel_size > 1:
+        from epd.engine.tensor_parallel import check_runnable
+        from epd.models.presets import resolve_model
+        try:
+            check_runnable(resolve_model(config.model), config.engine)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     return config
 
 
@@ -202,8 +218,10 @@ def main(tier: str, argv: list[str] | None = None) -> None:
     running = start_tier(tier, config)
     announce_ready(tier, running.address, f"metrics={running.metrics_url}")
     how = wait_for_stop()
-    if how is Stop.PARENT_GONE:
+    if how in (Stop.PARENT_GONE, Stop.ENGINE_LOST):
         running.stop(grace_s=0)  # its shared memory is unlinked on the way out (on_stop)
+        if how is Stop.ENGINE_LOST:
+            raise SystemExit(3)  # not a stop anyone asked for: a supervisor starts it again
         return
     if not running.drain(config.drain_timeout_s, _DRAIN_NOTICE_S if how is Stop.TERM else 0.0):
         log.warning("%s still held requests after %.0f s of draining; stopping anyway", tier, config.drain_timeout_s)

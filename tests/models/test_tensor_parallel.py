@@ -101,3 +101,49 @@ def test_a_lost_rank_refuses_every_later_step_and_close_still_cleans_up(model_di
     finally:
         llm.close()
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("epd-tp-rank")]
+
+
+def _prefilled(model_dir, size: int, messages):
+    """A prompt prefilled at TP ``size`` as the prefill tier does it: its first token, the KV of
+    every prompt token (read out of the ranks, every KV head), and its M-RoPE delta."""
+    from epd.config import EngineConfig
+    from epd.llm import LLM
+    from epd.types import SamplingParams
+
+    config = EngineConfig(tensor_parallel_size=size, block_size=4, num_kv_blocks=1024, max_num_batched_tokens=4096)
+    with LLM(model_dir, engine_config=config) as llm:
+        seq = llm.add_conversation(messages, SamplingParams(max_tokens=2))
+        for _ in range(100):
+            if seq.num_output_tokens:
+                break
+            llm.engine.step()
+        kv = llm.engine.runner.read_kv(seq.block_table, len(seq) - 1).clone()
+        return seq.token_ids[:seq.num_prompt_tokens], seq.token_ids[-1], kv, seq.mm.mrope_delta
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (1, 4), (4, 2)])
+def test_kv_prefilled_at_one_tp_size_decodes_at_another_as_transformers_does(model_dir, reference, prefill_tp,
+                                                                              decode_tp):
+    """The prefill tier's KV export and the decode tier's import across TP sizes: heads split (1 -> 4:
+    each KV head on two ranks), joined (2 -> 1) and both (4 -> 2), on a multi-image chat; the
+    tokens after the hand-off are transformers' own."""
+    from epd.config import EngineConfig
+    from epd.engine.mm_inputs import SequenceMultimodal
+    from epd.llm import LLM
+    from epd.types import SamplingParams
+    from tests.conftest import make_image_bytes
+
+    if "qwen3" in model_dir:
+        pytest.skip("the hand-off is the same for both families; Qwen2-VL shows it")
+    images = [make_image_bytes(120, 90, seed=5), make_image_bytes(64, 100, seed=6)]
+    messages = user_message("Compare these, one by one.", images)
+    ref = reference.generate(messages, images, max_new_tokens=MAX_NEW)
+    prompt, first, kv, delta = _prefilled(model_dir, prefill_tp, messages)
+    assert kv.shape[3] == 2  # every KV head of the model travels, whatever the ranks
+    config = EngineConfig(tensor_parallel_size=decode_tp, block_size=4, num_kv_blocks=1024)
+    with LLM(model_dir, engine_config=config) as llm:
+        seq = llm.engine.add_imported(prompt, SamplingParams(max_tokens=MAX_NEW), first_token_id=first,
+                                      first_logprobs=None, kv=kv, mm=SequenceMultimodal.delta_only(delta),
+                                      eos_token_ids=(llm.tokenizer.eos_token_id,))
+        llm.engine.run_until_done([seq])
+    assert (prompt, seq.output_token_ids) == (ref.prompt_token_ids, ref.token_ids)

@@ -1,7 +1,7 @@
 """Video through our engine == transformers' generate, token for token (fp32, greedy), for Qwen2-VL,
 Qwen2.5-VL (whose temporal M-RoPE positions follow seconds of video) and Qwen3-VL (each temporal
 patch after its timestamp, deepstack levels): a video alone, with images around it, chunked so that
-a chunk cuts through the video, and from the prefix cache.
+a chunk cuts through the video, from the prefix cache, and with the LLM in two tensor-parallel ranks.
 
 transformers' own video processor needs torchvision, which cannot load beside the CPU torch here,
 so the reference gets the pixel patches our frame pipeline makes; that pipeline is checked against
@@ -83,6 +83,17 @@ def test_video_prompts_match_transformers(llm, reference, parts):
     videos = [data for kind, data in parts if kind == "video"]
     images = [data for kind, data in parts if kind == "image"]
     check_same(reference.generate_with_videos(messages, images, video_inputs(llm, videos), MAX_NEW), out)
+
+
+def test_video_with_images_in_two_tensor_parallel_ranks_matches_transformers(model_dir, reference, llm):
+    """The same chat with the LLM cut into two ranks (the second a process of its own, every
+    embedding row sent to it with the step), chunked so that a chunk cuts through the video."""
+    parts = [("image", IMAGE), ("video", VIDEO), ("image", IMAGE)]
+    messages = conversation(parts)
+    config = EngineConfig(tensor_parallel_size=2, block_size=4, num_kv_blocks=2048, max_num_batched_tokens=11)
+    with LLM(str(model_dir), engine_config=config) as in_ranks:
+        out = in_ranks.chat(messages, GREEDY)[0]
+    check_same(reference.generate_with_videos(messages, [IMAGE, IMAGE], video_inputs(llm, [VIDEO]), MAX_NEW), out)
 
 
 @pytest.mark.parametrize("chunk_tokens", [5, 11])

@@ -1,8 +1,9 @@
 """Tensor parallelism on this machine: the in-process engine at TP 1 and TP N, the same requests.
 
 Printed per configuration: the prefill of one long prompt (ms per chunk of --prefill-tokens), the
-decode step of a batch (ms per step), the weights rank 0 holds (MB), and each against TP 1 with the
-same threads per rank. On a 2-core CPU, TP 2 gives each rank one core: the comparison that says
+decode step of a batch (ms per step), the weights rank 0 holds (MB), the KV hand-off of that prompt
+(export as the prefill tier does it, every KV head gathered on rank 0; import as the decode tier
+does it, each rank given its heads), and each against TP 1 with the same threads per rank. On a 2-core CPU, TP 2 gives each rank one core: the comparison that says
 what cutting the model costs or saves is TP 2 (1 thread per rank) against TP 1 with 1 thread and
 with 2.
 
@@ -45,8 +46,28 @@ def measure(model: str, tp: int, threads: int, prefill_tokens: int, batch: int, 
         prefill_s = min(_timed(llm, long_prompt, 1) for _ in range(3))
         first_s = _timed(llm, short, 1)
         decode_s = (_timed(llm, short, steps + 1) - first_s) / steps
+        export_s, import_s = _kv_handoff_s(llm, long_prompt[0])
         return {"tp": tp, "threads": threads, "prefill_ms": 1000 * prefill_s, "decode_ms": 1000 * decode_s,
-                "weights_mb": _weights_mb(llm)}
+                "weights_mb": _weights_mb(llm), "export_ms": 1000 * export_s, "import_ms": 1000 * import_s}
+
+
+def _kv_handoff_s(llm: LLM, prompt: list[int], repeats: int = 5) -> tuple[float, float]:
+    """The best of ``repeats``: the prompt's KV read out of the cache (every head, into one tensor)
+    and written back into its pages."""
+    seq = llm.engine.add_request(prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    while not seq.num_output_tokens:
+        llm.engine.step()
+    runner, table, n = llm.engine.runner, seq.block_table, len(prompt)
+    export_s = import_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kv = runner.read_kv(table, n)
+        export_s = min(export_s, time.perf_counter() - start)
+        start = time.perf_counter()
+        runner.write_kv(table, kv)
+        import_s = min(import_s, time.perf_counter() - start)
+    llm.engine.run_until_done([seq])
+    return export_s, import_s
 
 
 def main() -> int:
@@ -60,11 +81,12 @@ def main() -> int:
     runs = [(1, 1), (1, args.tp), (args.tp, 1)]  # (tp, threads per rank)
     base = None
     print(f"{'tp':>3}{'threads/rank':>14}{'prefill ms':>12}{'decode ms/step':>16}{'rank-0 weights MB':>19}"
-          f"{'prefill vs tp1x1':>18}{'decode vs tp1x1':>17}", flush=True)
+          f"{'KV export ms':>14}{'KV import ms':>14}{'prefill vs tp1x1':>18}{'decode vs tp1x1':>17}", flush=True)
     for tp, threads in runs:
         r = measure(args.model, tp, threads, args.prefill_tokens, args.batch, args.decode_steps)
         base = base or r
         print(f"{tp:>3}{threads:>14}{r['prefill_ms']:>12.1f}{r['decode_ms']:>16.2f}{r['weights_mb']:>19.1f}"
+              f"{r['export_ms']:>14.2f}{r['import_ms']:>14.2f}"
               f"{r['prefill_ms'] / base['prefill_ms']:>18.2f}{r['decode_ms'] / base['decode_ms']:>17.2f}", flush=True)
     return 0
 

@@ -19,6 +19,7 @@ from epd import loops
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.server.flags import Command, load, run_or_exit
+from epd.server.ports import PortTaken, check_router_ports, exit_if_taken
 from epd.server.parent import watch_parent
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
 
@@ -150,8 +151,9 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     grpc_server = grpc.aio.server(options=public_server_options(limits), interceptors=interceptors)
     add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits)
     grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    if grpc_port == 0:
-        raise RuntimeError(f"router: cannot bind gRPC {config.host}:{config.grpc_port} (taken?)")
+    if grpc_port == 0:  # taken since the check at start
+        raise PortTaken(f"--grpc-port {config.grpc_port}: cannot bind {config.host}:{config.grpc_port} (in use?); "
+                        "give --grpc-port another port, or 0 for a free one")
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
@@ -201,4 +203,5 @@ def main(argv: list[str] | None = None) -> None:
     config = run_or_exit("epd router", lambda: router_config_from_args(argv))
     from epd.router.auth import ApiKeys
     run_or_exit("epd router", lambda: key_rate_limiter(config, ApiKeys(config.api_keys, config.api_key_file)))
-    loops.run(serve(config))
+    exit_if_taken("epd router", lambda: check_router_ports(config))
+    exit_if_taken("epd router", lambda: loops.run(serve(config)))

@@ -128,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"epd serve: error: {err}", file=sys.stderr, flush=True)
             return 1
         return 0
+    from epd.server.ports import check_serve_ports, exit_if_taken
+    exit_if_taken("epd serve", lambda: check_serve_ports(config))  # before anything starts
     return serve_locally(config, stop)
 
 

@@ -19,8 +19,8 @@ from epd import loops
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
 from epd.server.flags import Command, load, run_or_exit
-from epd.server.ports import PortTaken, check_router_ports, exit_if_taken
 from epd.server.parent import watch_parent
+from epd.server.ports import PortTaken, check_router_ports, exit_if_taken
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
 
 log = logging.getLogger("epd.router")

@@ -288,6 +288,11 @@ class RouterConfig(_Config):
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    generation_config: str = Field(
+        "auto", description="auto: the checkpoint's generation_config.json gives the sampling fields a request leaves "
+                            "unset their defaults and every EOS id it lists stops generation (vLLM's default); "
+                            "vllm: OpenAI's defaults and the tokenizer's EOS only; or a folder with a "
+                            "generation_config.json")
     default_max_tokens: PositiveInt | None = Field(
         None, description="max_tokens of a request that gives none (default: what max_model_len leaves after its "
                           "prompt, as vLLM)")

@@ -12,6 +12,7 @@ from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.engine.tensor_parallel import load_engine
 from epd.errors import InvalidRequest
+from epd.models.generation_config import generation_defaults
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
@@ -40,7 +41,9 @@ class LLM:
         self.processor = self.family.input_processor(self.model_dir, self.tokenizer)
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
-        eos = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        # every EOS id the checkpoint's generation_config.json lists ends a request, as in transformers and vLLM
+        own = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        eos = own + tuple(t for t in dict.fromkeys(generation_defaults(self.model_dir).eos_token_ids) if t not in own)
         self.engine = load_engine(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids, lambda model: LLMEngine(
             model, self._sized_beside_the_vision_tower(), eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids,
             load_tokenizer=lambda: self.tokenizer))

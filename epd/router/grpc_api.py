@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
+from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
 from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
@@ -32,10 +33,11 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     """A grpc.aio servicer. The server that hosts it should raise the message size limits
     (``epd.rpc.SERVER_OPTIONS``): requests carry encoded images."""
 
-    def __init__(self, core: RouterCore, *, default_max_tokens: int | None = None, limits: BodyLimits = BodyLimits()
-                 ) -> None:
+    def __init__(self, core: RouterCore, *, default_max_tokens: int | None = None, limits: BodyLimits = BodyLimits(),
+                 generation: GenerationDefaults = OPENAI_DEFAULTS) -> None:
         self.core = core
         self.default_max_tokens = default_max_tokens
+        self.generation = generation  # what unset sampling fields become, as over HTTP
         self.limits = limits  # the message size itself is the server's max_receive_message_length
 
     async def Generate(self, request: router_pb2.ChatGenerateRequest, context: grpc.aio.ServicerContext):
@@ -91,7 +93,8 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
                             stop_strings=[s for s in request.stop if s],
                             timeout_s=min(timeouts_s) if timeouts_s else None,
                             include_stop_str_in_output=request.include_stop_str_in_output,
-                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None,
+                            fill_max_tokens=not request.sampling.max_tokens and self.default_max_tokens is None
+                            and self.generation.max_tokens is None,
                             mm_processor_kwargs=dict(request.mm_processor_kwargs) or None)
 
     def _message(self, index: int, message: router_pb2.ChatMessage) -> dict:
@@ -127,14 +130,18 @@ class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
 
     def _sampling(self, request: router_pb2.ChatGenerateRequest) -> SamplingParams:
         # proto3 zeros are "unset": map them to the defaults documented in router.proto.
-        msg = request.sampling
+        msg, defaults = request.sampling, self.generation
+        processors = logits_processors_from_proto(msg)
+        if not msg.HasField("repetition_penalty"):
+            processors["repetition_penalty"] = defaults.repetition_penalty
+        processors["min_p"] = msg.min_p or defaults.min_p
         return SamplingParams(
-            max_tokens=msg.max_tokens or self.default_max_tokens or MAX_TOKENS_TO_FILL, min_tokens=msg.min_tokens,
-            temperature=msg.temperature if msg.HasField("temperature") else 1.0,  # OpenAI's default, as over HTTP
-            top_p=msg.top_p or 1.0, top_k=msg.top_k or -1,
+            max_tokens=msg.max_tokens or self.default_max_tokens or defaults.max_tokens or MAX_TOKENS_TO_FILL,
+            min_tokens=msg.min_tokens,
+            temperature=msg.temperature if msg.HasField("temperature") else defaults.temperature,
+            top_p=msg.top_p or defaults.top_p, top_k=msg.top_k or defaults.top_k,
             seed=msg.seed if msg.HasField("seed") else None, stop_token_ids=tuple(msg.stop_token_ids),
-            ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-            **logits_processors_from_proto(msg))
+            ignore_eos=msg.ignore_eos, logprobs=msg.logprobs if msg.HasField("logprobs") else None, **processors)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -182,9 +189,10 @@ def public_server_options(limits: BodyLimits) -> list[tuple]:
 
 
 def add_router_grpc(server: grpc.aio.Server, core: RouterCore, *, default_max_tokens: int | None = None,
-                    limits: BodyLimits = BodyLimits()) -> RouterGrpcServicer:
+                    limits: BodyLimits = BodyLimits(),
+                    generation: GenerationDefaults = OPENAI_DEFAULTS) -> RouterGrpcServicer:
     """Register the public Router service on a grpc.aio server (not started here)."""
-    servicer = RouterGrpcServicer(core, default_max_tokens=default_max_tokens, limits=limits)
+    servicer = RouterGrpcServicer(core, default_max_tokens=default_max_tokens, limits=limits, generation=generation)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     return servicer
 

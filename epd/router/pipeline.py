@@ -20,6 +20,7 @@ from pathlib import Path
 
 from epd.config import ConfigError, RouterConfig
 from epd.errors import UNDECODABLE_MARKER, EPDError, InvalidRequest
+from epd.models.generation_config import GenerationConfigError, generation_defaults
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
@@ -56,7 +57,15 @@ class RequestPipeline:
             self.processor.media_settings(config.mm_processor_kwargs)
         except ValueError as err:
             raise ConfigError(f"mm_processor_kwargs: {err}") from None
-        self.eos_token_ids = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        try:  # the checkpoint's sampling defaults and EOS ids (vLLM's --generation-config auto)
+            self.generation = generation_defaults(model_dir, config.generation_config)
+        except GenerationConfigError as err:
+            raise ConfigError(str(err)) from None
+        if changed := self.generation.changed():
+            log.info("sampling defaults from %s: %s (--generation-config vllm turns them off)",
+                     self.generation.source, changed)
+        own = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
+        self.eos_token_ids = own + tuple(t for t in dict.fromkeys(self.generation.eos_token_ids) if t not in own)
         self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
         self.limits = RequestLimits.from_config(config, backend.embedding_row_bytes)
         self.gate = AdmissionGate(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)

@@ -149,13 +149,15 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
                                       rate_limiter=rate_limiter)] if api_keys.enabled else []
     limits = BodyLimits.from_config(config)
     grpc_server = grpc.aio.server(options=public_server_options(limits), interceptors=interceptors)
-    add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits)
+    add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits,
+                    generation=router.generation)
     grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     if grpc_port == 0:  # taken since the check at start
         raise PortTaken(f"--grpc-port {config.grpc_port}: cannot bind {config.host}:{config.grpc_port} (in use?); "
                         "give --grpc-port another port, or 0 for a free one")
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
+                    generation=router.generation,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
                     limits=limits, rate_limiter=rate_limiter, allowed_origins=config.allowed_origins)
     admin = await _start_admin(config, router)

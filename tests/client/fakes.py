@@ -78,9 +78,11 @@ class FakeCore:
 class RouterServerThread:
     """The public Router service over ``core`` on a free 127.0.0.1 port, in a thread with its own loop."""
 
-    def __init__(self, core, interceptors=(), limits=None) -> None:
-        """``limits``: a ``BodyLimits`` the server applies as the router does (message size included)."""
+    def __init__(self, core, interceptors=(), limits=None, generation=None) -> None:
+        """``limits``: a ``BodyLimits`` the server applies as the router does (message size included);
+        ``generation``: the sampling defaults (a pipeline's ``generation``), OpenAI's when None."""
         self.core, self.interceptors, self.limits = core, list(interceptors), limits
+        self.generation = generation
         self.address = ""
 
     def __enter__(self) -> RouterServerThread:
@@ -104,7 +106,8 @@ class RouterServerThread:
     async def _start(self) -> str:
         options = GRPC_OPTIONS if self.limits is None else public_server_options(self.limits)
         self._server = grpc.aio.server(options=options, interceptors=self.interceptors)
-        add_router_grpc(self._server, self.core, **({} if self.limits is None else {"limits": self.limits}))
+        add_router_grpc(self._server, self.core, **({} if self.limits is None else {"limits": self.limits}),
+                        **({} if self.generation is None else {"generation": self.generation}))
         port = self._server.add_insecure_port("127.0.0.1:0")
         await self._server.start()
         return f"127.0.0.1:{port}"

@@ -53,7 +53,8 @@ def make_pipeline(model_dir, backend, *, media: MediaFetcher | None = None, **co
 @contextlib.contextmanager
 def both_front_ends(pipeline: RequestPipeline):
     """(openai client over HTTP, SDK client over gRPC), both in front of ``pipeline``."""
-    with serve_app(build_app(pipeline, tokenizer=pipeline.tokenizer)) as base, RouterServerThread(pipeline) as grpc:
+    with serve_app(build_app(pipeline, tokenizer=pipeline.tokenizer, generation=pipeline.generation)) as base, \
+            RouterServerThread(pipeline, generation=pipeline.generation) as grpc:
         with EPDClient(grpc.address, timeout_s=30) as sdk:
             yield openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30), sdk
 

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from epd.errors import EPDError, ErrorCode, InternalError, NotFound, Overloaded, Unauthenticated
+from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits
@@ -33,13 +34,15 @@ log = logging.getLogger("epd.router.http")
 def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokenizer=None,
               api_keys: ApiKeys | None = None,
               protect_health_and_metrics: bool = False, limits: BodyLimits = BodyLimits(),
-              rate_limiter: KeyRateLimiter | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
+              rate_limiter: KeyRateLimiter | None = None, allowed_origins: tuple[str, ...] = (),
+              generation: GenerationDefaults = OPENAI_DEFAULTS) -> FastAPI:
     """The HTTP app over ``core``. ``tokenizer`` (anything with ``decode(list[int])``) spells the
     tokens in logprobs; without it they are their ids as strings. ``api_keys``: what ``/v1/...``
-    (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires."""
+    (and with ``protect_health_and_metrics`` also ``/health`` and ``/metrics``) requires;
+    ``generation``: what a request's unset sampling fields become (``epd.models.generation_config``)."""
     if default_max_tokens is not None and default_max_tokens < 1:
         raise ValueError(f"default_max_tokens must be None or >= 1, got {default_max_tokens}")
-    chat = ChatCompletions(core, TokenText(tokenizer), default_max_tokens, limits)
+    chat = ChatCompletions(core, TokenText(tokenizer), default_max_tokens, limits, generation)
     created = int(time.time())
     app = FastAPI(title="EPD", docs_url=None, redoc_url=None, openapi_url=None)
     if allowed_origins:  # browsers calling from these origins (--allowed-origins); none: no CORS headers at all
@@ -55,7 +58,7 @@ def build_app(core: RouterCore, *, default_max_tokens: int | None = None, tokeni
     async def chat_completions(request: Request) -> Response:
         return await chat.handle(request)
 
-    text = TextCompletions(core, chat.token_text, limits)
+    text = TextCompletions(core, chat.token_text, limits, generation)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from epd.errors import EPDError, InternalError, UpstreamError
+from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
 from epd.router.api import RouterCore
 from epd.router.body_limits import BodyLimits, check_json_messages
 from epd.router.openai.requests import (
@@ -53,9 +54,9 @@ log = logging.getLogger("epd.router.http")
 
 class ChatCompletions:
     def __init__(self, core: RouterCore, token_text: Callable[[int], str], default_max_tokens: int | None,
-                 limits: BodyLimits) -> None:
+                 limits: BodyLimits, defaults: GenerationDefaults = OPENAI_DEFAULTS) -> None:
         self.core, self.token_text = core, token_text
-        self.default_max_tokens, self.limits = default_max_tokens, limits
+        self.default_max_tokens, self.limits, self.defaults = default_max_tokens, limits, defaults
 
     async def handle(self, request: Request) -> Response:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -67,7 +68,8 @@ class ChatCompletions:
             client_id = request_id_base(request.headers.get("x-request-id"), body)
             request_id = f"chatcmpl-{client_id or uuid.uuid4().hex}"
             model = served_name(self.core, body.model)
-            chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens)
+            chat = to_chat_request(body, request_id, default_max_tokens=self.default_max_tokens,
+                                   defaults=self.defaults)
             pump = CorePump(self.core, chat, stream=body.stream)
             first = await pump.next(request)
             if first is None:

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
 
 from epd.errors import EPDError, InternalError, InvalidRequest, UpstreamError
+from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
 from epd.router.body_limits import BodyLimits
 from epd.router.openai.fields import check_chat_fields
 from epd.router.openai.requests import (
@@ -52,7 +53,8 @@ _CHAT_ONLY = ("messages", "max_completion_tokens", "top_logprobs", "tools", "too
               "chat_template_kwargs", "mm_processor_kwargs")
 
 
-def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, ChatRequest]:
+def completion_request(body: Any, request_id: str,
+                       defaults: GenerationDefaults = OPENAI_DEFAULTS) -> tuple[CompletionRequest, ChatRequest]:
     if not isinstance(body, Mapping):
         raise InvalidRequest(f"expected a JSON object as the request body, got {type(body).__name__}")
     for name in _CHAT_ONLY:  # chat fields mean nothing here: a 400, not a silent drop
@@ -82,8 +84,9 @@ def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, C
     if parsed.stream_options is not None and not parsed.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
     structured_param, structured = structured_output(parsed)
-    chat = chat_request(messages=[], sampling=sampling_params(parsed, DEFAULT_COMPLETION_MAX_TOKENS, parsed.logprobs,
-                                                              structured),
+    default_max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if defaults.max_tokens is None else defaults.max_tokens
+    chat = chat_request(messages=[], sampling=sampling_params(parsed, default_max_tokens, parsed.logprobs,
+                                                              structured, defaults),
                         structured_param=structured_param, request_id=request_id, n=parsed.n,
                         stop_strings=stop_strings(parsed.stop), prompt=prompt,
                         include_stop_str_in_output=parsed.include_stop_str_in_output)
@@ -115,15 +118,16 @@ class CompletionResponse(BaseModel):
 
 
 class TextCompletions:
-    def __init__(self, core, token_text: Callable[[int], str], limits: BodyLimits) -> None:
-        self.core, self.token_text, self.limits = core, token_text, limits
+    def __init__(self, core, token_text: Callable[[int], str], limits: BodyLimits,
+                 defaults: GenerationDefaults = OPENAI_DEFAULTS) -> None:
+        self.core, self.token_text, self.limits, self.defaults = core, token_text, limits, defaults
 
     async def handle(self, request: Request) -> Response:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         pump = None
         try:
             raw = await read_json(request, self.limits.max_body_bytes)
-            body, chat = completion_request(raw, request_id)
+            body, chat = completion_request(raw, request_id, self.defaults)
             request_id = f"cmpl-{request_id_base(request.headers.get('x-request-id'), body) or uuid.uuid4().hex}"
             chat.request_id = request_id
             model = served_name(self.core, body.model)

@@ -62,10 +62,11 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _works("messages", "system / developer / user / assistant / tool roles; text and image_url parts; an "
                        "assistant's tool_calls and tool results are rendered back into the prompt"),
     _works("model", "one of the served names (--served-model-name), else 404; omitted: the first"),
-    _works("max_tokens", "default: what --max-model-len leaves after the prompt (vLLM's), or --default-max-tokens"),
+    _works("max_tokens", "default: --default-max-tokens, else the checkpoint's max_new_tokens (generation_config.json), "
+                         "else what --max-model-len leaves after the prompt (vLLM's)"),
     _works("max_completion_tokens", "OpenAI's newer name; wins over max_tokens"),
-    _works("temperature", "[0, 2]; 0 is greedy"),
-    _works("top_p", "(0, 1]"),
+    _works("temperature", "[0, 2]; 0 is greedy; unset: the checkpoint's generation_config.json, else 1"),
+    _works("top_p", "(0, 1]; unset: the checkpoint's generation_config.json, else 1"),
     _works("seed", "a 64-bit integer; the same seed draws the same tokens on any tier and batch"),
     _works("stop", "a string or up to any number of strings, cut from the answer; the tokens (and `usage`) end "
            "with the one that completed the match, however they were batched"),
@@ -100,13 +101,15 @@ CHAT_FIELDS: tuple[FieldRule, ...] = (
     _refused("verbosity", "not supported"),
     _refused("web_search_options", "no web search"),
     # ---- vLLM's extensions
-    _works("top_k", "-1 or 0: the whole vocabulary", "vLLM"),
+    _works("top_k", "-1 or 0: the whole vocabulary; unset: the checkpoint's generation_config.json, else -1", "vLLM"),
     _works("min_tokens", "EOS and stop tokens are held back until then", "vLLM"),
     _works("stop_token_ids", "", "vLLM"),
     _works("ignore_eos", "", "vLLM"),
     _works("return_token_ids", "prompt and completion token ids in the response", "vLLM"),
-    _works("min_p", "[0, 1]: keep tokens of at least min_p x the top token's probability", "vLLM"),
-    _works("repetition_penalty", "(0, 2]: over prompt and output tokens, as transformers and vLLM", "vLLM"),
+    _works("min_p", "[0, 1]: keep tokens of at least min_p x the top token's probability; unset: the checkpoint's "
+                    "generation_config.json, else 0", "vLLM"),
+    _works("repetition_penalty", "(0, 2]: over prompt and output tokens, as transformers and vLLM; unset: the "
+                                 "checkpoint's generation_config.json, else 1", "vLLM"),
     _refused("length_penalty", "beam search only, which is not supported", _one_of(1, 1.0), "vLLM"),
     _refused("use_beam_search", "beam search is not supported", _one_of(False), "vLLM"),
     _refused("best_of", "not supported", _one_of(1), "vLLM"),

@@ -19,6 +19,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from epd.errors import InvalidRequest, NotFound, PayloadTooLarge
+from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
 from epd.router.api import RouterCore
 from epd.router.openai.fields import check_chat_fields
 from epd.router.request_rule import chat_request
@@ -219,7 +220,8 @@ def request_id_base(header: str | None, body: GenerationFields) -> str | None:
 
 
 def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
-                    default_max_tokens: int | None = None) -> ChatRequest:
+                    default_max_tokens: int | None = None,
+                    defaults: GenerationDefaults = OPENAI_DEFAULTS) -> ChatRequest:
     """Validate sampling values against OpenAI semantics and convert once into a ``ChatRequest``.
     Image parts keep their ``image_url``; the router's pipeline turns them into bytes."""
     if not isinstance(body, ChatCompletionRequest):
@@ -230,35 +232,37 @@ def to_chat_request(body: ChatCompletionRequest | Mapping, request_id: str, *,
     structured_param, structured = structured_output(body)
     return chat_request(
         messages=[message_dict(m) for m in body.messages], request_id=request_id, n=body.n,
-        sampling=sampling_params(body, default_max_tokens, _num_logprobs(body), structured),
+        sampling=sampling_params(body, default_max_tokens, _num_logprobs(body), structured, defaults),
         structured_param=structured_param, tools=body.tools, tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls, stop_strings=stop_strings(body.stop),
-        fill_max_tokens=not given and default_max_tokens is None,
+        fill_max_tokens=not given and default_max_tokens is None and defaults.max_tokens is None,
         include_stop_str_in_output=body.include_stop_str_in_output,
         chat_template_kwargs=body.chat_template_kwargs or None, mm_processor_kwargs=body.mm_processor_kwargs or None)
 
 
 def sampling_params(body: GenerationFields, default_max_tokens: int | None, num_logprobs: int | None,
-                    structured: StructuredOutput | None) -> SamplingParams:
-    """The request's SamplingParams, each value checked against OpenAI's (and vLLM's) range."""
+                    structured: StructuredOutput | None,
+                    defaults: GenerationDefaults = OPENAI_DEFAULTS) -> SamplingParams:
+    """The request's SamplingParams, each value checked against OpenAI's (and vLLM's) range; a field
+    it leaves unset takes ``defaults`` (OpenAI's, or the checkpoint's generation_config.json)."""
     max_completion_tokens = getattr(body, "max_completion_tokens", None)
     max_tokens = max_completion_tokens if max_completion_tokens is not None else body.max_tokens
     max_name = "max_completion_tokens" if max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
-        max_tokens = MAX_TOKENS_TO_FILL if default_max_tokens is None else default_max_tokens
+        max_tokens = next((m for m in (default_max_tokens, defaults.max_tokens) if m is not None), MAX_TOKENS_TO_FILL)
     _require(max_tokens >= 1, max_name, "an integer >= 1", max_tokens)
     _require(body.min_tokens >= 0 and (body.min_tokens <= max_tokens), "min_tokens",
              f"in [0, {max_name}={max_tokens}]", body.min_tokens)
-    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's defaults
+    temperature = defaults.temperature if body.temperature is None else body.temperature
     _require(math.isfinite(temperature) and 0.0 <= temperature <= 2.0, "temperature", "in [0, 2]", temperature)
-    top_p = 1.0 if body.top_p is None else body.top_p
+    top_p = defaults.top_p if body.top_p is None else body.top_p
     _require(math.isfinite(top_p) and 0.0 < top_p <= 1.0, "top_p", "in (0, 1]", top_p)
-    top_k = -1 if body.top_k in (None, 0) else body.top_k  # 0 and -1 both mean "whole vocabulary"
+    top_k = defaults.top_k if body.top_k is None else (-1 if body.top_k == 0 else body.top_k)  # 0, -1: everything
     _require(top_k == -1 or top_k >= 1, "top_k", "-1, 0 (disabled) or >= 1", body.top_k)
     _require(body.seed is None or _INT64_MIN <= body.seed <= _INT64_MAX, "seed", "a 64-bit integer", body.seed)
     return SamplingParams(max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature, top_p=top_p,
                           top_k=top_k, seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
-                          ignore_eos=body.ignore_eos, logprobs=num_logprobs, **_processors(body),
+                          ignore_eos=body.ignore_eos, logprobs=num_logprobs, **_processors(body, defaults),
                           structured=structured)
 
 
@@ -328,14 +332,14 @@ def _from_vllm(key: str, value) -> StructuredOutput:
     return StructuredOutput("lark", value)  # EBNF or Lark: the grammar module reads both
 
 
-def _processors(body: GenerationFields) -> dict:
+def _processors(body: GenerationFields, defaults: GenerationDefaults) -> dict:
     """The penalties, min_p and logit_bias, checked against OpenAI's (and vLLM's) ranges."""
     out = {}
     for name, default, ok, expected in (
             ("presence_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", 0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
-            ("repetition_penalty", 1.0, lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
-            ("min_p", 0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")):
+            ("repetition_penalty", defaults.repetition_penalty, lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
+            ("min_p", defaults.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")):
         value = getattr(body, name)
         value = default if value is None else value
         _require(math.isfinite(value) and ok(value), name, expected, value)

@@ -62,11 +62,49 @@ class _WithLabels(Collector):
             yield family
 
 
+# Ours under vLLM's names too, same meaning and labels: dashboards, alerts and autoscalers written
+# for vLLM (llm-d's, KServe's, KEDA triggers on vllm:num_requests_waiting) read them unchanged. A
+# worker's are its engine's (prefill or decode); the router's are the cluster's as its clients see it.
+VLLM_NAMES = {
+    "epd_running_requests": "vllm:num_requests_running",  # a worker's engine
+    "epd_queue_depth": "vllm:num_requests_waiting",
+    "epd_kv_block_usage_ratio": "vllm:kv_cache_usage_perc",  # vLLM's is a fraction too (1 = full)
+    "epd_prefix_cache_hit_tokens": "vllm:prefix_cache_hits",
+    "epd_prefix_cache_query_tokens": "vllm:prefix_cache_queries",
+    "epd_router_in_flight": "vllm:num_requests_running",  # the router: requests on the tiers
+    "epd_router_queue_depth": "vllm:num_requests_waiting",  # waiting for admission
+    "epd_ttft_seconds": "vllm:time_to_first_token_seconds",
+    "epd_tpot_seconds": "vllm:time_per_output_token_seconds",
+    "epd_e2e_seconds": "vllm:e2e_request_latency_seconds",
+    "epd_prompt_tokens": "vllm:prompt_tokens",
+    "epd_output_tokens": "vllm:generation_tokens",
+}
+
+
+class _Renamed(Collector):
+    """The families of ``inner`` that ``names`` maps, again under the mapped name."""
+
+    def __init__(self, inner: Collector, names: dict[str, str]) -> None:
+        self._inner, self._names = inner, names
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._inner.collect():
+            name = self._names.get(family.name)
+            if name is None:
+                continue
+            renamed = Metric(name, f"{family.documentation} (vLLM's name for {family.name})", family.type,
+                             family.unit)
+            renamed.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+            yield renamed
+
+
 def exposition(own: CollectorRegistry, model_name: str) -> CollectorRegistry:
-    """The registry a process serves: ``own`` labelled with ``model_name``, and the process metrics
-    (the default collectors read /proc/self, so each process reports itself)."""
+    """The registry a process serves: ``own`` labelled with ``model_name``, the families vLLM has
+    names for again under those (``VLLM_NAMES``), and the process metrics (the default collectors
+    read /proc/self, so each process reports itself)."""
     served = CollectorRegistry(auto_describe=False)
     served.register(_WithLabels(own, {"model_name": model_name}))
+    served.register(_Renamed(_WithLabels(own, {"model_name": model_name}), VLLM_NAMES))
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         served.register(collector)
     return served

@@ -189,6 +189,20 @@ def test_every_process_serves_metrics_by_prometheus_conventions(client, server):
         with urllib.request.urlopen(url, timeout=10) as resp:
             assert convention_problems(resp.read().decode(), model_name="m") == [], url
     assert metric(server, "epd_requests_total", model_name="m") >= 1
+    # vLLM's names beside ours, the same values (what dashboards and autoscalers written for vLLM read)
+    router = scrape(f"{server.base_url}/metrics")
+    for ours, theirs in (("epd_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("epd_output_tokens_total", "vllm:generation_tokens_total"),
+                         ("epd_ttft_seconds_count", "vllm:time_to_first_token_seconds_count")):
+        assert sample_sum(router, theirs, model_name="m") == sample_sum(router, ours, model_name="m") > 0, theirs
+    workers = [scrape(url) for url in server.worker_metrics_urls]
+    engines = [text for text in workers if "epd_running_requests" in text]
+    assert len(engines) == 2  # prefill and decode
+    for text in engines:
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                     "vllm:prefix_cache_queries_total"):
+            sample_sum(text, name, model_name="m")  # declared (KeyError otherwise)
+    assert sum(sample_sum(t, "vllm:prefix_cache_queries_total", model_name="m") for t in engines) > 0
 
 
 @pytest.mark.parametrize("case,expected", [

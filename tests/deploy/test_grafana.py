@@ -25,8 +25,8 @@ PROMQL_WORDS = {
     "rate", "irate", "increase", "delta", "histogram_quantile", "clamp_min", "clamp_max", "abs", "label_values",
     "sum_over_time", "avg_over_time", "max_over_time", "min_over_time", "vector", "scalar", "time",
 }
-# ours, and the process / Python collectors every process serves too
-METRIC_PREFIXES = ("epd_", "process_", "python_")
+# ours (and vLLM's names for some of them), and the process / Python collectors every process serves too
+METRIC_PREFIXES = ("epd_", "vllm:", "process_", "python_")
 _TOKEN = re.compile(r"\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?:ms|[smhdwy]\b)?|[a-zA-Z_:][a-zA-Z0-9_:]*|\S")
 
 
@@ -113,7 +113,8 @@ def test_dashboard_covers_the_issue():
     required = {
         "epd_requests_total", "epd_tier_requests_total", "epd_output_tokens_total",      # throughput
         "epd_ttft_seconds_bucket", "epd_tpot_seconds_bucket", "epd_e2e_seconds_bucket",   # latency percentiles
-        "epd_router_queue_depth", "epd_queue_depth", "epd_encoder_queue_depth",           # queues
+        "epd_router_queue_depth", "vllm:num_requests_waiting", "epd_encoder_queue_depth",  # queues
+        "vllm:num_requests_running",                                        # vLLM's names, as its dashboards
         "epd_encoder_cache_hits_total", "epd_encoder_cache_misses_total", "epd_encoder_cache_bytes",  # encoder cache
         "epd_transfer_bytes_total",                                                       # bandwidth by transport
         "epd_kv_block_usage_ratio",                                                       # KV usage

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, ValidationError,
+                      field_validator, model_validator)
 
 MiB = 1024 * 1024
 C = TypeVar("C", bound=BaseModel)
@@ -57,7 +57,10 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+# vLLM's spellings too (--dtype half / float), as the names torch gives them
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+Dtype = Annotated[Literal["auto", "float32", "bfloat16", "float16"],
+                  BeforeValidator(lambda value: _DTYPE_ALIASES.get(value, value))]
 Device = Annotated[str, AfterValidator(_check_device)]
 PositiveInt = Annotated[int, Field(gt=0)]
 Port = Annotated[int, Field(ge=0, le=65535)]
@@ -288,6 +291,8 @@ class RouterConfig(_Config):
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        "warning", description="what the router's HTTP server (uvicorn) logs; info adds one access line a request")
     generation_config: str = Field(
         "auto", description="auto: the checkpoint's generation_config.json gives the sampling fields a request leaves "
                             "unset their defaults and every EOS id it lists stops generation (vLLM's default); "

@@ -77,6 +77,14 @@ class Command:
                                               help=_help(info.description, defaults))
         self.flags[name] = _Flag(dest, [path], action, defaults, info.description, repeatable)
 
+    def parse_args(self, argv: list[str] | None) -> argparse.Namespace:
+        """The command line parsed, vLLM's flags translated first (``epd.server.vllm_flags``: taken
+        out with a line saying why, or refused in one line)."""
+        from epd.server.vllm_flags import translate
+
+        argv = sys.argv[1:] if argv is None else list(argv)
+        return self.parser.parse_args(translate(argv, self.parser._option_string_actions, self.parser.prog))
+
     def overrides(self, args: argparse.Namespace) -> dict:
         """The values given on the command line, as nested config data."""
         out: dict = {}
@@ -105,6 +113,13 @@ def load(cls: type[BaseModel], command: Command, args: argparse.Namespace, *, ya
         data = loaded
     data = deep_merge(data, command.overrides(args))
     return load_config(cls, data, source=yaml_path or "command line")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line (what was wrong), not the usage of every flag."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} ({self.prog} --help lists the flags)\n")
 
 
 def run_or_exit(prog: str, build):

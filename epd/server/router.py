@@ -7,7 +7,6 @@ endpoints launchers use to add and drain workers.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
@@ -18,7 +17,7 @@ import uvicorn
 from epd import loops
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
-from epd.server.flags import Command, load, run_or_exit
+from epd.server.flags import Command, OneLineParser, load, run_or_exit
 from epd.server.parent import watch_parent
 from epd.server.ports import PortTaken, check_router_ports, exit_if_taken
 from epd.server.process import announce_ready, configure_logging, raise_open_files_limit
@@ -27,14 +26,14 @@ log = logging.getLogger("epd.router")
 
 
 def router_command() -> Command:
-    parser = argparse.ArgumentParser(prog="epd router", description="run the router (HTTP + public gRPC)")
+    parser = OneLineParser(prog="epd router", description="run the router (HTTP + public gRPC)")
     parser.add_argument("--config", help="YAML with RouterConfig fields")
     return Command(parser).add(RouterConfig)
 
 
 def router_config_from_args(argv: list[str] | None) -> RouterConfig:
     command = router_command()
-    args = command.parser.parse_args(argv)
+    args = command.parse_args(argv)
     return load(RouterConfig, command, args, yaml_path=args.config, prog="epd router")
 
 
@@ -161,7 +160,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
                     limits=limits, rate_limiter=rate_limiter, allowed_origins=config.allowed_origins)
     admin = await _start_admin(config, router)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                            timeout_graceful_shutdown=config.shutdown_grace_s))
     if on_server is not None:
         on_server(server)

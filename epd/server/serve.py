@@ -10,7 +10,6 @@ one name everywhere; the validated configs reach the children as files.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -19,14 +18,14 @@ import time
 import urllib.request
 
 from epd.config import ConfigError, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
-from epd.server.flags import Command, run_or_exit
+from epd.server.flags import Command, OneLineParser, run_or_exit
 
 # set by the launcher for each worker, never by the user: where a worker listens
 _WORKER_ASSIGNED = ("host", "port", "metrics_port")
 
 
 def serve_command() -> Command:
-    parser = argparse.ArgumentParser(prog="epd serve", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="epd serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("model_positional", nargs="?", metavar="MODEL",
                         help="the model, as --model (vLLM's `vllm serve MODEL`)")
     parser.add_argument("--config", help="YAML with the router's settings (RouterConfig fields)")
@@ -39,7 +38,7 @@ def serve_command() -> Command:
 
 def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
     command = serve_command()
-    args = command.parser.parse_args(argv)
+    args = command.parse_args(argv)
     data = {"router": load_yaml(args.config) if args.config else {},
             "worker": load_yaml(args.worker_config) if args.worker_config else {}}
     overrides = command.overrides(args)

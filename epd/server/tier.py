@@ -14,7 +14,6 @@ are short and never wait for another request.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import logging
@@ -27,7 +26,7 @@ from typing import TypeVar
 from epd.config import ConfigError, WorkerConfig
 from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
-from epd.server.flags import Command, load, run_or_exit
+from epd.server.flags import Command, OneLineParser, load, run_or_exit
 from epd.server.metrics import TierMetrics
 from epd.server.process import (
     Stop,
@@ -185,14 +184,14 @@ def start_tier(tier: str, config: WorkerConfig) -> RunningTier:
 
 
 def tier_command(tier: str) -> Command:
-    parser = argparse.ArgumentParser(prog=f"epd {tier}", description=f"run one {tier} worker")
+    parser = OneLineParser(prog=f"epd {tier}", description=f"run one {tier} worker")
     parser.add_argument("--config", help="YAML with WorkerConfig fields (engine: {...}, encoder: {...} nested)")
     return Command(parser).add(WorkerConfig, skip=_SKIPPED[tier])
 
 
 def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
     command = tier_command(tier)
-    args = command.parser.parse_args(argv)
+    args = command.parse_args(argv)
     config = load(WorkerConfig, command, args, yaml_path=args.config, prog=f"epd {tier}")
     if tier == "encoder" and config.engine.tensor_parallel_size > 1:
         raise ConfigError(f"tensor_parallel_size {config.engine.tensor_parallel_size}: an encoder is not cut into "

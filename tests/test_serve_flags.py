@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import re
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -95,8 +97,9 @@ def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     assert resolve_model("acme/vl-mini") == snapshot
     with pytest.raises(ValueError, match=r"'acme/absent' is not a directory, a preset, or in the local Hugging "
-                                         r"Face cache .*huggingface-cli download acme/absent"):
+                                         r"Face cache .*\(hf download acme/absent\)"):
         resolve_model("acme/absent")
+    assert (Path(sys.executable).parent / "hf").exists()  # the command it names comes with the install
 
 
 @pytest.mark.parametrize("value, limits", [('{"image": 3}', {"image": 3}), ("image=5,video=1", {"image": 5, "video": 1}),

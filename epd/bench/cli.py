@@ -258,8 +258,8 @@ async def run_bench(args: argparse.Namespace, cfg: WorkloadConfig, rates: list[f
         if not args.no_plots:
             plots = report.write_plots(out, runs, records_by_run)
             if not plots:
-                _log("epd bench: matplotlib does not import, so no plots; it is one of epd's dependencies: "
-                     "run scripts/setup.sh again")
+                _log("epd bench: matplotlib does not import, so no plots; it comes with the bench extra: "
+                     "pip install 'epd[bench]' (scripts/setup.sh installs it)")
             files += plots
         _log("epd bench: wrote " + ", ".join(str(f) for f in files))
     return runs

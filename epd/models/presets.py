@@ -221,7 +221,7 @@ def _from_hub_cache(repo_id: str) -> Path:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except Exception as err:  # noqa: BLE001 - LocalEntryNotFoundError, bad names, ... : one clear message
         raise ValueError(f"model {repo_id!r} is not a directory, a preset, or in the local Hugging Face cache "
-                         f"({HF_HUB_CACHE}); download it first (huggingface-cli download {repo_id}) or give its "
+                         f"({HF_HUB_CACHE}); download it first (hf download {repo_id}) or give its "
                          f"directory ({type(err).__name__})") from None
 
 

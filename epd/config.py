@@ -226,6 +226,9 @@ class WorkerConfig(_Config):
     served_model_name: tuple[str, ...] = Field((), description="the name(s) clients send as `model` (default: "
                                                                "--model); any other is a 404")
     host: str = Field("127.0.0.1", description="address the worker binds and advertises")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="what this process logs")
+    log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line (for "
+                                                                     "log collectors)")
     port: Port = Field(0, description="gRPC port (0: a free one, printed in the ready line)")
     engine: EngineConfig = EngineConfig()
     encoder: EncoderConfig = EncoderConfig()
@@ -291,6 +294,15 @@ class RouterConfig(_Config):
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="what this process logs")
+    log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line (for "
+                                                                     "log collectors)")
+    enable_log_requests: bool = Field(False, description="one log line when a request starts (sizes and sampling, "
+                                                         "never its text or images) and one when it ends (vLLM's "
+                                                         "flag)")
+    disable_log_stats: bool = Field(False, description="no stats line (tokens/s, requests running and waiting per "
+                                                       "tier, KV usage, encoded items, moves) every log_stats_interval_s")
+    log_stats_interval_s: float = Field(10.0, gt=0, description="seconds between two stats lines")
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "warning", description="what the router's HTTP server (uvicorn) logs; info adds one access line a request")
     generation_config: str = Field(

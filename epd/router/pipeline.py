@@ -82,10 +82,14 @@ class RequestPipeline:
         return {"model": self.model_name, **self.backend.health()}
 
     def metrics_text(self) -> bytes:
+        self.refresh_metrics()
+        return self.metrics.render()
+
+    def refresh_metrics(self) -> None:
+        """The metrics read from elsewhere (admission, the workers' health, the backend's counts) brought up to now."""
         self.metrics.queue_depth.set(self.gate.num_queued)
         self.metrics.in_flight.set(self.gate.num_active)
         self.backend.refresh_metrics(self.metrics)
-        return self.metrics.render()
 
     async def generate(self, request: ChatRequest) -> AsyncIterator[StreamEvent]:
         """Stream a request's events; raises ``EPDError`` before the first event for what admission
@@ -151,9 +155,11 @@ class RequestPipeline:
                   self.eos_token_ids, deadline)
         text = _TextStream(self.tokenizer, request.stop_strings, request.include_stop_str_in_output,
                            request.sampling.stop_token_ids, request.parse_tool_calls)
+        if self.config.enable_log_requests:
+            log.info("request %s: %s", job.request_id, _received(prompt, job.sampling))
         outputs = self.backend.run(job)
         timer = Deadline(deadline, request.request_id)
-        first_at, num_tokens = None, 0
+        first_at, num_tokens, finish = None, 0, "cancelled"
         try:
             while True:
                 try:
@@ -168,13 +174,19 @@ class RequestPipeline:
                     self.metrics.observe_first_token(first_at - start, len(prompt.prompt_token_ids),
                                                      output.num_cached_tokens)
                 num_tokens += len(event.token_ids)
+                self.metrics.output_tokens.inc(len(event.token_ids))  # as they stream: rates stay smooth
                 yield event
                 if event.finish_reason:
+                    finish = event.finish_reason
                     break
         finally:
             timer.close()
             await outputs.aclose()  # before the last output: cancels the request wherever it is
         self.metrics.observe_done(start, first_at, num_tokens)
+        if self.config.enable_log_requests:
+            ttft = f"{1000 * (first_at - start):.0f} ms" if first_at is not None else "none"
+            log.info("request %s: finished (%s), %d tokens, TTFT %s, %.2f s", job.request_id,
+                     finish, num_tokens, ttft, time.monotonic() - start)
 
     async def prompt_of(self, request: ChatRequest, *, add_generation_prompt: bool = True) -> ProcessedPrompt:
         """The prompt ``request`` runs with: media resolved, chat template applied (or a raw prompt
@@ -323,3 +335,13 @@ def name_the_part(err: InvalidRequest, prompt: ProcessedPrompt, messages: list[d
         end = found[n + 1][0] if n + 1 < len(found) else len(err.message)
         named.append(f"{', '.join(where)}: {err.message[at + len(marker):end].rstrip('; ')}")
     return InvalidRequest("; ".join(named), param=found[0][2][0])
+
+
+def _received(prompt: ProcessedPrompt, sampling: SamplingParams) -> str:
+    """A request as the request log shows it: sizes and sampling, never its text or images (a log
+    line must not leak what users send)."""
+    kinds = [item.modality for item in prompt.items]
+    media = ", ".join(f"{kinds.count(k)} {k}{'s' if kinds.count(k) > 1 else ''}" for k in dict.fromkeys(kinds))
+    return (f"{len(prompt.prompt_token_ids)} prompt tokens{f' ({media})' if media else ''}, "
+            f"max_tokens={sampling.max_tokens}, temperature={sampling.temperature}, top_p={sampling.top_p}, "
+            f"top_k={sampling.top_k}, seed={sampling.seed}")

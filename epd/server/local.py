@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import yaml
@@ -46,6 +46,7 @@ class TierProcess:
     given_up: bool = False  # dead, restarted max_restarts times: left down
     args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
     config_fd: int | None = None  # a standby's: where the worker config waits for it (--config /dev/fd/N)
+    echo: Callable[[str], None] | None = None  # each output line as it comes, prefixed with who wrote it
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -54,6 +55,8 @@ class TierProcess:
                 self.ready_fields = line.split()[2:]
                 self.address = self.ready_fields[0]
                 self._ready.set()
+            elif self.echo is not None and not line.startswith(READY_PREFIX):
+                self.echo(f"({self.tier} pid={self.proc.pid}) {line}")
             self.log_lines.append(line)
             del self.log_lines[:-200]  # keep the tail for error messages
         self._ready.set()  # exited: wake the waiter
@@ -138,6 +141,7 @@ class LocalCluster:
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
                  worker_config: BaseModel | None = None, standby: bool = False,
                  devices: Mapping[str, Sequence[str]] | None = None,
+                 echo: Callable[[str], None] | None = None,
                  worker_args: Mapping[str, Sequence[Sequence[str]]] | None = None) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
@@ -145,7 +149,9 @@ class LocalCluster:
         ``standby``: keep one pre-imported process per tier (``epd.server.standby``) that a restart
         turns into the new worker; ``devices``: per tier, the ``--device`` of its workers in turn
         (round robin; a restart keeps its worker's); ``worker_args``: per tier, each worker's own
-        extra arguments in turn (e.g. ``--host-id`` to place workers on hosts of their own)."""
+        extra arguments in turn (e.g. ``--host-id`` to place workers on hosts of their own);
+        ``echo``: called with each output line of every process started, prefixed ``(tier pid=N)``
+        (default: lines are kept, the last ones shown when a process fails)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -156,6 +162,7 @@ class LocalCluster:
         self.processes: list[TierProcess] = []
         self._worker_config = worker_config
         self.standby = standby
+        self.echo = echo  # every process's output lines as they come (epd serve prints them), or kept quiet
         self._standbys: dict[str, TierProcess] = {}
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
         self.worker_args = {tier: [tuple(a) for a in args] for tier, args in (worker_args or {}).items() if args}
@@ -324,7 +331,7 @@ class LocalCluster:
         finally:
             if config_fd is not None:
                 os.close(config_fd)
-        tp = TierProcess(tier, proc)
+        tp = TierProcess(tier, proc, echo=self.echo)
         threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
         return tp
 

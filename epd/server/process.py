@@ -15,9 +15,23 @@ from epd.server.parent import watch_parent
 READY_PREFIX = "EPD_READY"  # "EPD_READY <tier> <address> [more fields]": the launcher's signal
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def configure_logging(level: str = "info", fmt: str = "text") -> None:
+    """stderr, at ``level``; ``fmt`` text lines or JSON objects (one a line: time, level, logger,
+    message, and the exception's text when there is one). Again with other settings: replaced."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out)
 
 
 def raise_open_files_limit() -> int:

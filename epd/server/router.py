@@ -17,6 +17,7 @@ import uvicorn
 from epd import loops
 from epd.config import ConfigError, RouterConfig
 from epd.router.pipeline import RequestPipeline
+from epd.router.stats_log import StatsLog
 from epd.server.flags import Command, OneLineParser, load, run_or_exit
 from epd.server.parent import watch_parent
 from epd.server.ports import PortTaken, check_router_ports, exit_if_taken
@@ -187,7 +188,11 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
                        *([f"admin={admin[2]}"] if admin else []))
         if on_ready is not None:  # (HTTP URL, gRPC address, admin URL or None)
             on_ready(f"http://{config.host}:{http_port}", f"{config.host}:{grpc_port}", admin[2] if admin else None)
+    stats = None if config.disable_log_stats else asyncio.create_task(
+        StatsLog(router).run(config.log_stats_interval_s))
     await serving
+    if stats is not None:
+        stats.cancel()
     if admin is not None:
         admin[0].should_exit = True
         await admin[1]
@@ -202,6 +207,7 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     config = run_or_exit("epd router", lambda: router_config_from_args(argv))
+    configure_logging(config.log_level, config.log_format)
     from epd.router.auth import ApiKeys
     run_or_exit("epd router", lambda: key_rate_limiter(config, ApiKeys(config.api_keys, config.api_key_file)))
     exit_if_taken("epd router", lambda: check_router_ports(config))

@@ -142,7 +142,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
                            worker_config=_one_rank(config.worker), tier_args=_tier_args(config),
                            standby=config.standby and config.max_restarts > 0,
-                           devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")})
+                           devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")},
+                           echo=_print_line)
     try:
         what = "the aggregated engine (no tiers)" if router.aggregated else \
             f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
@@ -165,6 +166,12 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
+
+
+def _print_line(line: str) -> None:
+    """A process's output line as it comes (its weights loading, its warnings, its stats), as vLLM
+    shows its engine's: prefixed with who wrote it."""
+    print(line, flush=True)
 
 
 def _one_rank(worker: WorkerConfig) -> WorkerConfig:

@@ -214,6 +214,7 @@ def main(tier: str, argv: list[str] | None = None) -> None:
     death stops it at once: no router is left to take what a drain would finish."""
     configure_logging()
     config = run_or_exit(f"epd {tier}", lambda: worker_config_from_args(tier, argv))
+    configure_logging(config.log_level, config.log_format)
     running = start_tier(tier, config)
     announce_ready(tier, running.address, f"metrics={running.metrics_url}")
     how = wait_for_stop()

@@ -42,9 +42,7 @@ VLLM_FLAGS: dict[str, Accepted | Refused] = {
     "--trust-remote-code": Accepted("the model families served here are implemented here: no code from the "
                                     "checkpoint runs"),
     "--no-trust-remote-code": Accepted("no code from the checkpoint runs here in any case"),
-    "--disable-log-requests": Accepted("requests are not logged here"),
-    "--disable-log-stats": Accepted("there is no periodic stats line to turn off"),
-    "--no-enable-log-requests": Accepted("requests are not logged here"),
+    "--disable-log-requests": Accepted("requests are logged only with --enable-log-requests"),
     "--max-log-len": Accepted("requests are not logged here", takes_value=True),
     "--disable-uvicorn-access-log": Accepted("the router's HTTP server writes no access log"),
     "--disable-frontend-multiprocessing": Accepted("the router is one process"),
@@ -99,7 +97,6 @@ VLLM_FLAGS: dict[str, Accepted | Refused] = {
     "--tokenizer": Refused("the tokenizer is the checkpoint's own", "--chat-template"),
     "--quantization": Refused("quantized checkpoints are not loaded here", "--dtype"),
     "-q": Refused("quantized checkpoints are not loaded here", "--dtype"),
-    "--enable-log-requests": Refused("there is no request log yet"),
     "--ssl-keyfile": Refused("the router's HTTP API has no TLS of its own (terminate TLS in front of it)",
                              "--tls-cert (mutual TLS inside the cluster)"),
     "--ssl-certfile": Refused("the router's HTTP API has no TLS of its own (terminate TLS in front of it)",

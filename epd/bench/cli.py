@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -18,10 +19,10 @@ import numpy as np
 
 from epd.bench import report
 from epd.bench.client import GrpcDriver, OpenAIDriver, RequestRecord, normalize_base_url
+from epd.bench.datasets import LOADERS, take, with_arrivals
 from epd.bench.metrics import MetricsSampler, server_summary, summarize
-from epd.bench.runner import rate_label, run_once
-from epd.bench.datasets import load_jsonl, take, with_arrivals
 from epd.bench.report import report_choice
+from epd.bench.runner import rate_label, run_once
 from epd.bench.workload import (
     RequestSpec,
     WorkloadConfig,
@@ -36,17 +37,26 @@ from epd.bench.workload import (
 _WARMUP_RUN_INDEX = 1_000_003  # its own seed space: warm-up images never repeat in a measured run
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, but not a None (the help then says what happens)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="epd bench", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_DefaultsShown)
     t = p.add_argument_group("target")
-    t.add_argument("--base-url", help="the server's HTTP URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is "
-                                      "accepted); its /metrics is scraped. Required for --backend openai")
+    t.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="the server's HTTP URL (a trailing /v1 is accepted; the default is where epd serve --port "
+                        "8000 listens); its /metrics is scraped")
     t.add_argument("--backend", choices=("openai", "grpc"), default="openai",
                    help="openai: streaming /v1/chat/completions; grpc: the public gRPC API via epd.client")
     t.add_argument("--grpc-address", default="127.0.0.1:50051", help="the router's gRPC address (--backend grpc)")
     t.add_argument("--model", help="model name to send (default: the first one /v1/models lists)")
-    t.add_argument("--api-key", help="sent as a Bearer token (openai backend)")
+    t.add_argument("--api-key", help="sent as a Bearer token (openai backend; default: $OPENAI_API_KEY, as the "
+                                     "openai client reads it)")
     t.add_argument("--extra-body", default=None,
                    help="a JSON object merged into every request body (openai backend), e.g. "
                         "'{\"mm_processor_kwargs\": {\"max_pixels\": 50176}}'")
@@ -56,19 +66,20 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request timeout")
 
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset-name", choices=("random-mm", "jsonl"), default="random-mm",
+    w.add_argument("--dataset-name", choices=("random-mm", *LOADERS), default="random-mm",
                    help="random-mm: synthetic prompts and images (vLLM's name; the options below); jsonl: "
                         "requests from --dataset-path (epd/bench/datasets.py: one {prompt, images, output_len} "
-                        "object per line)")
-    w.add_argument("--dataset-path", help="the JSONL file (--dataset-name jsonl)")
+                        "object per line); sharegpt / vision-arena: those datasets' rows from a local file")
+    w.add_argument("--dataset-path", help="the local file of --dataset-name jsonl, sharegpt or vision-arena")
     w.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per run (default: 100; with a dataset, all of its lines)")
+                   help="requests per run: 100, or with a dataset all of its rows")
     w.add_argument("--request-rate", default="inf",
                    help="requests/s, 'inf' (all at once), or a comma list for one run per rate, e.g. 1,2,4,8")
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier, >1 more regular")
     w.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    w.add_argument("--images-per-request", "--random-mm-base-items-per-request", type=int, default=1)
+    w.add_argument("--images-per-request", "--random-mm-base-items-per-request", type=int, default=1,
+                   help="images in each synthetic request (random-mm)")
     w.add_argument("--random-mm-num-mm-items-range-ratio", dest="items_range_ratio", type=float, default=0.0,
                    help="images per request drawn uniformly from base * [1 - r, 1 + r]")
     w.add_argument("--image-size", default="448x448",
@@ -116,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[WorkloadConfig, list[float]]:
-    if args.backend == "openai" and not args.base_url:
-        parser.error("--base-url is required with --backend openai")
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY") or None
     if args.extra_body is not None:
         try:
             args.extra_body = json.loads(args.extra_body)
@@ -146,8 +157,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[W
     for name in ("slo_ttft_ms", "slo_tpot_ms"):
         if getattr(args, name) is not None and getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
-    if (args.dataset_name == "jsonl") != (args.dataset_path is not None):
-        parser.error("--dataset-path goes with --dataset-name jsonl, and jsonl needs --dataset-path")
+    if (args.dataset_name != "random-mm") != (args.dataset_path is not None):
+        parser.error("--dataset-path goes with --dataset-name jsonl, sharegpt or vision-arena, which need it")
     try:
         rates = parse_rates(args.request_rate)
         sizes = parse_bucket_config(args.random_mm_bucket_config) if args.random_mm_bucket_config else \
@@ -157,8 +168,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[W
                              image_sizes=tuple(sizes), image_kind=args.image_kind, repeat_ratio=args.repeat_ratio,
                              seed=args.seed, range_ratio=args.range_ratio, items_range_ratio=args.items_range_ratio)
         args.report = report_choice(args.percentile_metrics, args.metric_percentiles)
-        args.dataset = load_jsonl(args.dataset_path, default_output_len=args.output_len) if args.dataset_path \
-            else None
+        args.dataset = LOADERS[args.dataset_name](args.dataset_path, default_output_len=args.output_len) \
+            if args.dataset_path else None
     except ValueError as err:
         parser.error(str(err))
     return cfg, rates

@@ -11,6 +11,17 @@ One request per line, a JSON object::
 - ``output_len`` (optional; ``output_tokens`` and ``max_tokens`` are read as the same): output
   tokens to ask for, EOS ignored; default ``--output-len``.
 
+The same from the files other benchmarks read (``--dataset-name sharegpt`` / ``vision-arena``;
+local files only, JSON Lines or one JSON array):
+
+- ShareGPT (LLaVA's multimodal form too): ``{"conversations": [{"from": "human", "value": ...},
+  {"from": "gpt", "value": ...}, ...], "image": "a.png"}`` (or ``"images": [...]``): the first human
+  turn is the prompt (LLaVA's ``<image>`` markers taken out: the images go first), the first reply
+  sets the output length (its words x 4/3, a token estimate: the bench has no tokenizer).
+- VisionArena: ``{"conversation": [{"role": "user", "content": ...}, ...], "images": [...]}`` (a
+  conversation may be nested one list deeper, as the dataset ships it; an image entry may be a path
+  or ``{"path": ...}``): the first user turn is the prompt; the output length is ``--output-len``.
+
 A line that is not such an object, or an image file that cannot be read, stops the bench before
 any request is sent, with the file, the line and what was expected."""
 from __future__ import annotations
@@ -28,30 +39,70 @@ _KNOWN_KEYS = {"prompt", "images", *_OUTPUT_KEYS}
 
 def load_jsonl(path: str | Path, *, default_output_len: int) -> list[RequestSpec]:
     """Every line of ``path`` as a request (arrival times are set per run, see ``with_arrivals``)."""
+    return _load(path, lambda row, where: _epd_row(row, default_output_len, where))
+
+
+def load_sharegpt(path: str | Path, *, default_output_len: int) -> list[RequestSpec]:
+    """ShareGPT-style conversations (JSON Lines or one JSON array) as requests."""
+    return _load(path, lambda row, where: _sharegpt_row(row, default_output_len, where))
+
+
+def load_vision_arena(path: str | Path, *, default_output_len: int) -> list[RequestSpec]:
+    """VisionArena-style conversations (JSON Lines or one JSON array) as requests."""
+    return _load(path, lambda row, where: _vision_arena_row(row, default_output_len, where))
+
+
+LOADERS = {"jsonl": load_jsonl, "sharegpt": load_sharegpt, "vision-arena": load_vision_arena}
+
+
+def _load(path: str | Path, read_row) -> list[RequestSpec]:
+    """``read_row(row, where)`` -> (prompt, image entries, output_len) for each row of ``path``."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"cannot read the dataset {path}: {err.strerror or err}") from None
     files: dict[Path, bytes] = {}  # each local image read once, however often the dataset names it
     seen: set[object] = set()
     requests = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        row = _row(line, where)
-        inputs = [_image(entry, path.parent, files, f"{where}: images[{k}]")
-                  for k, entry in enumerate(row.get("images") or [])]
+    for where, row in _rows(text, path):
+        prompt, entries, output_len = read_row(row, where)
+        inputs = [_image(entry, path.parent, files, f"{where}: images[{k}]") for k, entry in enumerate(entries)]
         keys = [x if isinstance(x, str) else id(x) for x in inputs]
         repeated = sum(1 for key in keys if key in seen)
         seen.update(keys)
-        requests.append(RequestSpec(index=len(requests), prompt=row["prompt"], images=[],
-                                    output_len=_output_len(row, default_output_len, where), arrival_s=0.0,
-                                    image_inputs=inputs, repeated_inputs=repeated))
+        requests.append(RequestSpec(index=len(requests), prompt=prompt, images=[], output_len=output_len,
+                                    arrival_s=0.0, image_inputs=inputs, repeated_inputs=repeated))
     if not requests:
         raise ValueError(f"the dataset {path} has no requests (one JSON object per line)")
     return requests
+
+
+def _rows(text: str, path: Path):
+    """(where, row) of a JSON Lines file, or of a file that is one JSON array (ShareGPT's own;
+    not a ``.jsonl`` file, whose first line may well be an array: an error there)."""
+    if path.suffix != ".jsonl" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"{path}: not JSON ({err})") from None
+        for number, row in enumerate(rows):
+            yield f"{path}[{number}]", _object(row, f"{path}[{number}]")
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            where = f"{path}:{number}"
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{where}: not JSON ({err})") from None
+            yield where, _object(row, where)
+
+
+def _object(row, where: str) -> dict:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
+    return row
 
 
 def take(requests: list[RequestSpec], num_prompts: int | None) -> list[RequestSpec]:
@@ -75,22 +126,46 @@ def with_arrivals(requests: list[RequestSpec], arrivals) -> list[RequestSpec]:
     return requests
 
 
-def _row(line: str, where: str) -> dict:
-    try:
-        row = json.loads(line)
-    except ValueError as err:
-        raise ValueError(f"{where}: not JSON ({err})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object like {{\"prompt\": ..., \"images\": [...]}}, got "
-                         f"{type(row).__name__}")
+def _epd_row(row: dict, default_output_len: int, where: str) -> tuple[str, list, int]:
     unknown = sorted(set(row) - _KNOWN_KEYS)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; expected {sorted(_KNOWN_KEYS)}")
     if not isinstance(row.get("prompt"), str) or not row["prompt"]:
         raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {row.get('prompt')!r}")
-    if not isinstance(row.get("images", []), list):
-        raise ValueError(f"{where}: 'images' must be a list of paths or URLs, got {row['images']!r}")
-    return row
+    return row["prompt"], _image_list(row.get("images", []), where), _output_len(row, default_output_len, where)
+
+
+def _sharegpt_row(row: dict, default_output_len: int, where: str) -> tuple[str, list, int]:
+    turns = row.get("conversations")
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ValueError(f"{where}: expected 'conversations': [{{\"from\": \"human\", \"value\": ...}}, ...]")
+    asked = [t.get("value") for t in turns if t.get("from") in ("human", "user")]
+    answered = [t.get("value") for t in turns if t.get("from") in ("gpt", "assistant", "chatgpt")]
+    if not asked or not isinstance(asked[0], str) or not asked[0].replace("<image>", "").strip():
+        raise ValueError(f"{where}: no human turn with text in 'conversations'")
+    images = row.get("images", [row["image"]] if isinstance(row.get("image"), str) else [])
+    reply = answered[0] if answered and isinstance(answered[0], str) else ""
+    output_len = max(1, round(len(reply.split()) * 4 / 3)) if reply else default_output_len
+    return asked[0].replace("<image>", "").strip(), _image_list(images, where), output_len
+
+
+def _vision_arena_row(row: dict, default_output_len: int, where: str) -> tuple[str, list, int]:
+    turns = row.get("conversation")
+    if isinstance(turns, list) and turns and isinstance(turns[0], list):
+        turns = turns[0]  # as the dataset ships it: a list of conversations, the first one asked
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ValueError(f"{where}: expected 'conversation': [{{\"role\": \"user\", \"content\": ...}}, ...]")
+    asked = [t.get("content") for t in turns if t.get("role") == "user"]
+    if not asked or not isinstance(asked[0], str) or not asked[0].strip():
+        raise ValueError(f"{where}: no user turn with text in 'conversation'")
+    images = [entry.get("path") if isinstance(entry, dict) else entry for entry in row.get("images") or []]
+    return asked[0], _image_list(images, where), default_output_len
+
+
+def _image_list(images, where: str) -> list:
+    if not isinstance(images, list):
+        raise ValueError(f"{where}: 'images' must be a list of paths or URLs, got {images!r}")
+    return images
 
 
 def _output_len(row: dict, default: int, where: str) -> int:

@@ -78,3 +78,53 @@ def test_range_ratios_spread_lengths_and_image_counts_within_their_bounds():
     words = [len(r.prompt.split()) for r in requests]
     assert min(words) >= 20 and max(words) <= 60 and len(set(words)) > 10
     assert build_workload(cfg, 10.0, 1.0)[5].prompt == requests[5].prompt  # seeded
+
+
+def test_sharegpt_conversations_from_a_json_array_or_lines(tmp_path):
+    from epd.bench.datasets import load_sharegpt
+
+    (tmp_path / "cat.png").write_bytes(b"\x89PNG-cat")
+    rows = [{"id": "1", "image": "cat.png", "conversations": [
+                {"from": "human", "value": "<image>\nWhat is in the picture?"},
+                {"from": "gpt", "value": "A cat sitting on a warm windowsill in the sun"}]},
+            {"id": "2", "conversations": [{"from": "human", "value": "Tell me a joke."}]}]
+    as_array = tmp_path / "sharegpt.json"
+    as_array.write_text(json.dumps(rows))
+    for path in (str(as_array), write(tmp_path / "sharegpt.jsonl", rows)):
+        requests = load_sharegpt(path, default_output_len=9)
+        assert [r.prompt for r in requests] == ["What is in the picture?", "Tell me a joke."]
+        assert requests[0].image_inputs == [b"\x89PNG-cat"] and requests[1].image_inputs == []
+        assert [r.output_len for r in requests] == [13, 9]  # 10 words x 4/3; no reply: --output-len
+    with pytest.raises(ValueError, match=r"sharegpt.jsonl:1: no human turn with text"):
+        load_sharegpt(write(tmp_path / "sharegpt.jsonl", [{"conversations": [{"from": "gpt", "value": "hi"}]}]),
+                      default_output_len=4)
+
+
+def test_vision_arena_rows_nested_as_the_dataset_ships_them(tmp_path):
+    from epd.bench.datasets import load_vision_arena
+
+    (tmp_path / "a.png").write_bytes(b"\x89PNG-a")
+    path = write(tmp_path / "arena.jsonl", [
+        {"conversation": [[{"role": "user", "content": "Describe both."}, {"role": "assistant", "content": "x"}]],
+         "images": [{"path": "a.png"}, "https://example.com/b.jpg"]},
+        {"conversation": [{"role": "user", "content": "And this?"}], "images": ["a.png"]}])
+    requests = load_vision_arena(path, default_output_len=128)
+    assert [r.prompt for r in requests] == ["Describe both.", "And this?"]
+    assert requests[0].image_inputs == [b"\x89PNG-a", "https://example.com/b.jpg"]
+    assert [r.output_len for r in requests] == [128, 128] and requests[1].num_repeated_images == 1
+    with pytest.raises(ValueError, match=r"arena.jsonl:1: expected 'conversation'"):
+        load_vision_arena(write(tmp_path / "arena.jsonl", [{"messages": []}]), default_output_len=4)
+
+
+def test_the_bench_targets_the_local_server_and_reads_the_openai_key_from_the_environment(monkeypatch):
+    from epd.bench.cli import _check, build_parser
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
+    parser = build_parser()
+    args = parser.parse_args([])
+    _check(args, parser)
+    assert (args.base_url, args.api_key) == ("http://127.0.0.1:8000", "sk-from-env")
+    args = parser.parse_args(["--api-key", "sk-given"])
+    _check(args, parser)
+    assert args.api_key == "sk-given"
+    assert "sk-from-env" not in parser.format_help()  # a key never shows as a default

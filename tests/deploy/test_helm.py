@@ -44,10 +44,17 @@ CASES: dict[str, dict] = {
                                    "targetMemoryUtilizationPercentage": 75}, **({"discovery": "static"}
                                                                             if tier == "router" else {})}
             for tier in ("router", *TIERS)},
+    "keda": {tier: {"keda": {"enabled": True, "maxReplicas": 6}} for tier in ("router", *TIERS)},
     "pvc": {"model": {"source": "pvc", "path": "/models/qwen2-vl-2b", "pvc": {"claimName": "models",
                                                                              "subPath": "Qwen2-VL-2B"}}},
     "hostpath": {"model": {"source": "hostPath", "path": "/models/qwen2-vl-2b",
                            "hostPath": {"path": "/data/Qwen2-VL-2B"}}},
+    "hub": {"model": {"source": "hub", "path": "/models/qwen2-vl-7b", "hub": {"repo": "Qwen/Qwen2-VL-7B-Instruct"},
+                      "download": {"secretName": "hf-token"}},
+            "priorityClassName": "serving", "decode": {"priorityClassName": "serving-critical"}},
+    "s3": {"model": {"source": "s3", "path": "/models/qwen2-vl-7b",
+                     "s3": {"url": "s3://models/Qwen2-VL-7B-Instruct", "endpointUrl": "https://minio.example:9000"},
+                     "download": {"secretName": "s3-creds"}}},
     "scaled": {"encoder": {"replicas": 3, "affinity": {"podAntiAffinity": {
                    "preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": {
                        "topologyKey": "kubernetes.io/hostname",
@@ -117,7 +124,7 @@ def test_every_manifest_validates_strictly(case, rendered):
     docs = rendered[case]
     assert docs
     for doc in docs:
-        if doc["kind"] == "ServiceMonitor":  # a CRD: no schema bundled; checked in its own test
+        if doc["kind"] in ("ServiceMonitor", "ScaledObject"):  # CRDs: no schema bundled; checked in their own tests
             continue
         try:
             kv.validate(doc, KUBE_VERSION, strict=True)
@@ -160,7 +167,9 @@ BAD_VALUES = {
     "unknown transport": {"transport": "carrier-pigeon"},
     "missing model": {"model": None},
     "missing model source": {"model": {"source": None}},
-    "unknown model source": {"model": {"source": "s3"}},
+    "unknown model source": {"model": {"source": "ftp"}},
+    "hub without a repo": {"model": {"source": "hub", "path": "/models/m", "hub": {"repo": ""}}},
+    "s3 without an s3 url": {"model": {"source": "s3", "path": "/models/m", "s3": {"url": "https://x/y"}}},
     "unknown preset": {"model": {"preset": "gpt-5"}},
     "pvc without claim": {"model": {"source": "pvc"}},
     "hostPath without path": {"model": {"source": "hostPath"}},
@@ -192,6 +201,8 @@ BAD_VALUES_NAMED = {
     "missing model": "missing property 'model'",
     "missing model source": "missing property 'source'",
     "unknown model source": "/model/source",
+    "hub without a repo": "/model/hub/repo",
+    "s3 without an s3 url": "/model/s3/url",
     "unknown preset": "/model/preset",
     "pvc without claim": "/model/pvc/claimName",
     "hostPath without path": "/model/hostPath/path",
@@ -620,3 +631,70 @@ def test_spread_constraints_select_their_own_tier_and_runtime_class_falls_back(r
         if doc["kind"] in ("Deployment", "StatefulSet"):
             spec = doc["spec"]["template"]["spec"]
             assert "runtimeClassName" not in spec and "topologySpreadConstraints" not in spec
+
+
+def test_a_model_from_the_hub_or_s3_is_downloaded_by_an_init_container_into_the_pods_model_volume(rendered):
+    """Every pod that loads the model (the router reads its tokenizer too) first runs fetch-model:
+    hf download (the EPD image, online for this container only, the token from a Secret) or aws s3
+    sync (credentials from a Secret), into an emptyDir the main container mounts read-only."""
+    for case, expected in (("hub", ["hf", "download", "Qwen/Qwen2-VL-7B-Instruct", "--revision", "main",
+                                    "--local-dir", "/models/qwen2-vl-7b"]),
+                           ("s3", ["aws", "s3", "sync", "s3://models/Qwen2-VL-7B-Instruct", "/models/qwen2-vl-7b",
+                                   "--only-show-errors", "--endpoint-url", "https://minio.example:9000"])):
+        pods = [d for d in rendered[case] if d["kind"] in ("StatefulSet", "Deployment")]
+        assert len(pods) == 4, case
+        for doc in pods:
+            spec = doc["spec"]["template"]["spec"]
+            (init,) = spec["initContainers"]
+            assert init["command"] == expected, (case, init["command"])
+            volume = next(v for v in spec["volumes"] if v["name"] == "model")
+            assert volume == {"name": "model", "emptyDir": {"sizeLimit": "100Gi"}}
+            assert {"name": "model", "mountPath": "/models/qwen2-vl-7b"} in init["volumeMounts"]
+            main = spec["containers"][0]
+            assert {"name": "model", "mountPath": "/models/qwen2-vl-7b", "readOnly": True} in main["volumeMounts"]
+            if case == "hub":
+                env = {e["name"]: e for e in init["env"]}
+                assert env["HF_HUB_OFFLINE"]["value"] == "0"
+                assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+                assert init["image"] == main["image"]
+                tier = doc["metadata"]["labels"]["app.kubernetes.io/component"]
+                assert spec["priorityClassName"] == ("serving-critical" if tier == "decode" else "serving")
+            else:
+                assert init["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+                assert init["image"].startswith("amazon/aws-cli:")
+    for doc in rendered["default"]:
+        if doc["kind"] in ("StatefulSet", "Deployment"):
+            assert "initContainers" not in doc["spec"]["template"]["spec"]
+            assert "priorityClassName" not in doc["spec"]["template"]["spec"]
+
+
+def test_keda_scales_each_tier_on_its_queue_under_vllms_names(rendered):
+    """A ScaledObject per tier on its StatefulSet (the router's Deployment), querying the tier's
+    queue (vLLM's vllm:num_requests_waiting; the encoders' own queue), its pods' replicas left to
+    KEDA and the router given every slot it may fill; not together with the HPA."""
+    docs = rendered["keda"]
+    scaled = by_kind(docs, "ScaledObject")
+    assert len(scaled) == 4 and not by_kind(docs, "HorizontalPodAutoscaler")
+    for name, obj in scaled.items():
+        tier = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+        spec = obj["spec"]
+        target = by_kind(docs, spec["scaleTargetRef"]["kind"])[spec["scaleTargetRef"]["name"]]
+        assert "replicas" not in target["spec"] and spec["maxReplicaCount"] == 6
+        (trigger,) = spec["triggers"]
+        metric = "epd_encoder_queue_depth" if tier == "encoder" else "vllm:num_requests_waiting"
+        assert trigger["metadata"]["query"] == (f'sum({metric}{{namespace="{NAMESPACE}", epd_release="{RELEASE}", '
+                                                f'epd_tier="{tier}"}})'), trigger
+        assert trigger["type"] == "prometheus" and trigger["metadata"]["serverAddress"].startswith("http")
+    exported = {name for name in _exported_metric_names()}
+    assert {"vllm:num_requests_waiting", "epd_encoder_queue_depth"} <= exported
+    with pytest.raises(Exception, match="keda.enabled and autoscaling.enabled both scale the same pods"):
+        render({"decode": {"keda": {"enabled": True}, "autoscaling": {"enabled": True}}})
+
+
+def _exported_metric_names() -> set[str]:
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.prom import every_registry
+    return {family.name for registry in every_registry().values()
+            for family in text_string_to_metric_families(generate_latest(registry).decode())}

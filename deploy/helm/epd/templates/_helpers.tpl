@@ -94,7 +94,7 @@ app.kubernetes.io/component: {{ .tier }}
 {{/* Number of addresses the router is given for a tier. */}}
 {{- define "epd.tierSlots" -}}
 {{- $t := index .root.Values .tier -}}
-{{- if $t.autoscaling.enabled -}}{{ $t.autoscaling.maxReplicas }}{{- else -}}{{ $t.replicas }}{{- end -}}
+{{- if $t.autoscaling.enabled -}}{{ $t.autoscaling.maxReplicas }}{{- else if $t.keda.enabled -}}{{ $t.keda.maxReplicas }}{{- else -}}{{ $t.replicas }}{{- end -}}
 {{- end -}}
 
 {{/* Comma-separated stable addresses of a tier's pods: dict "root" $ "tier" "encoder" */}}
@@ -221,6 +221,10 @@ tls_server_name: {{ . | quote }}
   hostPath:
     path: {{ required "model.hostPath.path is required when model.source=hostPath" .Values.model.hostPath.path }}
     type: {{ .Values.model.hostPath.type }}
+{{- else if or (eq .Values.model.source "hub") (eq .Values.model.source "s3") }}
+- name: model  # filled by the fetch-model init container at each pod's start
+  emptyDir:
+    sizeLimit: {{ .Values.model.download.sizeLimit }}
 {{- end }}
 {{- if .Values.tls.enabled }}
 - name: tls
@@ -329,6 +333,54 @@ topologySpreadConstraints:
 {{- end }}
 {{- with ($t.runtimeClassName | default $root.Values.runtimeClassName) }}
 runtimeClassName: {{ . | quote }}
+{{- end }}
+{{- with ($t.priorityClassName | default $root.Values.priorityClassName) }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The init container that brings the model into the pod (model.source hub or s3), or nothing. */}}
+{{- define "epd.modelInitContainers" -}}
+{{- $root := .root -}}
+{{- $m := $root.Values.model -}}
+{{- if or (eq $m.source "hub") (eq $m.source "s3") }}
+initContainers:
+  - name: fetch-model
+    {{- if eq $m.source "hub" }}
+    # the EPD image itself: huggingface-hub's `hf` comes with it
+    image: {{ include "epd.image" . | quote }}
+    imagePullPolicy: {{ include "epd.imagePullPolicy" . }}
+    command: ["hf", "download", {{ required "model.hub.repo is required when model.source=hub" $m.hub.repo | quote }},
+              "--revision", {{ $m.hub.revision | quote }}, "--local-dir", {{ $m.path | quote }}]
+    env:
+      - name: HF_HUB_OFFLINE  # the image is offline for serving; this container is the one that downloads
+        value: "0"
+      - name: HF_HOME
+        value: /var/cache/epd/huggingface
+      {{- with $m.download.secretName }}
+      - name: HF_TOKEN
+        valueFrom:
+          secretKeyRef: {name: {{ . | quote }}, key: {{ $m.download.tokenKey | quote }}}
+      {{- end }}
+    {{- else }}
+    image: {{ $m.s3.image | quote }}
+    command: ["aws", "s3", "sync", {{ required "model.s3.url is required when model.source=s3" $m.s3.url | quote }},
+              {{ $m.path | quote }}, "--only-show-errors"{{ with $m.s3.endpointUrl }}, "--endpoint-url", {{ . | quote }}{{ end }}]
+    {{- with $m.download.secretName }}
+    # AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (and AWS_REGION, AWS_SESSION_TOKEN) from the Secret
+    envFrom:
+      - secretRef: {name: {{ . | quote }}}
+    {{- end }}
+    {{- end }}
+    securityContext:
+      {{- toYaml $root.Values.securityContext | nindent 6 }}
+    volumeMounts:
+      - name: model
+        mountPath: {{ $m.path }}
+      - name: cache
+        mountPath: /var/cache/epd
+      - name: tmp
+        mountPath: /tmp
 {{- end }}
 {{- end -}}
 

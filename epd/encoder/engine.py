@@ -83,7 +83,7 @@ class EncoderEngine:
         thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why);
         ``threads``: the intra-op thread policy that thread applies first (default: the
         ``num_threads`` of ``config``, else the process's usable cores, see ``epd.threads``);
-        ``allocate_output``: where CPU outputs are kept (``TensorStore.shared_empty``: zero-copy
+        ``allocate_output``: where CPU outputs are kept (``epd.transport.shm.shared_empty``: zero-copy
         export over shm; default: ordinary memory)."""
         self.config = config
         self.model_id = model_id

@@ -7,6 +7,7 @@ calls (``PushBatcher``)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining
 from epd.tls import process_tls
 from epd.transport import choose_transport
 from epd.transport.choose import is_same_host
+from epd.transport.shm import shared_empty
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("epd.encoder")
@@ -259,7 +261,7 @@ def build(ctx):
 
     # CPU rows are made in the store's shared memory: a push over shm is then a lease, not a copy
     engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder,
-                                          allocate_output=ctx.store.shared_empty)
+                                          allocate_output=functools.partial(shared_empty, ctx.store))
     ctx.metrics.watch_encoder(engine)
     servicer = EncoderServicer(engine, ctx)
     return lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server), engine.close

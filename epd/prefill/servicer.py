@@ -4,6 +4,7 @@ A request waits for its first token in a coroutine, not a thread, so pushes and 
 answered however many requests wait for their rows."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from epd.engine.async_updates import AsyncUpdates
@@ -14,6 +15,7 @@ from epd.rpc import abort_with_async, remaining_s
 from epd.transport import choose_transport, import_tensor
 from epd.transport.choose import is_same_host
 from epd.transport.handles import TransportError
+from epd.transport.shm import shared_empty
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger("epd.prefill")
@@ -104,7 +106,7 @@ def build(ctx):
 
     config = ctx.config
     worker = PrefillWorker(resolve_model(config.model), config.engine,
-                           overlap_with_encode=config.overlap_prefill_with_encode, allocate_kv=ctx.store.shared_empty,
+                           overlap_with_encode=config.overlap_prefill_with_encode, allocate_kv=functools.partial(shared_empty, ctx.store),
                            on_engine_lost=ctx.on_engine_lost)
     ctx.metrics.watch_engine(worker.engine)
     servicer = PrefillServicer(worker, ctx)

@@ -96,3 +96,11 @@ def check_header(handle: tensor_pb2.TensorHandle) -> tuple[torch.dtype, tuple[in
     if handle.WhichOneof("body") is None:
         raise TransportError(f"lease {handle.lease_id}: handle has no body (expected one of inline/shm/cuda_ipc/nccl)")
     return dtype, shape
+
+
+def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (the tensor must be contiguous and on CPU)."""
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    # via uint8: numpy has no bfloat16/float8
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")

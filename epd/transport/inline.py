@@ -13,20 +13,12 @@ import grpc
 import torch
 
 from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_producer
-from epd.transport.handles import LeaseExpiredError, TransportError
+from epd.transport.handles import LeaseExpiredError, TransportError, tensor_bytes_view
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
 
 # keep every chunk well under gRPC's default 4 MiB receive limit, whatever a caller asks for
 MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024
 MIN_CHUNK_BYTES = 4 * 1024
-
-
-def tensor_bytes_view(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy (the tensor must be contiguous and on CPU)."""
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    # via uint8: numpy has no bfloat16/float8
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def iter_chunks(payload: torch.Tensor, chunk_bytes: int) -> Iterator[tensor_pb2.TensorChunk]:

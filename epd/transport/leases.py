@@ -86,7 +86,7 @@ class TensorStore:
         """Describe ``tensor`` in a handle and keep it alive for ``ttl_s`` seconds or until released.
 
         shm copies the tensor into a segment now, unless it lives in one already
-        (``shared_empty``); the other transports keep a reference, so don't modify an exported
+        (``epd.transport.shm.shared_empty``); the other transports keep a reference, so don't modify an exported
         tensor in place. ``consumer_hint`` names the consumer (for
         ``release_consumer``). ``ready_event``: a CUDA event the producer recorded where it wrote
         ``tensor`` (readers wait for it). Small inline tensors carry their bytes and get no lease
@@ -119,13 +119,6 @@ class TensorStore:
             self._reclaim([lease], "closed")
             raise TransportError("TensorStore closed during export")
         return handle
-
-    def shared_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised CPU tensor in this store's shared memory: a producer that writes its
-        output here (the encoder's rows) exports it over shm later with no copy at all."""
-        from epd.transport.shm import ShmArena
-
-        return self.transport_state("shm", ShmArena).allocate(tuple(shape), dtype)
 
     def release(self, lease_ids: Iterable[str], *, unused: bool = False) -> int:
         """Release leases the consumer is done with; unknown or already-ended ids are ignored.

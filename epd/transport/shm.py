@@ -1,6 +1,6 @@
 """``shm`` transport: same host, CPU. The consumer maps a POSIX shared-memory segment the producer
 owns and gets a zero-copy view. The producer either copies a tensor into a segment at export, or,
-zero-copy, made the tensor in a segment to begin with (``TensorStore.shared_empty``: the encoder
+zero-copy, made the tensor in a segment to begin with (``shared_empty``: the encoder
 writes its output rows there), and then an export is only a lease on the memory it already holds:
 no copy, however many requests export the same cached rows.
 
@@ -30,8 +30,7 @@ import torch
 
 from epd.shm_owners import OwnerLock, is_segment_name, owner_alive
 from epd.transport.base import TRANSPORTS, Exported, ImportContext, wait_for_producer
-from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message
-from epd.transport.inline import tensor_bytes_view
+from epd.transport.handles import LeaseExpiredError, TransportError, lease_gone_message, tensor_bytes_view
 from epd.transport.shm_segments import MappingCache, Segment
 from epd.v1 import tensor_pb2
 
@@ -257,3 +256,10 @@ TRANSPORTS.register("shm")(ShmTransport())
 def clear_mapping_cache(segment_name: str | None = None) -> None:
     """Drop this process's cached mapping of one segment, or of all (tensors using one keep it mapped)."""
     _MAPPINGS.clear(segment_name)
+
+
+def shared_empty(store, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor in ``store``'s (a ``TensorStore``) shared memory: a producer that
+    writes its output here (the encoder's rows, prefill's KV) exports it over shm later with no copy
+    at all."""
+    return store.transport_state("shm", ShmArena).allocate(tuple(shape), dtype)

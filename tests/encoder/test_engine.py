@@ -1,4 +1,5 @@
 """EncoderEngine over a fake encoder (fast) and over the real tiny-qwen2-vl vision tower (slow)."""
+import functools
 import threading
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 from epd.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.errors import MultimodalEncoderAdmissionError, MultimodalEncoderRequestError
+from epd.transport.shm import shared_empty
 
 from ..conftest import make_image_bytes
 from .fakes import BYTES_PER_ROW, FakeEncoder, expected_output, make_item
@@ -255,7 +257,7 @@ def test_model_factory_error_reaches_the_constructor_and_stops_the_loop():
 
 @pytest.mark.slow
 def test_rows_are_made_in_the_stores_shared_memory_and_exported_without_a_copy():
-    """The tier's wiring (``allocate_output=store.shared_empty``): every encoded item's rows live in
+    """The tier's wiring (``allocate_output=shared_empty(store, ...)``): every encoded item's rows live in
     a shm segment of the store, so its export is a lease on that memory, for the first request and
     for a cache hit alike."""
     from epd.models.presets import resolve_model
@@ -263,7 +265,7 @@ def test_rows_are_made_in_the_stores_shared_memory_and_exported_without_a_copy()
 
     with TensorStore() as store:
         engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig(),
-                                              allocate_output=store.shared_empty)
+                                              allocate_output=functools.partial(shared_empty, store))
         try:
             images = [make_image_bytes(56, 84, seed=40), make_image_bytes(84, 56, seed=41)]
             first = engine.submit("a", [engine.make_item(i) for i in images], hold_until_release=False).result(60)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from epd.transport import LeaseExpiredError, TensorStore, TransportError, cleanup_stale_segments, import_tensor
-from epd.transport.shm import HEADER_BYTES, segment_capacity_bytes
+from epd.transport.shm import HEADER_BYTES, segment_capacity_bytes, shared_empty
 from tests.transport.helpers import make_tensor, shm_names
 
 
@@ -208,7 +208,7 @@ def test_the_suites_leak_check_judges_only_epd_names_and_their_producers(clock):
 
 # ---- zero-copy: tensors made in shared memory ------------------------------------------------------
 def test_a_tensor_made_in_shared_memory_exports_without_a_copy(store):
-    rows = store.shared_empty((64, 8), torch.float32)
+    rows = shared_empty(store, (64, 8), torch.float32)
     rows.copy_(torch.arange(512, dtype=torch.float32).view(64, 8))  # the producer writes its output once
     whole = store.export(rows, transport="shm", ttl_s=10)
     part = store.export(rows[16:32], transport="shm", ttl_s=10)  # a contiguous slice: the same segment
@@ -223,7 +223,7 @@ def test_a_tensor_made_in_shared_memory_exports_without_a_copy(store):
 def test_a_made_segment_is_pooled_only_once_the_tensor_and_every_lease_let_go(store):
     import gc
 
-    rows = store.shared_empty((256,), torch.float32)
+    rows = shared_empty(store, (256,), torch.float32)
     rows.fill_(3.0)
     first = store.export(rows, transport="shm", ttl_s=10)
     second = store.export(rows, transport="shm", ttl_s=10)
@@ -251,7 +251,7 @@ def test_a_made_segment_is_pooled_only_once_the_tensor_and_every_lease_let_go(st
 def test_a_made_segment_whose_lease_expired_is_unlinked_not_reused(store, clock):
     import gc
 
-    rows = store.shared_empty((16,), torch.float32)
+    rows = shared_empty(store, (16,), torch.float32)
     handle = store.export(rows, transport="shm", ttl_s=1)
     clock.advance(2)
     assert store.sweep() == 1

@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # as a cold-started worker's: it never reads stdin
     became_worker.set()
-    from epd.cli import main as epd_main
-    return epd_main(args)
+    from epd.server.tier import main as tier_main  # the tier's own entry, not the whole CLI above it
+    return tier_main(tier, args[1:]) or 0
 
 
 if __name__ == "__main__":

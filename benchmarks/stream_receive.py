@@ -20,7 +20,6 @@ import resource
 import socket
 import struct
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))

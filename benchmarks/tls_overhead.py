@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from transfer import fmt, handoff, interleaved_medians_s, release_all  # noqa: E402  (the script next door)
 
 from epd.config import TlsConfig  # noqa: E402
-from epd.rpc import open_channel  # noqa: E402
-from epd.tls import MutualTls  # noqa: E402
 from epd.transport import TensorStore, close_all, serve_tensor_store  # noqa: E402
+from epd.wire.rpc import open_channel  # noqa: E402
+from epd.wire.tls import MutualTls  # noqa: E402
 from tests.security.certs import issue, make_pki  # noqa: E402
 
 MiB = 1024 * 1024

@@ -14,14 +14,22 @@ the key, what was expected and what came (``load_config``), never a traceback.
 from __future__ import annotations
 
 import json
-
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MiB = 1024 * 1024
 C = TypeVar("C", bound=BaseModel)

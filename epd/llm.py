@@ -11,6 +11,7 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.engine.tensor_parallel import load_engine
+from epd.engine.threads import apply_thread_policy
 from epd.errors import InvalidRequest
 from epd.models.generation_config import generation_defaults
 from epd.models.registry import family_for
@@ -18,7 +19,6 @@ from epd.models.spec import ProcessedPrompt
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.multimodal.media import MediaInput
 from epd.multimodal.messages import extract_media
-from epd.threads import apply_thread_policy
 from epd.types import RequestOutput, SamplingParams
 
 
@@ -27,7 +27,7 @@ class LLM:
 
     def __init__(self, model: str = "tiny-qwen2-vl", *, engine_config: EngineConfig | None = None,
                  allowed_local_media_path: str | os.PathLike | None = "/", set_threads: bool = True) -> None:
-        """``set_threads``: size torch's intra-op threads on this thread (``epd.threads``: the
+        """``set_threads``: size torch's intra-op threads on this thread (``epd.engine.threads``: the
         ``num_threads`` of ``engine_config``, else the usable cores); False when the caller already
         did, e.g. an engine loop that counts its process's event loop as a busy thread."""
         from epd.models.presets import resolve_model

@@ -1,7 +1,7 @@
 """The plain types every layer shares: what a request asks for (``SamplingParams``, ``ChatRequest``),
 what comes back (``TokenLogprobs``, ``StreamEvent``, ``RequestOutput``). No torch, no proto: the
 engine, the router, the SDK and the front ends all import these, and wire types are converted to
-and from them at each process edge (``epd.protocol``)."""
+and from them at each process edge (``epd.wire.protocol``)."""
 from __future__ import annotations
 
 import secrets

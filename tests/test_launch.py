@@ -4,8 +4,8 @@ import json
 
 import pytest
 
+from epd.engine.threads import usable_cores
 from epd.server.local import LocalCluster, tier_threads
-from epd.threads import usable_cores
 
 
 @pytest.fixture(autouse=True)
@@ -18,7 +18,7 @@ def test_usable_cores_are_split_between_tiers_at_least_one_each():
     cores = usable_cores()
     assert tier_threads(3, {}) == max(1, cores // 3)
     assert tier_threads(cores * 4, {}) == 1
-    assert tier_threads(1, {}) is None  # one process sizes its own (epd.threads)
+    assert tier_threads(1, {}) is None  # one process sizes its own (epd.engine.threads)
 
 
 def test_an_explicit_thread_count_wins(monkeypatch):

@@ -1,14 +1,14 @@
-"""The CPU thread policy (epd/threads.py): usable cores from affinity and cgroup quota, the
+"""The CPU thread policy (epd/engine/threads.py): usable cores from affinity and cgroup quota, the
 precedence of flag and env, and that each engine's loop thread runs with the chosen team size."""
 import logging
 
 import pytest
 import torch
 
-from epd import threads
 from epd.config import EncoderConfig, EngineConfig
+from epd.engine import threads
 from epd.engine.engine_loop import EngineLoop
-from epd.threads import ThreadPolicy, apply_thread_policy, intra_op_threads, usable_cores
+from epd.engine.threads import ThreadPolicy, apply_thread_policy, intra_op_threads, usable_cores
 
 AFFINITY_CORES = 8
 
@@ -114,7 +114,7 @@ def test_num_threads_is_a_config_field_and_a_flag():
 # ---- applying it -----------------------------------------------------------------------------------
 def test_apply_sets_torch_threads_and_logs_once_per_role(monkeypatch, caplog, restore_torch_threads):
     chosen = _other_count(restore_torch_threads)
-    caplog.set_level(logging.INFO, logger="epd.threads")
+    caplog.set_level(logging.INFO, logger="epd.engine.threads")
     monkeypatch.setattr(threads, "_logged", set())
     assert apply_thread_policy("test-role", override=chosen) == chosen
     assert torch.get_num_threads() == chosen

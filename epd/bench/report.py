@@ -11,7 +11,6 @@ from pathlib import Path
 
 from epd.bench.metrics import PERCENTILES, percentile_key
 
-
 # --percentile-metrics names (vLLM's) -> (summary key, table title)
 LATENCIES = {"ttft": ("ttft_ms", "Time to First Token"), "tpot": ("tpot_ms", "Time per Output Token (excl. 1st)"),
              "itl": ("itl_ms", "Inter-token Latency"), "e2el": ("e2e_ms", "End-to-end Latency")}

@@ -10,8 +10,8 @@ import grpc
 from epd.client.errors import error_from_rpc
 from epd.client.request import ImageInput, Messages, auth_metadata, build_request, retry_wait_s
 from epd.client.types import ChatDelta, ChatResult, HealthStatus, ResultBuilder
-from epd.rpc import CHANNEL_OPTIONS
 from epd.v1 import common_pb2, router_pb2, router_pb2_grpc
+from epd.wire.rpc import CHANNEL_OPTIONS
 
 
 class AsyncChatStream:

@@ -16,7 +16,7 @@ from epd.errors import (
     UpstreamError,
     from_grpc,
 )
-from epd.rpc import retry_after_s
+from epd.wire.rpc import retry_after_s
 
 __all__ = ["DeadlineExceeded", "EPDError", "InternalError", "InvalidRequest", "Overloaded", "RETRY_AFTER_KEY",
            "Unauthenticated", "Unavailable", "UpstreamError", "error_from_rpc"]

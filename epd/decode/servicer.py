@@ -16,10 +16,10 @@ from epd.decode.stream_listener import StreamListener
 from epd.decode.worker import DecodeWorker
 from epd.engine.engine_loop import TokenUpdate
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
-from epd.protocol import decode_job_from_proto, logprobs_to_proto
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import decode_pb2, decode_pb2_grpc
+from epd.wire.protocol import decode_job_from_proto, logprobs_to_proto
 
 log = logging.getLogger("epd.decode")
 _LATE_ADD_WAIT_S = 10.0  # a request the loop has not queued yet: how long to wait to take it out again

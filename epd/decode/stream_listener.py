@@ -24,7 +24,7 @@ log = logging.getLogger("epd.decode")
 
 class StreamListener:
     def __init__(self, servicer, host: str, port: int, tls=None) -> None:
-        """``servicer``: the worker's ``DecodeServicer``; ``tls``: an ``epd.tls.MutualTls`` or None."""
+        """``servicer``: the worker's ``DecodeServicer``; ``tls``: an ``epd.wire.tls.MutualTls`` or None."""
         self.servicer, self.host, self.port, self._tls = servicer, host, port, tls
         self.token = secrets.token_hex(16)
         self._server: asyncio.Server | None = None

@@ -19,9 +19,9 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.engine.tensor_parallel import load_engine, watch_ranks
+from epd.engine.threads import ThreadPolicy
 from epd.models.tokenizer_loading import load_tokenizer
-from epd.protocol import DecodeJob
-from epd.threads import ThreadPolicy
+from epd.wire.protocol import DecodeJob
 
 
 class DecodeWorker:

@@ -27,12 +27,12 @@ from epd.encoder.item_scheduler import (
     resolve_output_budgets,
 )
 from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
+from epd.engine.threads import ThreadPolicy
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
 from epd.multimodal.geometry import image_geometry_from_bytes
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.multimodal.processor_kwargs import MediaSettings
 from epd.multimodal.video import video_geometry_from_bytes
-from epd.threads import ThreadPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class EncoderEngine:
         """``model``: the encoder, or a zero-argument factory run on the loop thread, so that one
         thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why);
         ``threads``: the intra-op thread policy that thread applies first (default: the
-        ``num_threads`` of ``config``, else the process's usable cores, see ``epd.threads``);
+        ``num_threads`` of ``config``, else the process's usable cores, see ``epd.engine.threads``);
         ``allocate_output``: where CPU outputs are kept (``epd.transport.shm.shared_empty``: zero-copy
         export over shm; default: ordinary memory)."""
         self.config = config

@@ -21,12 +21,12 @@ from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, Up
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.multimodal.media import MODALITIES
 from epd.multimodal.processor_kwargs import MediaSettings
-from epd.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
-from epd.tls import process_tls
 from epd.transport import choose_transport
 from epd.transport.choose import is_same_host
 from epd.transport.shm import shared_empty
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.wire.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
+from epd.wire.tls import process_tls
 
 log = logging.getLogger("epd.encoder")
 

@@ -11,7 +11,7 @@ OpenMP threads than cores, libgomp stops spin-waiting between parallel regions (
 every matmul pays a futex wake-up: a prefill step measured ~1.3x slower with the model loaded on the
 main thread and run on the loop thread.
 
-The loop thread also sizes torch's intra-op threads (``epd.threads``) before it builds the engine:
+The loop thread also sizes torch's intra-op threads (``epd.engine.threads``) before it builds the engine:
 by default from the cores the process may use, as for a tier process whose other threads mostly idle;
 a process that keeps other threads busy (the aggregated router's event loop) passes its own policy.
 """
@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.sequence import Sequence
-from epd.threads import ThreadPolicy
+from epd.engine.threads import ThreadPolicy
 from epd.types import TokenLogprobs
 
 log = logging.getLogger(__name__)

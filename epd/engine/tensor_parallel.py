@@ -347,9 +347,9 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
     same pages), then every step rank 0 sends, until it says stop or goes away."""
     from epd.config import EngineConfig
     from epd.engine.llm_engine import LLMEngine
+    from epd.engine.threads import apply_thread_policy
     from epd.models.parallel import TensorParallel
     from epd.models.registry import family_for
-    from epd.threads import apply_thread_policy
 
     config = EngineConfig.model_validate_json(config_json)
     apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)

@@ -10,13 +10,13 @@ import logging
 from epd.engine.async_updates import AsyncUpdates
 from epd.errors import IMPORT_FAILED_MARKER, EPDError
 from epd.prefill.worker import PrefillResult, PrefillWorker
-from epd.protocol import logprobs_to_proto, prefill_job_from_proto
-from epd.rpc import abort_with_async, remaining_s
 from epd.transport import choose_transport, import_tensor
 from epd.transport.choose import is_same_host
 from epd.transport.handles import TransportError
 from epd.transport.shm import shared_empty
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from epd.wire.protocol import logprobs_to_proto, prefill_job_from_proto
+from epd.wire.rpc import abort_with_async, remaining_s
 
 log = logging.getLogger("epd.prefill")
 

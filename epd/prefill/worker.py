@@ -23,14 +23,14 @@ from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
 from epd.engine.tensor_parallel import load_engine, watch_ranks
+from epd.engine.threads import ThreadPolicy
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.models.registry import family_for
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.prefill.inbox import EmbeddingInbox
-from epd.protocol import PrefillJob
-from epd.threads import ThreadPolicy
 from epd.transport import ready_event_after_writes
 from epd.types import TokenLogprobs
+from epd.wire.protocol import PrefillJob
 
 log = logging.getLogger(__name__)
 

@@ -15,23 +15,23 @@ import grpc
 
 from epd.errors import EPDError, InvalidRequest, Overloaded, Unauthenticated, as_epd_error
 from epd.models.generation_config import OPENAI_DEFAULTS, GenerationDefaults
-from epd.protocol import logits_processors_from_proto, logprobs_to_proto
 from epd.router.api import RouterCore
 from epd.router.auth import ApiKeys
 from epd.router.body_limits import BodyLimits, check_counts
 from epd.router.rate_limit import KeyRateLimiter
 from epd.router.request_rule import chat_request
 from epd.router.tool_calls import arguments_for_template
-from epd.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
 from epd.types import MAX_TOKENS_TO_FILL, ChatRequest, SamplingParams, StreamEvent
 from epd.v1 import router_pb2, router_pb2_grpc
+from epd.wire.protocol import logits_processors_from_proto, logprobs_to_proto
+from epd.wire.rpc import MAX_MESSAGE_BYTES, SERVER_OPTIONS, abort_with_async
 
 log = logging.getLogger("epd.router.grpc")
 
 
 class RouterGrpcServicer(router_pb2_grpc.RouterServicer):
     """A grpc.aio servicer. The server that hosts it should raise the message size limits
-    (``epd.rpc.SERVER_OPTIONS``): requests carry encoded images."""
+    (``epd.wire.rpc.SERVER_OPTIONS``): requests carry encoded images."""
 
     def __init__(self, core: RouterCore, *, default_max_tokens: int | None = None, limits: BodyLimits = BodyLimits(),
                  generation: GenerationDefaults = OPENAI_DEFAULTS) -> None:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from epd.router.routing import Candidate
-from epd.rpc import open_channel
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
+from epd.wire.rpc import open_channel
 
 log = logging.getLogger("epd.router")
 
@@ -38,7 +38,7 @@ class WorkerState:
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
     progress_at_s: float = field(default_factory=time.monotonic)  # last check that saw progress, or no work
-    tls: object = field(default=None, repr=False)  # the router's certificates (epd.tls.MutualTls), for links not gRPC
+    tls: object = field(default=None, repr=False)  # the router's certificates (epd.wire.tls.MutualTls), for links not gRPC
     # resolved when the worker leaves rotation: calls waiting on it give up then (see ``outage``)
     _left_rotation: asyncio.Future | None = field(default=None, repr=False)
 
@@ -92,7 +92,7 @@ class WorkerRegistry:
     def __init__(self, workers: dict[str, list[str]], *, health_period_s: float = 1.0,
                  health_timeout_s: float = 5.0, unhealthy_after: int = 3, stall_timeout_s: float = 60.0,
                  tls=None) -> None:
-        """``tls``: an ``epd.tls.MutualTls`` when the tiers demand client certificates."""
+        """``tls``: an ``epd.wire.tls.MutualTls`` when the tiers demand client certificates."""
         self._tls = tls
         self._initial = {tier: list(addresses) for tier, addresses in workers.items()}
         self.workers: dict[str, list[WorkerState]] = {tier: [] for tier in workers}

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import yaml
 from pydantic import BaseModel
 
+from epd.engine.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 from epd.server.parent import child_environment
 from epd.server.process import READY_PREFIX
 from epd.shm_owners import cleanup_stale_segments
-from epd.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 
 _FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...
 _MAX_RESTART_DELAY_S = 30.0  # ... up to this: a worker that keeps dying does not spin
@@ -91,7 +91,7 @@ def _config_pipe(config: BaseModel) -> int:
 
 def tier_threads(num_processes: int, environ: Mapping[str, str] | None = None) -> int | None:
     """Intra-op threads for each of ``num_processes`` compute tiers sharing this host: the cores
-    this process may use (``epd.threads.usable_cores``) split between them, at least one each.
+    this process may use (``epd.engine.threads.usable_cores``) split between them, at least one each.
     None: each process sizes its own (one process, or the user set EPD_NUM_THREADS / OMP_NUM_THREADS).
 
     Why: every tier runs barrier-synchronized OpenMP teams. When their threads outnumber the cores,

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from epd.config import ConfigError, WorkerConfig
-from epd.rpc import AioServerThread
 from epd.server.admission import TierAdmission
 from epd.server.flags import Command, OneLineParser, load, run_or_exit
 from epd.server.metrics import TierMetrics
@@ -36,10 +35,11 @@ from epd.server.process import (
     stop_engine_lost,
     wait_for_stop,
 )
-from epd.tls import MutualTls, use_for_process
 from epd.transport import TensorStore, add_tensor_store, cleanup_stale_segments
 from epd.transport.choose import local_host_id
 from epd.v1 import common_pb2
+from epd.wire.rpc import AioServerThread
+from epd.wire.tls import MutualTls, use_for_process
 
 log = logging.getLogger("epd.server")
 T = TypeVar("T")

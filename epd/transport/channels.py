@@ -9,8 +9,8 @@ import threading
 
 import grpc
 
-from epd.rpc import open_channel
-from epd.tls import process_tls
+from epd.wire.rpc import open_channel
+from epd.wire.tls import process_tls
 
 
 class ChannelPool:

@@ -6,12 +6,12 @@ from concurrent import futures
 import grpc
 
 from epd.errors import InvalidRequest
-from epd.rpc import SERVER_OPTIONS, abort_with, add_port
 from epd.transport.handles import TransportError
 from epd.transport.inline import iter_chunks
 from epd.transport.leases import MAX_CONSUMER_KEYS, MIN_CONSUMER_KEY_CHARS, TensorStore
 from epd.transport.nccl import nccl_unique_id
 from epd.v1 import tensor_pb2, tensor_pb2_grpc
+from epd.wire.rpc import SERVER_OPTIONS, abort_with, add_port
 
 
 class TensorStoreServicer(tensor_pb2_grpc.TensorStoreServicer):

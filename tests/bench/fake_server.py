@@ -18,8 +18,8 @@ import uvicorn
 
 from epd.errors import Overloaded
 from epd.router.grpc_api import add_router_grpc
-from epd.router.openai.app import build_app
 from epd.router.media_fetch import MediaFetcher
+from epd.router.openai.app import build_app
 from epd.types import ChatRequest, StreamEvent
 
 

@@ -10,8 +10,8 @@ import grpc
 
 from epd.router.grpc_api import add_router_grpc, public_server_options
 from epd.router.media_fetch import MediaFetcher
-from epd.rpc import SERVER_OPTIONS as GRPC_OPTIONS
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
+from epd.wire.rpc import SERVER_OPTIONS as GRPC_OPTIONS
 
 
 def default_events() -> list[StreamEvent]:

@@ -13,8 +13,8 @@ import pytest
 from epd.encoder.servicer import PushBatcher
 from epd.errors import InvalidRequest
 from epd.router.workers import WorkerRegistry
-from epd.rpc import SERVER_OPTIONS
 from epd.v1 import common_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, tensor_pb2
+from epd.wire.rpc import SERVER_OPTIONS
 
 
 class _ScriptedDecode(decode_pb2_grpc.DecodeServicer):

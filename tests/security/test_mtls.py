@@ -17,10 +17,10 @@ import pytest
 from epd.client import EPDClient, Unauthenticated
 from epd.config import ConfigError, TlsConfig, WorkerConfig, load_config
 from epd.models.presets import write_preset_checkpoint
-from epd.rpc import open_channel
-from epd.tls import MutualTls
 from epd.transport import TensorStore, serve_tensor_store
 from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc, tensor_pb2, tensor_pb2_grpc
+from epd.wire.rpc import open_channel
+from epd.wire.tls import MutualTls
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import ServeProcess, wait_until
 from tests.e2e.test_openai_serve import chat, data_url

@@ -6,9 +6,9 @@ import threading
 from epd.engine.block_manager import BlockManager
 from epd.engine.sequence import Sequence
 from epd.prefill.worker import PrefillTicket, PrefillWorker
-from epd.protocol import prefill_job_from_proto
 from epd.types import SamplingParams
 from epd.v1 import common_pb2
+from epd.wire.protocol import prefill_job_from_proto
 
 PAD, BLOCK = 9, 4
 IDS = [1, 2, 3, 4, 5, 6, 7, 8] + [PAD] * 8 + [10, 11, 12, 13, 14]  # the image fills blocks 2 and 3

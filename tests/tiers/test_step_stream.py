@@ -121,10 +121,10 @@ def test_a_request_failing_with_an_unexpected_error_is_answered_and_let_go():
     from types import SimpleNamespace
 
     from epd.decode.servicer import _RouterStream
-    from epd.protocol import sampling_to_proto
     from epd.server.admission import TierAdmission
     from epd.types import SamplingParams
     from epd.v1 import common_pb2
+    from epd.wire.protocol import sampling_to_proto
 
     async def run():
         async def no_grammar(engine, sampling):

@@ -13,8 +13,8 @@ from epd.decode.worker import DecodeWorker
 from epd.errors import InvalidRequest
 from epd.llm import LLM
 from epd.prefill.worker import PrefillWorker
-from epd.protocol import DecodeJob, PrefillJob, prefill_job_from_proto, request_metadata
 from epd.types import SamplingParams
+from epd.wire.protocol import DecodeJob, PrefillJob, prefill_job_from_proto, request_metadata
 from tests.conftest import make_image_bytes
 from tests.fidelity.reference import user_message
 

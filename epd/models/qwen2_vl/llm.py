@@ -13,8 +13,15 @@ from torch import nn
 
 from epd.engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from epd.models.layers import MRotaryEmbedding, RMSNorm, SiluAndMul, apply_rotary
-from epd.models.parallel import (SINGLE, ColumnParallelPacked, HeadLayout, ParallelLMHead, RowParallelLinear,
-                                 TensorParallel, VocabParallelEmbedding)
+from epd.models.parallel import (
+    SINGLE,
+    ColumnParallelPacked,
+    HeadLayout,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)

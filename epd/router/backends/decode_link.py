@@ -20,13 +20,13 @@ from collections.abc import Callable
 import grpc
 
 from epd.errors import EPDError, UpstreamError
-from epd.protocol import logprobs_from_proto
 from epd.router.backends.base import BackendOutput
 from epd.router.backends.moves import WorkerLost, lost_message
 from epd.router.backends.tcp_stream import TcpStreamCall
 from epd.router.workers import WorkerState
 from epd.tcp_link import split_host
 from epd.v1 import decode_pb2
+from epd.wire.protocol import logprobs_from_proto
 
 log = logging.getLogger("epd.router")
 

@@ -44,7 +44,6 @@ from epd.errors import (
 )
 from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
-from epd.protocol import logprobs_from_proto, multimodal_item, request_metadata
 from epd.router.backends.base import BackendOutput, Job
 from epd.router.backends.decode_link import DecodeLink, StepError
 from epd.router.backends.moves import (
@@ -60,10 +59,11 @@ from epd.router.backends.moves import (
 from epd.router.discovery import DnsDiscovery, Resolver, resolve_service
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
-from epd.rpc import retry_after_s
-from epd.tls import MutualTls
 from epd.transport.choose import needs_same_host
 from epd.v1 import common_pb2, decode_pb2, encoder_pb2, prefill_pb2, tensor_pb2, tensor_pb2_grpc
+from epd.wire.protocol import logprobs_from_proto, multimodal_item, request_metadata
+from epd.wire.rpc import retry_after_s
+from epd.wire.tls import MutualTls
 
 log = logging.getLogger("epd.router")
 _PREFIX_KEY_TOKENS = 64  # how much of the prompt decides prefill affinity

@@ -6,7 +6,7 @@ Like an aggregated vLLM engine, images are encoded on the engine thread between 
 encode stalls the decode of every running request: the interference EPD removes.
 
 The router's event loop shares this process's cores with the engine thread, so the engine's
-intra-op threads leave one core to it (``epd.threads``): with torch's default team on 2 cores,
+intra-op threads leave one core to it (``epd.engine.threads``): with torch's default team on 2 cores,
 TTFT p50 was 499 ms instead of 35 ms.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 from epd.config import EngineConfig
 from epd.engine.async_updates import AsyncUpdates, UpdateBatch, queue_batch
 from epd.engine.engine_loop import EngineLoop
+from epd.engine.threads import ThreadPolicy
 from epd.errors import EPDError, InvalidRequest, UpstreamError
 from epd.router.backends.base import BackendOutput, Job
-from epd.threads import ThreadPolicy
 
 log = logging.getLogger("epd.router")
 _CLOSE_RANKS_S = 120.0  # a step in flight (a long CPU prefill) finishes first

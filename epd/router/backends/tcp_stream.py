@@ -18,7 +18,7 @@ from epd.v1 import decode_pb2
 class TcpStreamCall:
     def __init__(self, host: str, port: int, token: str, tls=None) -> None:
         """Connects at once, in the background (the first write or read waits for it); ``tls``:
-        an ``epd.tls.MutualTls`` (the cluster's certificates) or None."""
+        an ``epd.wire.tls.MutualTls`` (the cluster's certificates) or None."""
         self._where = f"decode {host}:{port} token stream"
         self._connected = asyncio.ensure_future(self._connect(host, port, token, tls))
         self._connected.add_done_callback(lambda f: f.cancelled() or f.exception())  # read by the reader

@@ -24,7 +24,7 @@ SERVER_OPTIONS = (*_MESSAGE_OPTIONS, ("grpc.so_reuseport", 0))
 
 
 def open_channel(address: str, tls=None, *, aio: bool = False, options=()):
-    """A channel to ``address``: plain, or mutual TLS with ``tls`` (an ``epd.tls.MutualTls``)."""
+    """A channel to ``address``: plain, or mutual TLS with ``tls`` (an ``epd.wire.tls.MutualTls``)."""
     grpc_module = grpc.aio if aio else grpc
     opts = [*CHANNEL_OPTIONS, *options]
     if tls is None:
@@ -97,7 +97,7 @@ class AioServerThread:
     def bind(self, address: str, *, migration_pool=None, tls=None, timeout_s: float = 30.0) -> int:
         """Make the server and bind ``address`` (host:port, port 0: a free one); -> the port. A port
         that cannot be bound is a ``RuntimeError``. ``migration_pool`` runs synchronous handlers;
-        with ``tls`` (``epd.tls.MutualTls``) only clients with a certificate from its CA get in."""
+        with ``tls`` (``epd.wire.tls.MutualTls``) only clients with a certificate from its CA get in."""
         async def bind() -> int:
             self.server = grpc.aio.server(migration_thread_pool=migration_pool, options=SERVER_OPTIONS)
             port = add_port(self.server, address, tls)

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-log = logging.getLogger("epd.threads")
+log = logging.getLogger("epd.engine.threads")
 
 EPD_NUM_THREADS = "EPD_NUM_THREADS"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"

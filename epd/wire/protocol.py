@@ -4,7 +4,6 @@ see proto and proto never leaks inward."""
 from __future__ import annotations
 
 import json
-
 from dataclasses import dataclass
 
 from epd.errors import InvalidRequest

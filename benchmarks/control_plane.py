@@ -44,7 +44,7 @@ _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)
 
 def kv_bytes_per_token(model: str) -> int:
     """K and V of every layer for one token, at fp32 (the CPU's dtype), from the checkpoint's config."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     with open(os.path.join(resolve_model(model), "config.json")) as f:
         config = json.load(f)
     text = config.get("text_config", config)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from epd.config import EngineConfig  # noqa: E402
 from epd.engine.llm_engine import LLMEngine  # noqa: E402
-from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
 from epd.models.registry import load_llm_for  # noqa: E402
 from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
 from epd.types import SamplingParams  # noqa: E402

@@ -26,7 +26,8 @@ from PIL import Image
 
 from epd.config import EngineConfig  # noqa: E402
 from epd.llm import LLM  # noqa: E402
-from epd.models.presets import load_processor, resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
+from epd.models.presets import load_processor  # noqa: E402
 from epd.types import SamplingParams  # noqa: E402
 
 

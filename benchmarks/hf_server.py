@@ -24,7 +24,8 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from epd.config import RouterConfig  # noqa: E402
-from epd.models.presets import load_processor, resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
+from epd.models.presets import load_processor  # noqa: E402
 from epd.router.backends.base import BackendOutput, Job  # noqa: E402
 from epd.router.openai.app import build_app  # noqa: E402
 from epd.router.pipeline import RequestPipeline  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 
 from common import noise_png  # noqa: E402  (also puts the checkout on sys.path)
 
-from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
 from epd.router.sync import SyncRouter  # noqa: E402
 from epd.server.local import LocalCluster  # noqa: E402
 from epd.types import SamplingParams  # noqa: E402

@@ -34,7 +34,7 @@ try:
     from epd.server.local import LocalCluster  # noqa: E402
 except ImportError:  # a checkout from before epd/server/ (measuring the old router)
     from epd.launch import LocalCluster  # noqa: E402
-from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
 from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
 
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")

@@ -19,7 +19,7 @@ from pathlib import Path
 from common import Server, run_bench
 
 from epd.bench.workload import ImageSpec, render_image  # noqa: E402
-from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
 from epd.models.qwen2_vl.vision import QwenVisionEncoder  # noqa: E402
 
 SYSTEMS = ("epd", "aggregated")

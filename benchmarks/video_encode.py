@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from epd.bench.workload import render_video  # noqa: E402
 from epd.config import EncoderConfig  # noqa: E402
 from epd.encoder.engine import EncoderEngine  # noqa: E402
-from epd.models.presets import resolve_model  # noqa: E402
+from epd.models.locate import resolve_model  # noqa: E402
 from epd.multimodal.video import probe_video, video_geometry_from_bytes  # noqa: E402
 
 SOURCE_FPS = 10  # lossless noise frames are large: 8 s of 448x336 at 10 fps is 36 MB (the limit is 48)

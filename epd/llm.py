@@ -30,7 +30,7 @@ class LLM:
         """``set_threads``: size torch's intra-op threads on this thread (``epd.engine.threads``: the
         ``num_threads`` of ``engine_config``, else the usable cores); False when the caller already
         did, e.g. an engine loop that counts its process's event loop as a busy thread."""
-        from epd.models.presets import resolve_model
+        from epd.models.locate import resolve_model
         self.model_dir = resolve_model(model)
         self.family = family_for(self.model_dir)
         self.engine_config = engine_config or EngineConfig()

@@ -8,7 +8,7 @@ import pytest
 
 from epd.config import EncoderConfig, EngineConfig, WorkerConfig
 from epd.encoder.engine import EncoderEngine, output_budgets_for
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.server.gpu_sharing import shared_gpu_args
 
 COUNTS = {"encoder": 1, "prefill": 1, "decode": 1}

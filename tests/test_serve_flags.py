@@ -14,7 +14,7 @@ import pytest
 
 from epd.config import ConfigError, RouterConfig, load_config
 from epd.errors import EPDError
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.server.serve import serve_config_from_args
 
 

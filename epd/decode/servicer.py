@@ -227,7 +227,7 @@ async def _sequence(added: Future):
 
 def build(ctx):
     """The decode tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
 
     worker = DecodeWorker(resolve_model(ctx.config.model), ctx.config.engine, on_engine_lost=ctx.on_engine_lost)
     ctx.metrics.watch_engine(worker.engine)

@@ -257,7 +257,7 @@ def _item(msg: common_pb2.MultimodalItem, model_id: str, media: MediaSettings | 
 
 def build(ctx):
     """The encoder tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
 
     # CPU rows are made in the store's shared memory: a push over shm is then a lease, not a copy
     engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder,

@@ -4,7 +4,8 @@ anywhere.
 A preset is a named `PresetSpec`. `write_preset_checkpoint` turns it into an ordinary Hugging Face
 checkpoint directory (config.json, model.safetensors, generation_config.json, tokenizer files,
 chat_template.jinja, preprocessor_config.json) that transformers' `AutoModelForImageTextToText` loads like a
-downloaded one; `resolve_model` maps a preset name to its cached copy. `load_processor` gives the matching
+downloaded one; `preset_checkpoint` gives a preset's cached copy (`epd.models.locate.resolve_model`
+maps any model name to its directory). `load_processor` gives the matching
 processor, also where transformers' `AutoProcessor` cannot (no torchvision).
 
 Weights are drawn with std 0.2 instead of transformers' 0.02: at 0.02-0.1 greedy decoding of a model with tied
@@ -183,46 +184,13 @@ PRESETS: dict[str, PresetSpec] = {
 }
 
 
-def resolve_model(path_or_preset: str | Path) -> Path:
-    """A checkpoint directory as is, or a preset name → its cached checkpoint (written once)."""
-    text = str(path_or_preset)
-    from epd.models.null.checkpoint import NULL_PRESETS, resolve_null_preset
-    if text in NULL_PRESETS:  # the zero-cost model: no weights, nothing computed
-        return resolve_null_preset(text)
-    if text in PRESETS:
-        out_dir = epd_cache_dir() / "presets" / text
-        if not _is_current(out_dir, PRESETS[text], PRESETS[text].seed):
-            _write_checkpoint(text, out_dir, seed=None, replace=out_dir.exists())
-        return out_dir
-    path = Path(text).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json; expected a Hugging Face checkpoint")
-        return path
-    if path.exists():
-        raise ValueError(f"model path {path} is a file; expected a checkpoint directory or a preset name")
-    if _looks_like_a_hub_id(text):
-        return _from_hub_cache(text)
-    raise ValueError(f"model {text!r} is neither a directory nor a preset; presets: "
-                     f"{', '.join([*PRESETS, *NULL_PRESETS])}")
-
-
-def _looks_like_a_hub_id(text: str) -> bool:
-    parts = text.split("/")
-    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not text.startswith(("~", "/"))
-
-
-def _from_hub_cache(repo_id: str) -> Path:
-    """A Hugging Face hub id, from the local hub cache only: nothing is downloaded at run time."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except Exception as err:  # noqa: BLE001 - LocalEntryNotFoundError, bad names, ... : one clear message
-        raise ValueError(f"model {repo_id!r} is not a directory, a preset, or in the local Hugging Face cache "
-                         f"({HF_HUB_CACHE}); download it first (hf download {repo_id}) or give its "
-                         f"directory ({type(err).__name__})") from None
+def preset_checkpoint(name: str) -> Path:
+    """Preset ``name``'s checkpoint in the cache, written the first time (and again when its spec
+    changed)."""
+    out_dir = epd_cache_dir() / "presets" / name
+    if not _is_current(out_dir, PRESETS[name], PRESETS[name].seed):
+        _write_checkpoint(name, out_dir, seed=None, replace=out_dir.exists())
+    return out_dir
 
 
 def write_preset_checkpoint(name: str, out_dir: Path, *, seed: int | None = None) -> Path:

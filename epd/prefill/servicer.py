@@ -102,7 +102,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
 def build(ctx):
     """The prefill tier in the scaffold (``epd.server.tier``): -> (add the servicer to a server, close)."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
 
     config = ctx.config
     worker = PrefillWorker(resolve_model(config.model), config.engine,

@@ -171,7 +171,7 @@ class LocalCluster:
         """Engines that share a GPU with other workers split it (``epd.server.gpu_sharing``)."""
         if self._worker_config is None:
             return {}
-        from epd.models.presets import resolve_model
+        from epd.models.locate import resolve_model
         from epd.server.gpu_sharing import shared_gpu_args
 
         if self._worker_config.engine.gpu_memory_utilization is None:

@@ -40,7 +40,7 @@ def router_config_from_args(argv: list[str] | None) -> RouterConfig:
 
 def build_pipeline(config: RouterConfig) -> RequestPipeline:
     """The pipeline over the backend the config asks for (blocking: the in-process one loads the model)."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.router.media_fetch import FetchLimits, MediaFetcher
 
     model_dir = resolve_model(config.model)

@@ -78,7 +78,7 @@ def _check_tensor_parallel(config: ServeConfig) -> None:
         raise ConfigError(f"command line: {flag} {size} with the Ray launcher: it places one-rank workers so far; "
                           "use the local launcher or 1")
     from epd.engine.tensor_parallel import check_runnable
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     engine = config.worker.engine
     tiers = (("--tensor-parallel-size", engine.tensor_parallel_size),) if config.router.aggregated else (
         ("--prefill-tp" if config.prefill_tp else "--tensor-parallel-size", config.tensor_parallel_size("prefill")),

@@ -198,7 +198,7 @@ def worker_config_from_args(tier: str, argv: list[str] | None) -> WorkerConfig:
                           "ranks (its vision tower stays whole; encoders scale by replicas); use 1")
     if config.engine.tensor_parallel_size > 1:
         from epd.engine.tensor_parallel import check_runnable
-        from epd.models.presets import resolve_model
+        from epd.models.locate import resolve_model
         try:
             check_runnable(resolve_model(config.model), config.engine)
         except ValueError as err:

@@ -161,7 +161,7 @@ class RecordingEncoder:
 
 @pytest.fixture(scope="module")
 def qwen_engine():
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig())
     engine.runner.model = RecordingEncoder(engine.runner.model)
     yield engine
@@ -260,7 +260,7 @@ def test_rows_are_made_in_the_stores_shared_memory_and_exported_without_a_copy()
     """The tier's wiring (``allocate_output=shared_empty(store, ...)``): every encoded item's rows live in
     a shm segment of the store, so its export is a lease on that memory, for the first request and
     for a cache hit alike."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.transport import TensorStore, import_tensor
 
     with TensorStore() as store:
@@ -288,7 +288,7 @@ def test_rows_are_made_in_the_stores_shared_memory_and_exported_without_a_copy()
 def test_on_cuda_rows_stay_on_the_gpu_with_the_event_after_their_batch():
     """No trip through the host: the rows a request gets are the cache's GPU tensors, exported over
     CUDA IPC, with the event the engine thread recorded after writing them."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.transport import TensorStore
 
     engine = EncoderEngine.from_model_dir(resolve_model("tiny-qwen2-vl"), EncoderConfig(device="cuda"))

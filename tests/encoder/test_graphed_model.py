@@ -6,7 +6,7 @@ import torch
 
 import epd.encoder.graphed_model as graphed_model
 from epd.encoder.graph_runner import EncoderGraphBuckets
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.models.qwen2_vl.vision import QwenVisionEncoder
 
 from ..conftest import make_image_bytes

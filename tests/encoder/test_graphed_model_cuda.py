@@ -6,7 +6,7 @@ import torch
 from epd.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.graphed_model import GraphedVisionEncoder
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.models.qwen2_vl.vision import QwenVisionEncoder
 
 from ..conftest import make_image_bytes

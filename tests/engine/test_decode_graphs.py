@@ -51,7 +51,7 @@ def test_a_graphs_page_table_holds_every_row_at_its_longest_even_when_rows_share
 def test_a_cpu_engine_captures_nothing_and_keeps_its_pages():
     from epd.config import EngineConfig
     from epd.engine.llm_engine import LLMEngine
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.models.registry import load_llm_for
     config = EngineConfig(device="cpu", num_kv_blocks=32)
     engine = LLMEngine(load_llm_for(resolve_model("tiny-qwen2-vl"), config), config, eos_token_ids=())
@@ -64,7 +64,7 @@ def test_a_cpu_engine_captures_nothing_and_keeps_its_pages():
 def test_greedy_tokens_from_decode_graphs_equal_the_eager_engines():
     from epd.config import EngineConfig
     from epd.llm import LLM
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.types import SamplingParams
     from tests.conftest import make_image_bytes
     from tests.fidelity.reference import user_message

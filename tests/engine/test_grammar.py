@@ -13,7 +13,7 @@ from epd.config import EngineConfig
 from epd.engine.grammar import GrammarCompiler
 from epd.errors import InvalidRequest
 from epd.llm import LLM
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.types import SamplingParams, StructuredOutput
 
 jsonschema = pytest.importorskip("jsonschema")  # a test dependency (the GPU image has none: it skips there)

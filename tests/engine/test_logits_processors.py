@@ -73,7 +73,7 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_when_the_request_arrives
     from epd.config import EngineConfig
     from epd.engine.llm_engine import LLMEngine
     from epd.errors import InvalidRequest
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.models.registry import load_llm_for
     config = EngineConfig(device="cpu", num_kv_blocks=16)
     engine = LLMEngine(load_llm_for(resolve_model("tiny-qwen2-vl"), config), config, eos_token_ids=())

@@ -6,7 +6,7 @@ import pytest
 
 from epd.config import EngineConfig
 from epd.engine.memory_profile import GiB, kv_budget_bytes, profile_step
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.models.registry import load_llm_for
 
 

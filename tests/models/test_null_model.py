@@ -10,8 +10,9 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from epd.config import EngineConfig
 from epd.llm import LLM
+from epd.models.locate import resolve_model
 from epd.models.null.checkpoint import NULL_PRESETS, NullSpec, write_null_checkpoint
-from epd.models.presets import IMAGE_TOKEN_ID, resolve_model
+from epd.models.presets import IMAGE_TOKEN_ID
 from epd.models.registry import family_for, load_llm_for
 from epd.types import SamplingParams
 from tests.conftest import make_image_bytes

@@ -13,6 +13,7 @@ import pytest
 
 import epd.models
 from epd.models.cache import atomic_directory, epd_cache_dir
+from epd.models.locate import resolve_model
 from epd.models.presets import (
     IMAGE_TOKEN_ID,
     PRESETS,
@@ -21,7 +22,6 @@ from epd.models.presets import (
     VisionDims,
     build_preset_model,
     load_processor,
-    resolve_model,
     write_preset_checkpoint,
 )
 
@@ -247,7 +247,7 @@ def test_concurrent_processes_resolve_one_complete_preset(tmp_path):
     # Share the built tokenizer so the two writers only race on the checkpoint itself.
     shutil.copytree(epd_cache_dir() / "tokenizer", tmp_path / "tokenizer")
     env = {**os.environ, "EPD_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO_ROOT)}
-    code = "from epd.models.presets import resolve_model; print(resolve_model('tiny-qwen2-vl'))"
+    code = "from epd.models.locate import resolve_model; print(resolve_model('tiny-qwen2-vl'))"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     outputs = [p.communicate(timeout=300)[0].strip().splitlines()[-1] for p in procs]

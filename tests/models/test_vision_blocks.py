@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from epd.encoder.graph_runner import EncoderGraphBuckets
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.models.qwen2_vl.vision import QwenVisionEncoder
 from epd.models.qwen2_vl.vision_blocks import HIDDEN, WINDOW_IDS
 

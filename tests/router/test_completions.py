@@ -24,7 +24,7 @@ def served(model_dir, tokenizer):
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     return resolve_model("tiny-qwen2-vl")
 
 

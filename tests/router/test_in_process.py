@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.router.backends.in_process import InProcessBackend
 from epd.types import ChatRequest, SamplingParams
 from tests.router.test_pipeline import make_pipeline

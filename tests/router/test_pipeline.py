@@ -17,7 +17,7 @@ from epd.client import EPDClient
 from epd.client import InvalidRequest as SdkInvalidRequest
 from epd.config import RouterConfig
 from epd.errors import DeadlineExceeded, InvalidRequest, UpstreamError
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.openai.app import build_app
 from epd.router.pipeline import RequestPipeline

@@ -50,7 +50,7 @@ def test_the_request_log_says_sizes_and_sampling_never_the_text(caplog):
     import asyncio
     import logging
 
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.router.backends.in_process import InProcessBackend
     from epd.types import ChatRequest, SamplingParams
     from tests.router.test_pipeline import make_pipeline

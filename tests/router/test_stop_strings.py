@@ -59,7 +59,7 @@ def test_the_stop_string_stays_in_the_output_when_asked_and_the_longer_of_two_at
 def test_a_stop_met_inside_a_batch_of_tokens_ends_at_the_token_that_completed_it():
     """A reader that lagged gets several tokens in one output; what the client sees (tokens,
     logprobs, text, usage) must be what it would have seen one token at a time."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.models.tokenizer_loading import load_tokenizer
     from epd.router.backends.base import BackendOutput
     from epd.router.pipeline import _TextStream

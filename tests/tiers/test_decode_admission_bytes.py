@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.router.sync import SyncRouter
 from epd.server.local import LocalCluster
 from epd.types import ChatRequest, SamplingParams

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from epd.errors import EPDError
-from epd.models.presets import resolve_model
+from epd.models.locate import resolve_model
 from epd.router.sync import SyncRouter
 from epd.server.local import LocalCluster
 from epd.transport import cleanup_stale_segments

@@ -47,7 +47,7 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def router(cluster):
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
 
     with SyncRouter.over_workers(resolve_model("tiny-qwen2-vl"), encoders=cluster.encoders,
                                  prefills=cluster.prefills, decodes=cluster.decodes,

@@ -75,7 +75,7 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
     """16 requests at once on one decode worker: the router receives at most one message per engine
     step of that worker (a message per request per step would be 16 times as many), on the TCP link
     the worker offers (the default) and on the gRPC call (``decode_link: grpc``) alike."""
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
     from epd.router.backends.tcp_stream import TcpStreamCall
     from epd.router.sync import SyncRouter
     from epd.server.local import LocalCluster

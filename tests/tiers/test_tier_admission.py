@@ -29,7 +29,7 @@ def cluster():
 
 
 def _router(cluster, **config) -> SyncRouter:
-    from epd.models.presets import resolve_model
+    from epd.models.locate import resolve_model
 
     return SyncRouter.over_workers(resolve_model("tiny-qwen2-vl"), encoders=cluster.encoders,
                                    prefills=cluster.prefills, decodes=cluster.decodes, **config)

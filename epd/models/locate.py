@@ -1,0 +1,48 @@
+"""Where a model is: ``--model`` as a user gives it (a checkpoint directory, a preset name, the
+zero-cost model, or a Hugging Face hub id already in the local cache) -> its checkpoint directory.
+Nothing is downloaded at run time; a model that is nowhere says which command fetches it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from epd.models.presets import PRESETS, preset_checkpoint
+
+
+def resolve_model(path_or_preset: str | Path) -> Path:
+    """A checkpoint directory as is, or a preset name -> its cached checkpoint (written once), or a
+    hub id -> its snapshot in the local hub cache."""
+    text = str(path_or_preset)
+    from epd.models.null.checkpoint import NULL_PRESETS, resolve_null_preset
+    if text in NULL_PRESETS:  # the zero-cost model: no weights, nothing computed
+        return resolve_null_preset(text)
+    if text in PRESETS:
+        return preset_checkpoint(text)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json; expected a Hugging Face checkpoint")
+        return path
+    if path.exists():
+        raise ValueError(f"model path {path} is a file; expected a checkpoint directory or a preset name")
+    if _looks_like_a_hub_id(text):
+        return _from_hub_cache(text)
+    raise ValueError(f"model {text!r} is neither a directory nor a preset; presets: "
+                     f"{', '.join([*PRESETS, *NULL_PRESETS])}")
+
+
+def _looks_like_a_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(p and not p.startswith(".") for p in parts) and not text.startswith(("~", "/"))
+
+
+def _from_hub_cache(repo_id: str) -> Path:
+    """A Hugging Face hub id, from the local hub cache only: nothing is downloaded at run time."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception as err:  # noqa: BLE001 - LocalEntryNotFoundError, bad names, ... : one clear message
+        raise ValueError(f"model {repo_id!r} is not a directory, a preset, or in the local Hugging Face cache "
+                         f"({HF_HUB_CACHE}); download it first (hf download {repo_id}) or give its "
+                         f"directory ({type(err).__name__})") from None

@@ -450,6 +450,9 @@ class ServeConfig(_Config):
         None, description="tensor-parallel ranks of each decode worker (default: --tensor-parallel-size)")
     threads_per_tier: PositiveInt | None = Field(
         None, description="intra-op threads of each tier process (default: the host's cores split between them)")
+    revision: str | None = Field(None, description="a hub id's branch, tag or commit (default: main)")
+    download_dir: str | None = Field(None, description="the Hugging Face cache a hub id is looked up in and "
+                                                       "downloaded to (default: HF_HUB_CACHE)")
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
     max_restarts: int = Field(5, ge=0, description="restarts of each worker that dies (local launcher); then "
                                                    "it stays down and /health shows its tier degraded")

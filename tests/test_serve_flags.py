@@ -102,6 +102,30 @@ def test_a_hub_id_comes_from_the_local_cache_only(tmp_path, monkeypatch):
     assert (Path(sys.executable).parent / "hf").exists()  # the command it names comes with the install
 
 
+def test_epd_serve_fetches_a_hub_id_once_at_a_revision_and_serves_it_under_its_id(tmp_path, monkeypatch):
+    """--revision and --download-dir (vLLM's): the snapshot of that revision in that cache is what
+    every process is given; clients still call the model by its id. Not there and not downloadable
+    (offline here): one line naming the command that fetches it."""
+    import huggingface_hub.constants
+
+    from epd.server.serve import fetch_model
+    repo = tmp_path / "models--acme--vl-mini"
+    for ref, commit in (("main", "a" * 40), ("v1", "b" * 40)):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    config = fetch_model(serve_config_from_args(["acme/vl-mini", "--revision", "v1", "--download-dir", str(tmp_path)]))
+    assert config.router.model == config.worker.model == str(repo / "snapshots" / ("b" * 40))
+    assert config.router.served_model_name == config.worker.served_model_name == ("acme/vl-mini",)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError, match=r"'acme/absent' at v2 is not in the Hugging Face cache .* could not be "
+                                          r"downloaded .*\(hf download acme/absent --revision v2 --cache-dir "):
+        fetch_model(serve_config_from_args(["acme/absent", "--revision", "v2", "--download-dir", str(tmp_path)]))
+    with pytest.raises(ConfigError, match="--revision / --download-dir apply to a hub id"):
+        fetch_model(serve_config_from_args(["tiny-qwen2-vl", "--revision", "v1"]))
+
+
 @pytest.mark.parametrize("value, limits", [('{"image": 3}', {"image": 3}), ("image=5,video=1", {"image": 5, "video": 1}),
                                            ({"image": 2, "video": 0}, {"image": 2, "video": 0})])
 def test_limit_mm_per_prompt_takes_vllms_json_or_pairs(value, limits):

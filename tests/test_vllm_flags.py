@@ -59,7 +59,8 @@ def _a_value(flag: str) -> str:
                                 "nearest here: --dtype"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8 (vLLM's) is not supported: no quantized KV cache"),
     (["--max-modle-len", "5"], "unrecognized argument --max-modle-len (did you mean --max-model-len?)"),
-    (["--revision", "main"], "--revision (vLLM's) is not supported: models are served from a checkpoint directory"),
+    (["--tokenizer-revision", "main"], "--tokenizer-revision (vLLM's) is not supported: the tokenizer is the "
+                                       "checkpoint's own"),
 ])
 def test_a_flag_that_cannot_work_here_is_one_line_naming_it(argv, expected):
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):

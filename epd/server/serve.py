@@ -91,6 +91,30 @@ def _check_tensor_parallel(config: ServeConfig) -> None:
             raise ConfigError(f"command line: {err}") from None
 
 
+def fetch_model(config: ServeConfig) -> ServeConfig:
+    """A hub id is found in the cache, or downloaded here once (huggingface_hub's progress bars)
+    before any process starts; every process is then given its snapshot directory, and clients
+    keep calling the model by the id (the served name, unless --served-model-name says another)."""
+    from pathlib import Path
+
+    from epd.models.locate import looks_like_a_hub_id, resolve_model
+
+    model = config.router.model
+    if not looks_like_a_hub_id(model) or Path(model).expanduser().exists():
+        if config.revision or config.download_dir:
+            raise ConfigError(f"command line: --revision / --download-dir apply to a hub id (like Qwen/Qwen2-VL-2B-"
+                              f"Instruct); {model!r} is a directory or a preset")
+        return config
+    try:
+        path = str(resolve_model(model, revision=config.revision, download_dir=config.download_dir, download=True))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    names = config.router.served_model_name or (model,)
+    update = {"model": path, "served_model_name": names}
+    return config.model_copy(update={"router": config.router.model_copy(update=update),
+                                     "worker": config.worker.model_copy(update=update)})
+
+
 def _tier_args(config: ServeConfig) -> dict[str, list[str]]:
     """Each tier's own tensor-parallel size (the workers share one config file)."""
     return {tier: ["--tensor-parallel-size", str(config.tensor_parallel_size(tier))]
@@ -121,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.launcher == "ray":
         from epd.server.ray import serve_on_ray
         from epd.server.ray_sizing import SizingError
+        config = run_or_exit("epd serve", lambda: fetch_model(config))
         try:
             serve_on_ray(config, stop)
         except SizingError as err:  # one line naming what is asked and what exists, not a traceback
@@ -129,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from epd.server.ports import check_serve_ports, exit_if_taken
     exit_if_taken("epd serve", lambda: check_serve_ports(config))  # before anything starts
+    config = run_or_exit("epd serve", lambda: fetch_model(config))
     return serve_locally(config, stop)
 
 

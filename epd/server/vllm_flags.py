@@ -37,7 +37,7 @@ class Refused:
     nearest: str = ""
 
 
-_NO_DOWNLOAD = "models are served from a checkpoint directory or a hub id's cached snapshot, nothing is downloaded"
+_ONE_TOKENIZER = "the tokenizer is the checkpoint's own, at the model's --revision"
 VLLM_FLAGS: dict[str, Accepted | Refused] = {
     "--trust-remote-code": Accepted("the model families served here are implemented here: no code from the "
                                     "checkpoint runs"),
@@ -90,10 +90,8 @@ VLLM_FLAGS: dict[str, Accepted | Refused] = {
     "--chat-template-content-format": Accepted("message content is given to the template in OpenAI's form when "
                                                "it has images, as a string otherwise", takes_value=True,
                                                values=("auto",)),
-    "--revision": Refused(_NO_DOWNLOAD, "--model /path/to/checkpoint"),
     "--code-revision": Refused("no code from the checkpoint runs here"),
-    "--tokenizer-revision": Refused(_NO_DOWNLOAD, "--model /path/to/checkpoint"),
-    "--download-dir": Refused(_NO_DOWNLOAD, "--model /path/to/checkpoint"),
+    "--tokenizer-revision": Refused(_ONE_TOKENIZER, "--revision"),
     "--tokenizer": Refused("the tokenizer is the checkpoint's own", "--chat-template"),
     "--quantization": Refused("quantized checkpoints are not loaded here", "--dtype"),
     "-q": Refused("quantized checkpoints are not loaded here", "--dtype"),

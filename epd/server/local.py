@@ -47,6 +47,7 @@ class TierProcess:
     args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
     config_fd: int | None = None  # a standby's: where the worker config waits for it (--config /dev/fd/N)
     echo: Callable[[str], None] | None = None  # each output line as it comes, prefixed with who wrote it
+    started_s: float = field(default_factory=time.monotonic)
 
     def _drain(self) -> None:
         for line in self.proc.stdout:
@@ -55,6 +56,9 @@ class TierProcess:
                 self.ready_fields = line.split()[2:]
                 self.address = self.ready_fields[0]
                 self._ready.set()
+                if self.echo is not None:  # start-up progress, one process at a time as each comes up
+                    self.echo(f"({self.tier} pid={self.proc.pid}) ready at {self.address}, "
+                              f"{time.monotonic() - self.started_s:.1f} s after its start")
             elif self.echo is not None and not line.startswith(READY_PREFIX):
                 self.echo(f"({self.tier} pid={self.proc.pid}) {line}")
             self.log_lines.append(line)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+log = logging.getLogger("epd.models")
 
 
 def read_json(path: Path) -> dict:
@@ -32,9 +36,20 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _shards(model_dir: Path) -> Iterator[Path]:
+    """Every safetensors shard, with one log line each as it starts and one when all are read (a
+    large checkpoint loads for minutes: the log says where it is, as vLLM's progress bar does)."""
+    files = safetensors_files(model_dir)
+    total_bytes, start = sum(p.stat().st_size for p in files), time.monotonic()
+    for i, path in enumerate(files, start=1):
+        log.info("loading weights: shard %d of %d (%s, %.1f MB)", i, len(files), path.name, path.stat().st_size / 1e6)
+        yield path
+    log.info("loaded weights: %d shard(s), %.1f MB in %.1f s", len(files), total_bytes / 1e6, time.monotonic() - start)
+
+
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) over every shard; tensors are loaded one at a time (no pickle)."""
-    for path in safetensors_files(model_dir):
+    for path in _shards(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
@@ -44,7 +59,7 @@ def iter_weight_slices(model_dir: Path) -> Iterator[tuple[str, object]]:
     """Yield (name, lazy slice) over every shard: indexing the slice (``[a:b]``, ``[:, a:b]``,
     ``[:]``) reads only those elements from the file, so a tensor-parallel rank reads only its part.
     A slice is valid until the next one is yielded."""
-    for path in safetensors_files(model_dir):
+    for path in _shards(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)

@@ -2,6 +2,7 @@
 are checked against, the engine behind ``epd generate`` and the router's in-process backend."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,11 +43,12 @@ class LLM:
         self.vision = self.family.load_vision(self.model_dir, dtype=self.engine_config.torch_dtype,
                                               device=self.engine_config.target_device)
         # every EOS id the checkpoint's generation_config.json lists ends a request, as in transformers and vLLM
+        self.generation = generation_defaults(self.model_dir)
         own = tuple(t for t in (self.tokenizer.eos_token_id,) if t is not None)
-        eos = own + tuple(t for t in dict.fromkeys(generation_defaults(self.model_dir).eos_token_ids) if t not in own)
-        self.engine = load_engine(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids, lambda model: LLMEngine(
-            model, self._sized_beside_the_vision_tower(), eos_token_ids=eos, mm_token_ids=self.mm_spec.mm_token_ids,
-            load_tokenizer=lambda: self.tokenizer))
+        eos = own + tuple(t for t in dict.fromkeys(self.generation.eos_token_ids) if t not in own)
+        build = functools.partial(LLMEngine, config=self._sized_beside_the_vision_tower(), eos_token_ids=eos,
+                                  mm_token_ids=self.mm_spec.mm_token_ids, load_tokenizer=lambda: self.tokenizer)
+        self.engine = load_engine(self.model_dir, self.engine_config, self.mm_spec.mm_token_ids, build)
         self.allowed_local_media_path = allowed_local_media_path
 
     def close(self) -> None:
@@ -78,6 +80,11 @@ class LLM:
         return config.model_copy(update={"reserved_device_bytes": config.reserved_device_bytes + output_bytes})
 
     # ---- public API ----------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call without SamplingParams uses (vLLM's name and rule): ours, with the values the
+        checkpoint's generation_config.json sets over them."""
+        return SamplingParams(**self.generation.sampling_fields())
+
     def chat(self, conversations: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
@@ -86,7 +93,7 @@ class LLM:
         image (vLLM's name), within the checkpoint's own ``max_pixels``."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        params = _per_request(sampling_params, len(conversations))
+        params = _per_request(sampling_params, len(conversations), self.get_default_sampling_params)
         seqs = [self.add_conversation(conv, p, mm_processor_kwargs) for conv, p in zip(conversations, params)]
         self.engine.run_until_done(seqs)
         return [self._output(s) for s in seqs]
@@ -95,7 +102,7 @@ class LLM:
                  images: list[list[bytes]] | None = None, *, mm_processor_kwargs: dict | None = None
                  ) -> list[RequestOutput]:
         """Token-level entry: each prompt holds one ``<|image_pad|>`` per image (expanded here)."""
-        params = _per_request(sampling_params, len(prompt_token_ids))
+        params = _per_request(sampling_params, len(prompt_token_ids), self.get_default_sampling_params)
         images = images or [[] for _ in prompt_token_ids]
         seqs = [self.add_processed(self._processed(self.processor.process_token_ids, ids, imgs,
                                                    processor_kwargs=mm_processor_kwargs), p)
@@ -150,9 +157,9 @@ class LLM:
                              seq.finish_reason, seq.output_logprobs, seq.num_cached_tokens)
 
 
-def _per_request(params, n: int) -> list[SamplingParams]:
+def _per_request(params, n: int, default) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     if len(params) != n:

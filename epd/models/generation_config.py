@@ -40,12 +40,17 @@ class GenerationDefaults:
     max_tokens: int | None = None  # None: the server's own default
     eos_token_ids: tuple[int, ...] = ()
     source: str = "OpenAI's defaults"
+    given: tuple[str, ...] = ()  # the sampling fields the file sets (our names)
 
     def changed(self) -> dict:
         """The fields that differ from OpenAI's defaults (what the router logs at start)."""
         base = GenerationDefaults()
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "source" and getattr(self, f.name) != getattr(base, f.name)}
+                if f.name not in ("source", "given") and getattr(self, f.name) != getattr(base, f.name)}
+
+    def sampling_fields(self) -> dict:
+        """The sampling fields the file sets, by SamplingParams' names (``epd.LLM``'s defaults)."""
+        return {name: getattr(self, name) for name in self.given}
 
 
 OPENAI_DEFAULTS = GenerationDefaults()
@@ -80,4 +85,4 @@ def generation_defaults(model_dir: str | Path, mode: str = "auto") -> Generation
     eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
         raise GenerationConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {eos!r}")
-    return GenerationDefaults(**values, eos_token_ids=eos_ids, source=str(path))
+    return GenerationDefaults(**values, eos_token_ids=eos_ids, source=str(path), given=tuple(values))

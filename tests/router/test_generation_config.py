@@ -71,3 +71,20 @@ def test_a_bad_generation_config_names_the_file_and_the_field(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 0, "eos_token_id": [1, "x"]}))
     with pytest.raises(GenerationConfigError, match="eos_token_id must be a token id or a list of them"):
         generation_defaults(tmp_path)
+
+
+def test_epd_llm_without_sampling_params_takes_the_checkpoints_values_over_its_own(tmp_path):
+    """vLLM's LLM rule (get_default_sampling_params): a call without SamplingParams gets ours with
+    the values the file sets over them; given SamplingParams are the caller's, whole."""
+    from epd.llm import LLM
+    from epd.types import SamplingParams
+
+    model_dir = write_preset_checkpoint("tiny-qwen2-vl", tmp_path / "ckpt", seed=98)
+    (model_dir / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3, "repetition_penalty": 1.2,
+                                                                  "eos_token_id": [IM_END]}))
+    llm = LLM(str(model_dir))
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.max_tokens, defaults.repetition_penalty, defaults.temperature) == (3, 1.2, 0.0)
+    prompt = [[100 + i for i in range(12)]]
+    assert len(llm.generate(prompt)[0].token_ids) <= 3
+    assert len(llm.generate(prompt, SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8

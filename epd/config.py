@@ -32,6 +32,7 @@ from pydantic import (
 )
 
 MiB = 1024 * 1024
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's, on a device whose KV cache size nobody gave
 C = TypeVar("C", bound=BaseModel)
 
 _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -102,7 +103,8 @@ class EngineConfig(_Config):
     gpu_memory_utilization: float | None = Field(
         None, gt=0, le=1, description="on CUDA: size the KV cache to this fraction of the GPU's memory minus the "
                                       "weights and a profiled worst-case step (vLLM's meaning; overrides "
-                                      "kv_cache_bytes and num_kv_blocks)")
+                                      "kv_cache_bytes and num_kv_blocks; unset on CUDA without either: 0.9, as "
+                                      "vLLM's default)")
     reserved_device_bytes: NonNegativeInt = Field(
         0, description="with gpu_memory_utilization: bytes of the GPU the KV cache leaves to others on it (an "
                        "encoder's output and cache budget; epd serve and epd.LLM fill it in)")
@@ -136,6 +138,18 @@ class EngineConfig(_Config):
     @property
     def torch_dtype(self):
         return _torch_dtype(resolve_dtype(self.dtype, self.device))
+
+    @property
+    def kv_gpu_memory_utilization(self) -> float | None:
+        """The fraction of the GPU the KV cache is sized from: the one given; on CUDA with no KV size
+        given (kv_cache_bytes, num_kv_blocks), vLLM's default 0.9 (the KV cache takes what the device
+        has, not 256 MiB); otherwise None: the KV cache is kv_cache_bytes. Decided where the model
+        runs (``target_device``)."""
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        if self.target_device.startswith("cuda") and not {"kv_cache_bytes", "num_kv_blocks"} & self.model_fields_set:
+            return DEFAULT_GPU_MEMORY_UTILIZATION
+        return None
 
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:
@@ -309,7 +323,8 @@ class RouterConfig(_Config):
                                                          "never its text or images) and one when it ends (vLLM's "
                                                          "flag)")
     disable_log_stats: bool = Field(False, description="no stats line (tokens/s, requests running and waiting per "
-                                                       "tier, KV usage, encoded items, moves) every log_stats_interval_s")
+                                                       "tier, KV usage, encoded items, moves) every "
+                                                       "log_stats_interval_s")
     log_stats_interval_s: float = Field(10.0, gt=0, description="seconds between two stats lines")
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         "warning", description="what the router's HTTP server (uvicorn) logs; info adds one access line a request")

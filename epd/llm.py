@@ -72,7 +72,7 @@ class LLM:
         leaves the encoder's output budget free (one encoder iteration's rows, as an encoder tier
         would hold them), planned with the KV pool instead of found missing under load."""
         config = self.engine_config
-        if config.gpu_memory_utilization is None or not config.target_device.startswith("cuda"):
+        if config.kv_gpu_memory_utilization is None or not config.target_device.startswith("cuda"):
             return config
         from epd.encoder.engine import output_budgets_for
 

@@ -127,7 +127,8 @@ def fidelity(run: Run) -> dict:
     chat = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     cpu = LLM(str(model_dir), engine_config=EngineConfig(device="cpu", dtype="float32")).chat(chat, greedy)[0]
-    dev = LLM(str(model_dir), engine_config=EngineConfig(device=run.device, dtype="float32"))
+    # a KV size given: several engines live on the device at once here (none given: each takes 0.9 of it)
+    dev = LLM(str(model_dir), engine_config=EngineConfig(device=run.device, dtype="float32", kv_cache_bytes=256 << 20))
     ids = dev.chat(chat, greedy)[0].token_ids
     same = [a == b for a, b in zip(cpu.token_ids, ids)]
     seeded = SamplingParams(max_tokens=8, temperature=1.0, top_k=50, seed=7)
@@ -138,7 +139,7 @@ def fidelity(run: Run) -> dict:
     logits = {}
     for dtype in ("float32", "bfloat16"):
         llm = LLM(str(model_dir), engine_config=EngineConfig(device=run.device, dtype=dtype, max_model_len=8192,
-                                                             max_num_batched_tokens=1024))
+                                                             max_num_batched_tokens=1024, kv_cache_bytes=256 << 20))
         captured = []
         sample = llm.engine.sampler
 

@@ -57,3 +57,35 @@ def test_an_engine_alone_on_its_gpu_is_left_as_it_is(model_dir):
 ])
 def test_nothing_to_plan(model_dir, worker, devices):
     assert shared_gpu_args(COUNTS, devices, worker, model_dir) == {}
+
+
+def test_on_cuda_an_unsized_kv_cache_takes_vllms_share_of_the_device_and_must_hold_one_sequence(monkeypatch):
+    """vLLM's defaults, decided where the model runs: on CUDA, with no KV size given, the KV cache
+    is sized from 0.9 of the device; a size given (kv_cache_bytes, num_kv_blocks, or the fraction
+    itself) wins; the CPU keeps kv_cache_bytes. Several engines on one GPU split that 0.9 even when
+    nobody gave it. A device-sized cache that cannot hold one max_model_len sequence is refused,
+    naming both numbers."""
+    from epd.config import EngineConfig, WorkerConfig
+    from epd.engine.memory_profile import check_holds_one_sequence
+    from epd.server import gpu_sharing
+    from epd.server.gpu_sharing import planned_utilization
+
+    assert EngineConfig(device="cuda").kv_gpu_memory_utilization == 0.9
+    assert EngineConfig(device="cuda", gpu_memory_utilization=0.5).kv_gpu_memory_utilization == 0.5
+    assert EngineConfig(device="cuda", kv_cache_bytes=1 << 30).kv_gpu_memory_utilization is None
+    assert EngineConfig(device="cuda", num_kv_blocks=100).kv_gpu_memory_utilization is None
+    assert EngineConfig(device="cpu").kv_gpu_memory_utilization is None
+    assert planned_utilization(EngineConfig(), {"prefill": ["0"], "decode": ["0"]}) == 0.9
+    assert planned_utilization(EngineConfig(device="cpu"), {}) is None
+    monkeypatch.setattr(gpu_sharing, "_cuda_here", lambda: False)
+    assert planned_utilization(EngineConfig(), {}) is None  # auto on a host without a GPU
+    monkeypatch.setattr(gpu_sharing, "_cuda_here", lambda: True)
+    assert planned_utilization(EngineConfig(), {}) == 0.9
+    worker = WorkerConfig(engine=EngineConfig(device="cuda"))
+    args = gpu_sharing.shared_gpu_args({"encoder": 0, "prefill": 1, "decode": 1}, {}, worker, "unused")
+    assert args == {("prefill", 0): ("--gpu-memory-utilization", "0.45", "--reserved-device-bytes", "0"),
+                    ("decode", 0): ("--gpu-memory-utilization", "0.45", "--reserved-device-bytes", "0")}
+    check_holds_one_sequence(256, 16, 4096, 0.9)
+    with pytest.raises(ValueError, match=r"the KV cache holds 4080 tokens \(gpu_memory_utilization 0.9\), fewer than "
+                                         r"one sequence of max_model_len 4096: lower --max-model-len to 4080"):
+        check_holds_one_sequence(255, 16, 4096, 0.9)

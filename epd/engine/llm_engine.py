@@ -11,7 +11,7 @@ from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
 from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.grammar import GrammarCompiler
-from epd.engine.memory_profile import kv_blocks_for_device_memory
+from epd.engine.memory_profile import check_holds_one_sequence, kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.model_runner import ModelRunner, local_heads
 from epd.engine.sampler import Sampler
@@ -37,8 +37,11 @@ class LLMEngine:
         dtype = config.torch_dtype
         bytes_per_token = 2 * cfg.num_hidden_layers * local_heads(model)[1] * cfg.head_dim * dtype.itemsize
         model = model.to(device=config.target_device, dtype=dtype)
-        if config.gpu_memory_utilization is not None and config.target_device.startswith("cuda"):
-            num_blocks = kv_blocks_for_device_memory(model, config, bytes_per_token, mm_token_ids)
+        utilization = config.kv_gpu_memory_utilization
+        if utilization is not None and config.target_device.startswith("cuda"):
+            sized = config.model_copy(update={"gpu_memory_utilization": utilization})
+            num_blocks = kv_blocks_for_device_memory(model, sized, bytes_per_token, mm_token_ids)
+            check_holds_one_sequence(num_blocks, config.block_size, config.max_model_len, utilization)
         else:
             num_blocks = config.resolve_num_blocks(bytes_per_token)
         self.config = config

@@ -100,3 +100,13 @@ def kv_blocks_for_device_memory(model: torch.nn.Module, config, bytes_per_token:
                          f"KV cache but only {free_bytes / GiB:.1f} GiB of the GPU are free (other processes use "
                          f"it); lower gpu_memory_utilization")
     return max(1, budget // (bytes_per_token * config.block_size))
+
+
+def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: int, utilization: float) -> None:
+    """A KV cache sized from the device must hold one sequence of ``max_model_len``, or the engine
+    would take requests it can never run: refused at start, naming both numbers (vLLM's check)."""
+    tokens = num_blocks * block_size
+    if tokens < max_model_len:
+        raise ValueError(f"the KV cache holds {tokens} tokens (gpu_memory_utilization {utilization}), fewer than "
+                         f"one sequence of max_model_len {max_model_len}: lower --max-model-len to {tokens} or "
+                         "less, or raise --gpu-memory-utilization")

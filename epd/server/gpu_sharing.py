@@ -8,8 +8,11 @@ files), so encoder rows and KV blocks come out of one planned budget rather than
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+from epd.config import DEFAULT_GPU_MEMORY_UTILIZATION
 
 LLM_TIERS = ("prefill", "decode")
 
@@ -25,10 +28,30 @@ def device_of(devices: Sequence[str] | None, index: int, default: str) -> str | 
     return device
 
 
+def planned_utilization(engine, devices: Mapping[str, Sequence[str]]) -> float | None:
+    """The ``gpu_memory_utilization`` the engines will size their KV caches from: the one given, or
+    the default the engine takes on CUDA when no KV size is given (``EngineConfig``), where this
+    host has a GPU for them; None: their KV caches are ``kv_cache_bytes``."""
+    if engine.gpu_memory_utilization is not None:
+        return engine.gpu_memory_utilization
+    if {"kv_cache_bytes", "num_kv_blocks"} & engine.model_fields_set or engine.device == "cpu":
+        return None
+    on_gpus = engine.device.startswith("cuda") or any(devices.get(tier) for tier in LLM_TIERS)
+    return DEFAULT_GPU_MEMORY_UTILIZATION if on_gpus or _cuda_here() else None
+
+
+def _cuda_here() -> bool:
+    """This host has a CUDA device for ``auto`` (torch is asked only where a driver is present)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" or not os.path.exists("/dev/nvidiactl"):
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
 def shared_gpu_args(counts: Mapping[str, int], devices: Mapping[str, Sequence[str]], worker_config,
                     model_dir: str | Path) -> dict[tuple[str, int], tuple[str, ...]]:
     """Flags per worker ``(tier, index)`` for the engines that share a GPU with other workers."""
-    utilization = worker_config.engine.gpu_memory_utilization
+    utilization = planned_utilization(worker_config.engine, devices)
     if utilization is None:
         return {}
     placed: dict[str, list[tuple[str, int]]] = {}

@@ -178,8 +178,6 @@ class LocalCluster:
         from epd.models.locate import resolve_model
         from epd.server.gpu_sharing import shared_gpu_args
 
-        if self._worker_config.engine.gpu_memory_utilization is None:
-            return {}
         return shared_gpu_args(self.counts, self.devices, self._worker_config, resolve_model(self.model))
 
     def addresses(self, tier: str) -> list[str]:

@@ -77,7 +77,8 @@ def test_greedy_tokens_from_decode_graphs_equal_the_eager_engines():
     outs = {}
     for eager in (True, False):
         llm = LLM(str(resolve_model("small-qwen2-vl")),
-                  engine_config=EngineConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=16))
+                  engine_config=EngineConfig(device="cuda", dtype="bfloat16", enforce_eager=eager, max_num_seqs=16,
+                                             kv_cache_bytes=256 << 20))
         assert (llm.engine.runner.graphs is None) == eager
         outs[eager] = [o.token_ids for o in llm.chat(chats, params)]
     assert outs[False] == outs[True]

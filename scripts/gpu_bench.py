@@ -386,7 +386,35 @@ def encoder(run: Run) -> dict:
     return out
 
 
-PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode}
+def tensor_parallel(run: Run) -> dict:
+    """TP over GPUs needs two or more, and ranks on CUDA (NCCL), which are not built yet: the phase
+    says which is missing. What runs on any host: the gloo ranks on this host's cores, TP 2 against
+    TP 1 on the same prompt (greedy tokens equal, and the time of each)."""
+    import time
+
+    from epd.config import EngineConfig
+    from epd.llm import LLM
+    from epd.models.locate import resolve_model
+    from epd.types import SamplingParams
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out: dict = {"gpus": gpus, "cuda_ranks": "skipped: " + (
+        f"{gpus} GPU(s); TP over GPUs needs 2 or more" if gpus < 2 else
+        "ranks on CUDA (NCCL) are not built yet; tensor parallelism runs on the CPU (gloo)")}
+    prompt, params = [[1000 + 7 * i for i in range(64)]], SamplingParams(max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for size in (1, 2):
+        start = time.perf_counter()
+        with LLM(str(resolve_model("tiny-qwen2-vl")),
+                 engine_config=EngineConfig(device="cpu", dtype="float32", tensor_parallel_size=size)) as llm:
+            tokens[size] = llm.generate(prompt, params)[0].token_ids
+        out[f"cpu_tp{size}_s"] = round(time.perf_counter() - start, 2)  # start, load and generate
+    out["ok"] = tokens[1] == tokens[2]
+    return out
+
+
+PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode,
+          "tensor_parallel": tensor_parallel}
 
 
 def main() -> int:

@@ -33,8 +33,8 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert sorted(results) == ["bandwidth_gb_s", "dry_run", "phases"] and results["dry_run"] is True
     assert results["bandwidth_gb_s"] > 0
     phases = results["phases"]
-    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc"] and all(p["ok"] for p in phases.values()), \
-        phases
+    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc", "tensor_parallel"] and \
+        all(p["ok"] for p in phases.values()), phases
     for name, phase in phases.items():  # every phase says how it went and how long it took
         assert phase["ok"] is True and isinstance(phase["seconds"], float) and "partial" not in phase, (name, phase)
     suite = ElementTree.parse(tmp_path / "cuda_tests.xml").getroot().find("testsuite")
@@ -44,6 +44,8 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert phases["fidelity"]["bf16_vs_fp32_first_token_cosine"] >= 0.99
     assert phases["decode"]["tiny"][0]["tok_s"] > 0 and phases["ipc"]["shm"][0]["ms"] > 0
     assert [r["tokens"] for r in phases["encoder"]["rows"]] == [64, 128]  # 112 px images: 8 x 8 patches each
+    # no GPUs here: the TP phase says so, and still checks the gloo ranks (TP 2 == TP 1)
+    assert phases["tensor_parallel"]["cuda_ranks"] == "skipped: 0 GPU(s); TP over GPUs needs 2 or more"
     for name in ("cuda_tests.xml", "env.txt", "log.txt"):
         assert (tmp_path / name).stat().st_size > 0, name
 

@@ -323,7 +323,7 @@ class RouterConfig(_Config):
                                                          "never its text or images) and one when it ends (vLLM's "
                                                          "flag)")
     disable_log_stats: bool = Field(False, description="no stats line (tokens/s, requests running and waiting per "
-                                                       "tier, KV usage, encoded items, moves) every "
+                                                       "tier, KV usage, encoder cache hits, moves) every "
                                                        "log_stats_interval_s")
     log_stats_interval_s: float = Field(10.0, gt=0, description="seconds between two stats lines")
     uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(

@@ -4,7 +4,8 @@ tier's), decode's KV usage, what the encoders encoded, and the requests moved of
 ``--disable-log-stats`` turns it off.
 
     stats: 35.1 prompt, 412.0 generation tokens/s; requests 12 running, 3 waiting; prefill 1 running,
-    0 waiting; decode 11 running, 2 waiting, KV 41%; encoded 6 items; moved 0
+    0 waiting; decode 11 running, 2 waiting, KV 41%; encoded 6 of 10 items (encoder cache hits 40%);
+    moved 0
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class _Counts:
     prompt_tokens: float
     generation_tokens: float
     encoded_items: float
+    handed_items: float  # embeddings handed from encoders to prefill: every item a request needed
     moves: float
 
 
@@ -46,8 +48,10 @@ class StatsLog:
         moves = total("epd_request_moves_total", [{"stage": s} for s in ("redispatched", "migrated")])
         encoders = [{"tier": "encoder", "worker": w["address"]}
                     for w in self.pipeline.health().get("workers", {}).get("encoder", [])]
+        handed = total("epd_tensor_handoffs_total", [{"stage": "embeddings", "placement": p}
+                                                     for p in ("same_host", "cross_host")])
         return _Counts(time.monotonic(), total("epd_prompt_tokens_total"), total("epd_output_tokens_total"),
-                       total("epd_encoder_encoded_items_total", encoders), moves)
+                       total("epd_encoder_encoded_items_total", encoders), handed, moves)
 
     def line(self) -> str | None:
         now, last = self._counts(), self._last
@@ -69,7 +73,9 @@ class StatsLog:
                 parts.append(f"{tier} {sum(w['running'] for w in workers)} running, "
                              f"{sum(w['waiting'] for w in workers)} waiting{kv}")
         if "encoder" in tiers:
-            parts.append(f"encoded {now.encoded_items - last.encoded_items:.0f} items")
+            encoded, handed = now.encoded_items - last.encoded_items, now.handed_items - last.handed_items
+            hits = f" (encoder cache hits {100 * max(0.0, 1 - encoded / handed):.0f}%)" if handed else ""
+            parts.append(f"encoded {encoded:.0f} of {handed:.0f} items{hits}")
         parts.append(f"moved {now.moves - last.moves:.0f}")
         return "; ".join(parts)
 

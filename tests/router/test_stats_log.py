@@ -38,9 +38,10 @@ def test_a_line_per_interval_with_rates_tiers_kv_encodes_and_moves(monkeypatch):
     metrics.queue_depth.set(3)
     metrics._encoder_counts = {("encoder", "e0"): (2, 6)}  # what refresh_cluster keeps from the health replies
     metrics.refresh_moves({"migrated": 1, "redispatched": 1})
+    metrics.refresh_handoffs({("embeddings", "same_host"): 8, ("embeddings", "cross_host"): 2, ("kv", "same_host"): 5})
     assert stats.line() == ("stats: 35.0 prompt, 412.0 generation tokens/s; requests 8 running, 3 waiting; "
-                            "prefill 1 running, 0 waiting; decode 7 running, 2 waiting, KV 41%; encoded 6 items; "
-                            "moved 2")  # t = 110; the unhealthy decode is not counted
+                            "prefill 1 running, 0 waiting; decode 7 running, 2 waiting, KV 41%; encoded 6 of 10 items "
+                            "(encoder cache hits 40%); moved 2")  # t = 110; the unhealthy decode is not counted
     metrics.in_flight.set(0)
     metrics.queue_depth.set(0)
     assert stats.line() is None  # t = 120: nothing ran, nothing in flight

@@ -83,10 +83,13 @@ def _check_tensor_parallel(config: ServeConfig) -> None:
     tiers = (("--tensor-parallel-size", engine.tensor_parallel_size),) if config.router.aggregated else (
         ("--prefill-tp" if config.prefill_tp else "--tensor-parallel-size", config.tensor_parallel_size("prefill")),
         ("--decode-tp" if config.decode_tp else "--tensor-parallel-size", config.tensor_parallel_size("decode")))
+    try:
+        model_dir = resolve_model(config.router.model)
+    except ValueError:
+        return  # a hub id not fetched yet (fetch_model does it): each worker checks its size at its start
     for flag, size in tiers:
         try:
-            check_runnable(resolve_model(config.router.model), engine.model_copy(update={"tensor_parallel_size": size}),
-                           flag)
+            check_runnable(model_dir, engine.model_copy(update={"tensor_parallel_size": size}), flag)
         except ValueError as err:
             raise ConfigError(f"command line: {err}") from None
 

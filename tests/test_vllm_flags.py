@@ -105,3 +105,17 @@ def test_the_docs_page_is_the_table():
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "vllm-flags.md").read_text()
     assert page.split("<!-- table: generated -->\n", 1)[1] == table()
+
+
+def test_epd_serve_stops_at_a_flag_it_cannot_honour_in_one_line_before_starting_anything():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "epd", "serve", "tiny-qwen2-vl", "--trust-remote-code",
+                           "--quantization", "awq", "--port", "0", "--grpc-port", "0"], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1] == ("epd serve: error: --quantization (vLLM's) is not supported: quantized checkpoints are not "
+                         "loaded here; nearest here: --dtype"), done.stderr
+    assert "starting" not in done.stdout and "Traceback" not in done.stderr

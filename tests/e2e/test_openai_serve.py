@@ -43,9 +43,12 @@ def media_dir(tmp_path_factory):
 def server(model_dir, media_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text(ROUTER_YAML)
+    # vLLM users' habits on the command line: accepted flags (said once each) beside ours
     serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", "--no-standby",
                          "--allowed-local-media-path", str(media_dir),
-                         "--config", str(config), "--allow-private-network")  # http images from a loopback server
+                         "--config", str(config), "--allow-private-network",  # http images from a loopback server
+                         "--trust-remote-code", "--disable-log-requests", "--kv-cache-dtype", "auto",
+                         "--dtype", "float")
     yield serve
     serve.stop_and_check_clean(model_dir)
 
@@ -66,6 +69,12 @@ def chat(text: str, urls: list[str]) -> list[dict]:
 
 def metric(server, name: str, **labels: str) -> float:
     return sample_sum(scrape(f"{server.base_url}/metrics"), name, **labels)
+
+
+def test_a_vllm_command_line_runs_and_says_what_each_accepted_flag_changes(server):
+    said = [line for line in server.lines if "is vLLM's; accepted" in line]
+    assert [line.split()[2] for line in said] == ["--trust-remote-code", "--disable-log-requests",
+                                                   "--kv-cache-dtype"], said
 
 
 def test_models_and_health(client, server):

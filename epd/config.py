@@ -147,9 +147,14 @@ class EngineConfig(_Config):
         runs (``target_device``)."""
         if self.gpu_memory_utilization is not None:
             return self.gpu_memory_utilization
-        if self.target_device.startswith("cuda") and not {"kv_cache_bytes", "num_kv_blocks"} & self.model_fields_set:
+        if self.target_device.startswith("cuda") and not self.kv_size_given:
             return DEFAULT_GPU_MEMORY_UTILIZATION
         return None
+
+    @property
+    def kv_size_given(self) -> bool:
+        """kv_cache_bytes or num_kv_blocks was set (not left at its default)."""
+        return bool({"kv_cache_bytes", "num_kv_blocks"} & self.model_fields_set)
 
     def resolve_num_blocks(self, bytes_per_token: int) -> int:
         if self.num_kv_blocks is not None:

@@ -51,15 +51,18 @@ class LiveCounters(Collector):
 
 
 class _WithLabels(Collector):
-    """Every sample of ``inner`` with ``labels`` added."""
+    """Every sample of ``inner`` with ``labels`` added, and the families ``names`` maps again under
+    the mapped name (one collection of ``inner`` a scrape)."""
 
-    def __init__(self, inner: CollectorRegistry, labels: dict[str, str]) -> None:
-        self._inner, self._labels = inner, labels
+    def __init__(self, inner: CollectorRegistry, labels: dict[str, str], names: dict[str, str]) -> None:
+        self._inner, self._labels, self._names = inner, labels, names
 
     def collect(self) -> Iterator[Metric]:
         for family in self._inner.collect():
             family.samples = [s._replace(labels={**self._labels, **s.labels}) for s in family.samples]
             yield family
+            if (name := self._names.get(family.name)) is not None:
+                yield _renamed(family, name)
 
 
 # Ours under vLLM's names too, same meaning and labels: dashboards, alerts and autoscalers written
@@ -81,21 +84,11 @@ VLLM_NAMES = {
 }
 
 
-class _Renamed(Collector):
-    """The families of ``inner`` that ``names`` maps, again under the mapped name."""
-
-    def __init__(self, inner: Collector, names: dict[str, str]) -> None:
-        self._inner, self._names = inner, names
-
-    def collect(self) -> Iterator[Metric]:
-        for family in self._inner.collect():
-            name = self._names.get(family.name)
-            if name is None:
-                continue
-            renamed = Metric(name, f"{family.documentation} (vLLM's name for {family.name})", family.type,
-                             family.unit)
-            renamed.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
-            yield renamed
+def _renamed(family: Metric, name: str) -> Metric:
+    """``family`` again under ``name`` (vLLM's), its samples renamed alike."""
+    renamed = Metric(name, f"{family.documentation} (vLLM's name for {family.name})", family.type, family.unit)
+    renamed.samples = [s._replace(name=name + s.name[len(family.name):]) for s in family.samples]
+    return renamed
 
 
 def exposition(own: CollectorRegistry, model_name: str) -> CollectorRegistry:
@@ -103,8 +96,7 @@ def exposition(own: CollectorRegistry, model_name: str) -> CollectorRegistry:
     names for again under those (``VLLM_NAMES``), and the process metrics (the default collectors
     read /proc/self, so each process reports itself)."""
     served = CollectorRegistry(auto_describe=False)
-    served.register(_WithLabels(own, {"model_name": model_name}))
-    served.register(_Renamed(_WithLabels(own, {"model_name": model_name}), VLLM_NAMES))
+    served.register(_WithLabels(own, {"model_name": model_name}, VLLM_NAMES))
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
         served.register(collector)
     return served

@@ -18,7 +18,7 @@ from epd.engine.engine_loop import EngineLoop
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
-from epd.engine.tensor_parallel import load_engine, watch_ranks
+from epd.engine.tensor_parallel import load_engine
 from epd.engine.threads import ThreadPolicy
 from epd.models.tokenizer_loading import load_tokenizer
 from epd.wire.protocol import DecodeJob
@@ -38,7 +38,6 @@ class DecodeWorker:
             name="decode-loop", threads=ThreadPolicy("decode", override=engine_config.num_threads),
             on_engine_lost=on_engine_lost).start()
         self.engine = self.loop.engine
-        watch_ranks(self.engine, on_engine_lost)
 
     def close(self) -> None:
         self.loop.stop()

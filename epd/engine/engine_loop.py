@@ -131,6 +131,8 @@ class EngineLoop:
         except BaseException as err:  # noqa: BLE001 - start() re-raises it in the caller
             built.set_exception(err)
             return
+        if self._on_engine_lost is not None and self.engine.runner.ranks is not None:
+            self.engine.runner.ranks.watch(self._on_engine_lost)  # a lost rank ends the worker even while idle
         built.set_result(None)
         while not self._stop.is_set():
             self._wake.clear()  # before looking: a wake() from now on is seen by the wait below

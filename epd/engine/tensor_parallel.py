@@ -80,13 +80,6 @@ def load_engine(model_dir, config, mm_token_ids: tuple[int, ...], build):
     return engine
 
 
-def watch_ranks(engine, on_lost) -> None:
-    """``on_lost(reason)`` once the engine's ranks are lost (nothing to watch without ranks or
-    without ``on_lost``)."""
-    if engine.runner.ranks is not None and on_lost is not None:
-        engine.runner.ranks.watch(on_lost)
-
-
 def check_runnable(model_dir, config, what: str = "tensor_parallel_size") -> None:
     """``config.tensor_parallel_size`` ranks of ``model_dir`` can run here, or an error saying what
     would (``TensorParallelConfigError`` or ``TensorParallelError``; both ValueErrors): checked
@@ -123,15 +116,14 @@ def _cuttable(hf_config: dict, size: int) -> bool:
 
 class RankGroup:
     """Rank 0's side: starts ranks 1..N-1, joins the process group with them, sends each step,
-    stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0)."""
+    stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0). Its size was
+    checked first (``check_runnable``, in ``load_engine``)."""
 
     def __init__(self, model_dir, config, mm_token_ids: tuple[int, ...]) -> None:
         from epd.models.checkpoint import read_config
-        from epd.models.parallel import HeadLayout, TensorParallel, check_cuttable
+        from epd.models.parallel import HeadLayout, TensorParallel
 
-        check_supported(config)
         hf_config = read_config(model_dir)
-        check_cuttable(hf_config, config.tensor_parallel_size)
         size = config.tensor_parallel_size
         text = {**hf_config, **hf_config.get("text_config", {})}
         # each rank's KV heads [first, first + n) of the model's: where its part of a hand-off goes

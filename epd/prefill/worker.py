@@ -22,7 +22,7 @@ from epd.engine.engine_loop import EngineLoop, TokenUpdate
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
-from epd.engine.tensor_parallel import load_engine, watch_ranks
+from epd.engine.tensor_parallel import load_engine
 from epd.engine.threads import ThreadPolicy
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.models.registry import family_for
@@ -87,7 +87,6 @@ class PrefillWorker:
             name="prefill-loop", threads=ThreadPolicy("prefill", override=engine_config.num_threads),
             on_engine_lost=on_engine_lost).start()
         self.engine = self.loop.engine
-        watch_ranks(self.engine, on_engine_lost)
         self.inbox = EmbeddingInbox(on_arrival=self.loop.wake, on_failure=self._fail)
 
     def close(self) -> None:

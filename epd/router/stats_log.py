@@ -34,10 +34,14 @@ class StatsLog:
 
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
-        self._last = self._counts()
+        self._last = self._counts(self._tiers())
 
-    def _counts(self) -> _Counts:
+    def _tiers(self) -> dict:
+        """The metrics brought up to now, and the router's view of each tier's workers."""
         self.pipeline.refresh_metrics()
+        return self.pipeline.health().get("workers", {})
+
+    def _counts(self, tiers: dict) -> _Counts:
         value = self.pipeline.metrics.own.get_sample_value
 
         def total(name: str, stages=()) -> float:
@@ -46,15 +50,15 @@ class StatsLog:
             return sum(value(name, labels) or 0.0 for labels in stages)
 
         moves = total("epd_request_moves_total", [{"stage": s} for s in ("redispatched", "migrated")])
-        encoders = [{"tier": "encoder", "worker": w["address"]}
-                    for w in self.pipeline.health().get("workers", {}).get("encoder", [])]
+        encoders = [{"tier": "encoder", "worker": w["address"]} for w in tiers.get("encoder", [])]
         handed = total("epd_tensor_handoffs_total", [{"stage": "embeddings", "placement": p}
                                                      for p in ("same_host", "cross_host")])
         return _Counts(time.monotonic(), total("epd_prompt_tokens_total"), total("epd_output_tokens_total"),
                        total("epd_encoder_encoded_items_total", encoders), handed, moves)
 
     def line(self) -> str | None:
-        now, last = self._counts(), self._last
+        tiers = self._tiers()
+        now, last = self._counts(tiers), self._last
         self._last = now
         value = self.pipeline.metrics.own.get_sample_value
         running, waiting = value("epd_router_in_flight") or 0, value("epd_router_queue_depth") or 0
@@ -65,7 +69,6 @@ class StatsLog:
         parts = [f"stats: {(now.prompt_tokens - last.prompt_tokens) / seconds:.1f} prompt, "
                  f"{(now.generation_tokens - last.generation_tokens) / seconds:.1f} generation tokens/s",
                  f"requests {running:.0f} running, {waiting:.0f} waiting"]
-        tiers = self.pipeline.health().get("workers", {})
         for tier in ("prefill", "decode"):
             workers = [w for w in tiers.get(tier, []) if w.get("healthy")]
             if workers:

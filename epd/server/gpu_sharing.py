@@ -34,7 +34,7 @@ def planned_utilization(engine, devices: Mapping[str, Sequence[str]]) -> float |
     host has a GPU for them; None: their KV caches are ``kv_cache_bytes``."""
     if engine.gpu_memory_utilization is not None:
         return engine.gpu_memory_utilization
-    if {"kv_cache_bytes", "num_kv_blocks"} & engine.model_fields_set or engine.device == "cpu":
+    if engine.kv_size_given or engine.device == "cpu":
         return None
     on_gpus = engine.device.startswith("cuda") or any(devices.get(tier) for tier in LLM_TIERS)
     return DEFAULT_GPU_MEMORY_UTILIZATION if on_gpus or _cuda_here() else None

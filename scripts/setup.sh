@@ -23,3 +23,6 @@ if [ "$extra" = cuda ]; then  # cupy's wheel is per CUDA major: follow the torch
     *) echo "setup.sh: torch has no CUDA ($major): the cuda extra needs the CUDA build of torch" >&2; exit 1 ;;
   esac
 fi
+if [ "$extra" = test ]; then  # system tools the tests use: promtool (prometheus) lints every /metrics
+  bash scripts/debian_packages.sh prometheus
+fi

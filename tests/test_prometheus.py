@@ -7,7 +7,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from epd.prometheus import LiveCounters, exposition
-from tests.prom import convention_problems, every_registry, sample_sum
+from tests.prom import convention_problems, every_registry, promtool_problems, sample_sum
 
 
 @pytest.mark.parametrize("process", ["router", "encoder", "prefill", "decode"])
@@ -47,3 +47,22 @@ def test_the_checker_finds_each_kind_of_mistake(bad, found):
     problems = convention_problems(bad + process)
     assert any(found in p for p in problems), problems
     assert any("process metrics" in p for p in convention_problems(bad))
+
+
+@pytest.mark.parametrize("process", ["router", "encoder", "prefill", "decode"])
+def test_promtool_finds_nothing_in_each_process_exposition(process):
+    text = generate_latest(every_registry(model_name="qwen-test")[process]).decode()
+    assert promtool_problems(text) == []
+
+
+def test_promtool_is_live_and_reads_what_it_is_given():
+    """The lint above can fail: a counter without ``_total`` and a name in camelCase are found, and a
+    vllm: name passes only for its colon."""
+    bad = ("# HELP epd_requests requests\n# TYPE epd_requests counter\nepd_requests 1\n"
+           "# HELP epd_queueDepth depth\n# TYPE epd_queueDepth gauge\nepd_queueDepth 1\n"
+           "# HELP vllm:num_requests_running running\n# TYPE vllm:num_requests_running gauge\n"
+           "vllm:num_requests_running 0\n")
+    problems = promtool_problems(bad)
+    assert any("epd_requests" in p and "_total" in p for p in problems), problems
+    assert any("epd_queueDepth" in p for p in problems), problems
+    assert not any(p.startswith("vllm:") for p in problems), problems

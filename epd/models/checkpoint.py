@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from epd.progress import bar
+
 log = logging.getLogger("epd.models")
 
 
@@ -40,11 +42,15 @@ def _shards(model_dir: Path) -> Iterator[Path]:
     """Every safetensors shard, with one log line each as it starts and one when all are read (a
     large checkpoint loads for minutes: the log says where it is, as vLLM's progress bar does)."""
     files = safetensors_files(model_dir)
-    total_bytes, start = sum(p.stat().st_size for p in files), time.monotonic()
+    total_bytes, done_bytes, start = sum(p.stat().st_size for p in files), 0, time.monotonic()
     for i, path in enumerate(files, start=1):
-        log.info("loading weights: shard %d of %d (%s, %.1f MB)", i, len(files), path.name, path.stat().st_size / 1e6)
+        log.info("loading weights: %s shard %d of %d (%s, %.1f MB), %.1f of %.1f MB read, %.1f s",
+                 bar(done_bytes, total_bytes), i, len(files), path.name, path.stat().st_size / 1e6,
+                 done_bytes / 1e6, total_bytes / 1e6, time.monotonic() - start)
         yield path
-    log.info("loaded weights: %d shard(s), %.1f MB in %.1f s", len(files), total_bytes / 1e6, time.monotonic() - start)
+        done_bytes += path.stat().st_size
+    log.info("loaded weights: %s %d shard(s), %.1f MB in %.1f s", bar(1, 1), len(files), total_bytes / 1e6,
+             time.monotonic() - start)
 
 
 def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

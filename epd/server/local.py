@@ -47,6 +47,7 @@ class TierProcess:
     args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
     config_fd: int | None = None  # a standby's: where the worker config waits for it (--config /dev/fd/N)
     echo: Callable[[str], None] | None = None  # each output line as it comes, prefixed with who wrote it
+    on_ready: Callable[["TierProcess"], None] | None = None  # told once, when its ready line comes
     started_s: float = field(default_factory=time.monotonic)
 
     def _drain(self) -> None:
@@ -59,6 +60,8 @@ class TierProcess:
                 if self.echo is not None:  # start-up progress, one process at a time as each comes up
                     self.echo(f"({self.tier} pid={self.proc.pid}) ready at {self.address}, "
                               f"{time.monotonic() - self.started_s:.1f} s after its start")
+                if self.on_ready is not None:
+                    self.on_ready(self)
             elif self.echo is not None and not line.startswith(READY_PREFIX):
                 self.echo(f"({self.tier} pid={self.proc.pid}) {line}")
             self.log_lines.append(line)
@@ -146,6 +149,7 @@ class LocalCluster:
                  worker_config: BaseModel | None = None, standby: bool = False,
                  devices: Mapping[str, Sequence[str]] | None = None,
                  echo: Callable[[str], None] | None = None,
+                 on_ready: Callable[[TierProcess], None] | None = None,
                  worker_args: Mapping[str, Sequence[Sequence[str]]] | None = None) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
@@ -155,7 +159,8 @@ class LocalCluster:
         (round robin; a restart keeps its worker's); ``worker_args``: per tier, each worker's own
         extra arguments in turn (e.g. ``--host-id`` to place workers on hosts of their own);
         ``echo``: called with each output line of every process started, prefixed ``(tier pid=N)``
-        (default: lines are kept, the last ones shown when a process fails)."""
+        (default: lines are kept, the last ones shown when a process fails); ``on_ready``: called
+        with each process (workers, router, restarts) as it reports ready (``epd serve``'s progress)."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -167,6 +172,7 @@ class LocalCluster:
         self._worker_config = worker_config
         self.standby = standby
         self.echo = echo  # every process's output lines as they come (epd serve prints them), or kept quiet
+        self.on_ready = on_ready
         self._standbys: dict[str, TierProcess] = {}
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
         self.worker_args = {tier: [tuple(a) for a in args] for tier, args in (worker_args or {}).items() if args}
@@ -333,7 +339,7 @@ class LocalCluster:
         finally:
             if config_fd is not None:
                 os.close(config_fd)
-        tp = TierProcess(tier, proc, echo=self.echo)
+        tp = TierProcess(tier, proc, echo=self.echo, on_ready=self.on_ready)
         threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
         return tp
 

@@ -163,16 +163,18 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
     """-> the exit code: 0 when stopped, 1 when the router died."""
+    from epd.progress import StartProgress
     from epd.server.local import LocalCluster
 
     router = config.router
     counts = (0, 0, 0) if router.aggregated else (config.encoders, config.prefills, config.decodes)
+    progress = StartProgress(sum(counts) + 1, _print_line)  # the workers and the router
     cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
                            worker_config=_one_rank(config.worker), tier_args=_tier_args(config),
                            standby=config.standby and config.max_restarts > 0,
                            devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")},
-                           echo=_print_line)
+                           echo=_print_line, on_ready=progress.process_ready)
     try:
         what = "the aggregated engine (no tiers)" if router.aggregated else \
             f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
@@ -185,6 +187,7 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
                         for field in process.ready_fields[2:] if field.startswith("admin="))
         wait_healthy(url, config.timeout_s)
+        progress.finish()
         workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid}){_metrics_of(p)}\n"
                           for p in cluster.processes if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"

@@ -16,7 +16,7 @@ from epd.models.presets import write_preset_checkpoint
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import ServeProcess, wait_until
 from tests.fidelity.reference import ReferenceModel, user_message
-from tests.prom import convention_problems, sample_sum, scrape
+from tests.prom import convention_problems, promtool_problems, sample_sum, scrape
 from tests.router.fake_core import send_bytes, serve_files
 
 pytestmark = pytest.mark.slow
@@ -196,7 +196,9 @@ def test_every_process_serves_metrics_by_prometheus_conventions(client, server):
     assert len(server.worker_metrics_urls) == 3, server.lines[-12:]
     for url in [f"{server.base_url}/metrics", *server.worker_metrics_urls]:
         with urllib.request.urlopen(url, timeout=10) as resp:
-            assert convention_problems(resp.read().decode(), model_name="m") == [], url
+            text = resp.read().decode()
+        assert convention_problems(text, model_name="m") == [], url
+        assert promtool_problems(text) == [], url
     assert metric(server, "epd_requests_total", model_name="m") >= 1
     # vLLM's names beside ours, the same values (what dashboards and autoscalers written for vLLM read)
     router = scrape(f"{server.base_url}/metrics")

@@ -114,10 +114,12 @@ class EngineConfig(_Config):
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
     tensor_parallel_size: PositiveInt = Field(
-        1, description="ranks the LLM is cut into, one process each, each with a KV cache of the configured size "
-                       "(its heads); so far the in-process engine (epd generate, epd.LLM, --aggregated) on the "
-                       "CPU (gloo)",
+        1, description="ranks the LLM is cut into, one process each, each with a KV cache of the same pages "
+                       "(its heads); gloo on the CPU, NCCL between CUDA devices (one device per rank)",
         json_schema_extra={"aliases": ["-tp"]})
+    tensor_parallel_devices: tuple[str, ...] = Field(
+        (), description="on CUDA: the device index of each tensor-parallel rank, rank 0's first (default: "
+                        "consecutive from --device's, as vLLM takes the visible devices in order)")
     cuda_graph_batch_sizes: tuple[PositiveInt, ...] = Field(
         (), description="decode batch sizes captured as CUDA graphs, on CUDA with attention_backend flashinfer "
                         "(empty: 1, 2, 4, then every multiple of 8 up to max_num_seqs, at most 256)")
@@ -138,6 +140,44 @@ class EngineConfig(_Config):
     @property
     def torch_dtype(self):
         return _torch_dtype(resolve_dtype(self.dtype, self.device))
+
+    @field_validator("tensor_parallel_devices", mode="before")
+    @classmethod
+    def _device_indices(cls, value: Any) -> Any:
+        indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+        for index in indices or ():
+            if not str(index).isdigit():
+                raise ValueError(f"expected CUDA device indices like 0,1 (one per rank), got {value!r}")
+        return tuple(str(i) for i in indices or ())
+
+    @model_validator(mode="after")
+    def _one_device_per_rank(self) -> "EngineConfig":
+        devices = self.tensor_parallel_devices
+        if devices and len(devices) != self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_devices {','.join(map(str, devices))} names {len(devices)} device(s) "
+                             f"for tensor_parallel_size {self.tensor_parallel_size}: give one per rank")
+        if len(set(devices)) != len(devices):
+            raise ValueError(f"tensor_parallel_devices {','.join(map(str, devices))}: two ranks on one device "
+                             "(NCCL refuses it); give distinct devices")
+        if devices and self.device == "cpu":
+            raise ValueError("tensor_parallel_devices are CUDA devices, but device is cpu")
+        if devices and self.device.startswith("cuda:") and self.device != f"cuda:{devices[0]}":
+            raise ValueError(f"device {self.device} but tensor_parallel_devices {','.join(map(str, devices))}: rank "
+                             f"0 runs on the first of them; give device cuda:{devices[0]} or leave it out")
+        if devices and self.device in ("auto", "cuda"):  # rank 0 is this process: its device is the first
+            object.__setattr__(self, "device", f"cuda:{devices[0]}")
+        return self
+
+    def rank_device(self, rank: int) -> str:
+        """The device tensor-parallel rank ``rank`` runs on: the CPU for every rank on the CPU; on
+        CUDA its entry of ``tensor_parallel_devices``, else rank 0's index + ``rank``."""
+        device = self.target_device
+        if not device.startswith("cuda"):
+            return device
+        if self.tensor_parallel_devices:
+            return f"cuda:{self.tensor_parallel_devices[rank]}"
+        first = int(device.partition(":")[2] or 0)
+        return f"cuda:{first + rank}"
 
     @property
     def kv_gpu_memory_utilization(self) -> float | None:
@@ -525,8 +565,19 @@ class ServeConfig(_Config):
         return getattr(self, f"{tier}_tp") or self.worker.engine.tensor_parallel_size
 
     def devices(self, tier: str) -> list[str]:
-        """The ``--device`` of each of ``tier``'s workers in turn (empty: the worker config's own)."""
-        return [f"cuda:{index}" for index in getattr(self, f"{tier}_gpus")]
+        """The devices of each of ``tier``'s workers in turn (empty: the worker config's own):
+        ``cuda:N``, or for a tensor-parallel worker its ranks' ``cuda:N,M`` (worker i takes the
+        next ``tp`` of ``--<tier>-gpus``, round robin: ``--prefill-gpus 0,1 --prefill-tp 2`` is one
+        worker on GPUs 0 and 1)."""
+        gpus, tp = getattr(self, f"{tier}_gpus"), self.tensor_parallel_size(tier)
+        if tp == 1 or not gpus:
+            return [f"cuda:{index}" for index in gpus]
+        if len(gpus) < tp:
+            raise ValueError(f"--{tier}-gpus {','.join(gpus)} has {len(gpus)} GPU(s) for {tier} workers of "
+                             f"{tp} tensor-parallel ranks, one GPU each: give at least {tp}")
+        count = getattr(self, f"{tier}s")
+        return ["cuda:" + ",".join(gpus[(worker * tp + rank) % len(gpus)] for rank in range(tp))
+                for worker in range(max(1, count))]
 
 
 TIERS = ("encoder", "prefill", "decode")
@@ -536,11 +587,23 @@ class TierSpec(_Config):
     """One tier on Ray: how many actors, what each asks of Ray, and its workers' config."""
 
     replicas: Annotated[int, Field(ge=0)] = 1
-    num_cpus: float = Field(1.0, ge=0)
-    num_gpus: float = Field(0.0, ge=0)
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per actor, per tensor-parallel rank")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per actor, per tensor-parallel rank")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per actor")
     max_restarts: Annotated[int, Field(ge=-1)] = 3
     config: WorkerConfig = WorkerConfig()  # model, host, port and transport are the deployment's
+
+    @property
+    def ranks(self) -> int:
+        return self.config.engine.tensor_parallel_size
+
+    def actor_resources(self) -> dict[str, float]:
+        """What one actor asks of Ray. A tensor-parallel worker's ranks are processes of its actor
+        (rank 0 starts them), so the actor asks for every rank's CPUs and GPUs: Ray then puts them
+        all on one node and shows the actor (and so its ranks) each of those GPUs, ranks taking
+        them in order."""
+        return {"CPU": self.num_cpus * self.ranks, **({"GPU": self.num_gpus * self.ranks} if self.num_gpus else {}),
+                **self.resources}
 
 
 class RayDeployment(_Config):

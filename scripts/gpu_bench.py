@@ -387,9 +387,22 @@ def encoder(run: Run) -> dict:
 
 
 def tensor_parallel(run: Run) -> dict:
-    """TP over GPUs needs two or more, and ranks on CUDA (NCCL), which are not built yet: the phase
-    says which is missing. What runs on any host: the gloo ranks on this host's cores, TP 2 against
-    TP 1 on the same prompt (greedy tokens equal, and the time of each)."""
+    """TP 2 against TP 1 on the same prompt (greedy tokens equal, and the time of each): on CUDA
+    (NCCL ranks, one GPU each) where this host has two GPUs or more, and always the gloo ranks on
+    this host's cores (the CPU path the tests run)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    out: dict = {"gpus": gpus}
+    prompt = [[1000 + 7 * i for i in range(64)]]
+    if gpus >= 2 and not run.dry_run:
+        out["cuda"] = _tp1_against_tp2(prompt, dict(device="cuda:0", dtype="bfloat16", kv_cache_bytes=256 * 2**20))
+    else:
+        out["cuda"] = f"skipped: {gpus} GPU(s); TP over GPUs needs 2 or more"
+    out["cpu"] = _tp1_against_tp2(prompt, dict(device="cpu", dtype="float32"))
+    out["ok"] = all(part["ok"] for part in (out["cuda"], out["cpu"]) if isinstance(part, dict))
+    return out
+
+
+def _tp1_against_tp2(prompt, engine: dict) -> dict:
     import time
 
     from epd.config import EngineConfig
@@ -397,18 +410,13 @@ def tensor_parallel(run: Run) -> dict:
     from epd.models.locate import resolve_model
     from epd.types import SamplingParams
 
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    out: dict = {"gpus": gpus, "cuda_ranks": "skipped: " + (
-        f"{gpus} GPU(s); TP over GPUs needs 2 or more" if gpus < 2 else
-        "ranks on CUDA (NCCL) are not built yet; tensor parallelism runs on the CPU (gloo)")}
-    prompt, params = [[1000 + 7 * i for i in range(64)]], SamplingParams(max_tokens=16, ignore_eos=True)
-    tokens = {}
+    params, tokens, out = SamplingParams(max_tokens=16, ignore_eos=True), {}, {}
     for size in (1, 2):
         start = time.perf_counter()
         with LLM(str(resolve_model("tiny-qwen2-vl")),
-                 engine_config=EngineConfig(device="cpu", dtype="float32", tensor_parallel_size=size)) as llm:
+                 engine_config=EngineConfig(**engine, tensor_parallel_size=size)) as llm:
             tokens[size] = llm.generate(prompt, params)[0].token_ids
-        out[f"cpu_tp{size}_s"] = round(time.perf_counter() - start, 2)  # start, load and generate
+        out[f"tp{size}_s"] = round(time.perf_counter() - start, 2)  # start, load and generate
     out["ok"] = tokens[1] == tokens[2]
     return out
 

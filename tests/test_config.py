@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from epd.config import ConfigError, EncoderConfig, EngineConfig, RouterConfig, WorkerConfig, load_config
 from epd.server.router import router_config_from_args
@@ -143,3 +144,35 @@ def test_per_tier_gpus_become_each_workers_device():
     assert config.devices("decode") == []
     with pytest.raises(ConfigError, match=r"decode_gpus: expected CUDA device indices like 0 or 0,1, got 'x'"):
         serve_config_from_args(["--decode-gpus", "x"])
+
+
+def test_a_tensor_parallel_worker_takes_the_next_tp_gpus_of_its_tier(monkeypatch):
+    """``--prefill-gpus 0,1 --prefill-tp 2`` is one worker on GPUs 0 and 1; more workers take the
+    next ranks' GPUs round robin; fewer GPUs than ranks is refused (NCCL needs one per rank), and so
+    is a GPU this host does not have, in one line at start."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    config = serve_config_from_args(["--prefill-gpus", "0,1", "--prefill-tp", "2", "--decode-gpus", "0,1,2",
+                                     "--decode-tp", "2", "--decodes", "3", "--device", "cpu"])
+    assert config.devices("prefill") == ["cuda:0,1"]
+    assert config.devices("decode") == ["cuda:0,1", "cuda:2,0", "cuda:1,2"]
+    config = serve_config_from_args(["--prefill-gpus", "0,1,2,3", "--prefill-tp", "2", "--prefills", "2",
+                                     "--device", "cpu"])
+    assert config.devices("prefill") == ["cuda:0,1", "cuda:2,3"]
+    with pytest.raises(ValueError, match="--prefill-gpus 0 has 1 GPU.* give at least 2"):
+        serve_config_from_args(["--prefill-gpus", "0", "--prefill-tp", "2", "--device", "cpu"]).devices("prefill")
+    with pytest.raises(ConfigError, match=r"on cuda:3, cuda:4: this process sees 4 CUDA device\(s\).*cuda:4 is not"):
+        serve_config_from_args(["--prefill-gpus", "3,4", "--prefill-tp", "2", "--device", "cpu"])
+
+
+def test_each_tensor_parallel_rank_has_one_device():
+    assert [EngineConfig(tensor_parallel_size=2, device="cuda:2").rank_device(r) for r in (0, 1)] == \
+        ["cuda:2", "cuda:3"]  # consecutive from --device's, as vLLM
+    given = EngineConfig(tensor_parallel_size=2, tensor_parallel_devices="3,1")
+    assert given.device == "cuda:3" and [given.rank_device(r) for r in (0, 1)] == ["cuda:3", "cuda:1"]
+    assert EngineConfig(tensor_parallel_size=2, device="cpu").rank_device(1) == "cpu"
+    for kwargs, message in ((dict(tensor_parallel_devices="1"), "names 1 device.* give one per rank"),
+                            (dict(tensor_parallel_devices="1,1"), "two ranks on one device"),
+                            (dict(tensor_parallel_devices="0,1", device="cpu"), "are CUDA devices, but device is cpu"),
+                            (dict(tensor_parallel_devices="0,1", device="cuda:1"), "rank 0 runs on the first")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(tensor_parallel_size=2, **kwargs)

@@ -89,3 +89,23 @@ def test_on_cuda_an_unsized_kv_cache_takes_vllms_share_of_the_device_and_must_ho
     with pytest.raises(ValueError, match=r"the KV cache holds 4080 tokens \(gpu_memory_utilization 0.9\), fewer than "
                                          r"one sequence of max_model_len 4096: lower --max-model-len to 4080"):
         check_holds_one_sequence(255, 16, 4096, 0.9)
+
+
+def test_a_tensor_parallel_engine_takes_its_share_on_its_most_crowded_device(model_dir):
+    """A TP2 prefill on GPUs 0 and 1 beside a decode on GPU 0: both engines split GPU 0, and the
+    prefill's ranks all size from that share (GPU 1 is not its to fill alone: the ranks agree on
+    one page count). A TP2 engine alone on its GPUs gets nothing."""
+    worker = _worker(gpu_memory_utilization=0.9)
+    args = shared_gpu_args({"encoder": 0, "prefill": 1, "decode": 1},
+                           {"prefill": ["cuda:0,1"], "decode": ["cuda:0"]}, worker, model_dir)
+    assert args == {w: ("--gpu-memory-utilization", "0.45", "--reserved-device-bytes", "0")
+                    for w in (("prefill", 0), ("decode", 0))}
+    assert shared_gpu_args({"encoder": 0, "prefill": 1, "decode": 1},
+                           {"prefill": ["cuda:0,1"], "decode": ["cuda:2"]}, worker, model_dir) == {}
+
+
+def test_a_workers_devices_become_its_flags():
+    from epd.server.gpu_sharing import device_args
+
+    assert device_args("cuda:3") == ("--device", "cuda:3")
+    assert device_args("cuda:2,0") == ("--device", "cuda:2", "--tensor-parallel-devices", "2,0")

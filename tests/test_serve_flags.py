@@ -25,9 +25,13 @@ def test_a_positional_model_sets_both_the_router_and_the_workers():
         serve_config_from_args(["tiny-qwen2.5-vl", "--model", "tiny-qwen2-vl"])
 
 
-def test_tensor_parallel_sizes_go_to_the_engine_of_each_tier_and_a_bad_one_is_one_line():
+def test_tensor_parallel_sizes_go_to_the_engine_of_each_tier_and_a_bad_one_is_one_line(monkeypatch):
+    import torch
+
     from epd.config import EngineConfig
     from epd.engine.tensor_parallel import TensorParallelConfigError, check_supported
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # as here: a host without a GPU
     from epd.server.serve import _one_rank, _tier_args
     from epd.server.tier import worker_config_from_args
 
@@ -46,15 +50,17 @@ def test_tensor_parallel_sizes_go_to_the_engine_of_each_tier_and_a_bad_one_is_on
     refusals = [(["--decode-tp", "3"], "--decode-tp 3: num_attention_heads (4) does not divide into 3 tensor-parallel "
                                        "ranks; tiny-qwen2-vl runs at 1, 2, 4"),
                 (["--prefill-tp", "2", "--aggregated"], "--prefill-tp with --aggregated, which runs one engine"),
-                (["-tp", "2", "--device", "cuda"], "on CUDA: the ranks run on the CPU"),
-                (["-tp", "2", "--launcher", "ray"], "with the Ray launcher: it places one-rank workers so far")]
+                (["-tp", "2", "--device", "cuda:0"], "sees no CUDA device (CUDA_VISIBLE_DEVICES, driver); use "
+                                                     "--device cpu"),
+                (["-tp", "2", "--tensor-parallel-devices", "0,1"], "epd serve places each tier's with --prefill-gpus"),
+                (["--decode-tp", "3", "--launcher", "ray"], "--decode-tp 3: num_attention_heads (4) does not divide")]
     for flags, expected in refusals:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             serve_config_from_args(["tiny-qwen2-vl", *flags])
     with pytest.raises(ConfigError, match=re.escape("tensor_parallel_size 8: num_attention_heads (4) does not divide")):
         worker_config_from_args("decode", ["--model", "tiny-qwen2-vl", "-tp", "8"])
     assert worker_config_from_args("prefill", ["--model", "tiny-qwen2-vl", "-tp", "2"]).engine.tensor_parallel_size == 2
-    with pytest.raises(TensorParallelConfigError, match="on cuda: the ranks run on the CPU"):
+    with pytest.raises(TensorParallelConfigError, match="sees no CUDA device"):
         check_supported(EngineConfig(tensor_parallel_size=2, device="cuda"))
 
 

@@ -40,10 +40,11 @@ class LLMEngine:
         utilization = config.kv_gpu_memory_utilization
         if utilization is not None and config.target_device.startswith("cuda"):
             sized = config.model_copy(update={"gpu_memory_utilization": utilization})
-            num_blocks = kv_blocks_for_device_memory(model, sized, bytes_per_token, mm_token_ids)
+            num_blocks = _smallest_of_ranks(model, kv_blocks_for_device_memory(model, sized, bytes_per_token,
+                                                                               mm_token_ids))
             check_holds_one_sequence(num_blocks, config.block_size, config.max_model_len, utilization)
         else:
-            num_blocks = config.resolve_num_blocks(bytes_per_token)
+            num_blocks = _smallest_of_ranks(model, config.resolve_num_blocks(bytes_per_token))
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.block_manager = BlockManager(num_blocks, config.block_size,
@@ -161,3 +162,10 @@ def _strip_finished_prompts(out) -> None:
         seq = chunk.seq
         if seq.mm is not None and chunk.end >= seq.num_prompt_tokens and not seq.mm.is_stripped:
             seq.mm.strip_for_generation()
+
+
+def _smallest_of_ranks(model, num_blocks: int) -> int:
+    """Rank 0's scheduler places every tensor-parallel rank's KV heads in the same pages: each rank
+    takes as many as the one with the fewest (the ranks' devices may have different room)."""
+    tp = getattr(model, "tp", None)
+    return num_blocks if tp is None else tp.smallest(num_blocks)

@@ -15,11 +15,14 @@ size: an export (prefill) gathers each rank's heads into rank 0's copy, an impor
 each rank exactly its heads (the one head it shares with other ranks when the model has fewer KV
 heads than ranks). So a prefill at TP a feeds a decode at TP b for any a and b.
 
-So far: the CPU (gloo, the ranks meeting on 127.0.0.1); steps run eager (a CUDA graph would have to
-be replayed by every rank). A failed step or a lost rank leaves the ranks out of step for good:
-every later step is refused and the engine reports itself unhealthy, to be restarted (a worker
-process stops at once: ``watch``). Each rank holds a KV cache of the configured size (its heads
-only): on one host that is N x ``kv_cache_bytes`` of memory.
+Backends: gloo on the CPU (the ranks meeting on 127.0.0.1); on CUDA one process group that sends
+CPU tensors (the step's header and integers) over gloo and CUDA tensors (the model's collectives,
+embedding rows, KV parts) over NCCL, one device per rank (``EngineConfig.rank_device``). Steps run
+eager (a CUDA graph would have to be replayed by every rank). Every rank holds the same number of
+KV pages: each sizes its cache (on CUDA from its device's memory, after one profiled step that
+every rank runs together) and all take the smallest (``LLMEngine``). A failed step or a lost rank leaves the ranks out of step for good: every
+later step is refused and the engine reports itself unhealthy, to be restarted (a worker process
+stops at once: ``watch``).
 """
 from __future__ import annotations
 
@@ -50,9 +53,8 @@ class TensorParallelConfigError(ValueError):
 
 def check_supported(config) -> None:
     size = config.tensor_parallel_size
-    if size > 1 and not config.target_device.startswith("cpu"):
-        raise TensorParallelConfigError(f"tensor_parallel_size {size} on {config.target_device}: the ranks run on "
-                                        f"the CPU (gloo) so far; use tensor_parallel_size 1 on CUDA")
+    if size > 1 and config.target_device.startswith("cuda"):
+        _check_devices(config)
     if size > 1 and dist.is_initialized():
         raise TensorParallelConfigError(f"tensor_parallel_size {size}: this process already belongs to a "
                                         "process group (one tensor-parallel engine per process)")
@@ -114,6 +116,30 @@ def _cuttable(hf_config: dict, size: int) -> bool:
     return True
 
 
+def _check_devices(config) -> None:
+    """One CUDA device for each rank, each one this process can see."""
+    size, seen = config.tensor_parallel_size, torch.cuda.device_count()
+    devices = [config.rank_device(rank) for rank in range(size)]
+    missing = [d for d in devices if int(d.partition(":")[2]) >= seen]
+    if missing and seen == 0:
+        raise TensorParallelConfigError(f"tensor_parallel_size {size} on {', '.join(devices)}: this process sees no "
+                                        "CUDA device (CUDA_VISIBLE_DEVICES, driver); use --device cpu")
+    if missing:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {size} on {', '.join(devices)}: this process sees {seen} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES), so {', '.join(missing)} is not there; use at most {seen} ranks or other devices")
+
+
+def _backend(config) -> str:
+    """gloo for CPU tensors; on CUDA, NCCL for the CUDA tensors of the same group."""
+    return "cpu:gloo,cuda:nccl" if config.target_device.startswith("cuda") else "gloo"
+
+
+def _use_device(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+
+
 class RankGroup:
     """Rank 0's side: starts ranks 1..N-1, joins the process group with them, sends each step,
     stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0). Its size was
@@ -145,12 +171,14 @@ class RankGroup:
             for proc in self._procs:
                 proc.start()
             self._wait_until_joining(joining)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=size,
+            _use_device(config.rank_device(0))
+            dist.init_process_group(_backend(config), store=store, rank=0, world_size=size,
                                     timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
         except BaseException:
             self._reap()
             raise
         self.tp = TensorParallel(0, size, dist.group.WORLD)
+        self.device = torch.device(config.rank_device(0))
         self.failure: str | None = None  # set once the ranks can no longer run steps together
 
     def wait_until_loaded(self) -> None:
@@ -215,14 +243,14 @@ class RankGroup:
         dist.broadcast(header, src=0)
         dist.broadcast(packed, src=0)
         if rows is not None:
-            dist.broadcast(rows.contiguous(), src=0)
+            dist.broadcast(rows.to(self.device).contiguous(), src=0)
 
     def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """An imported KV [layers, 2, T, every KV head, head_dim] for ``slots``: each other rank gets
         its heads (one scatter) -> rank 0's."""
         dist.broadcast(_header(_WRITE_KV, len(slots), _DTYPES.index(kv.dtype)), src=0)
         dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
-        parts = [kv[:, :, :, first:first + n].contiguous() for first, n in self.kv_heads]
+        parts = [kv[:, :, :, first:first + n].to(self.device).contiguous() for first, n in self.kv_heads]
         mine = torch.empty_like(parts[0])
         dist.scatter(mine, parts, src=0)
         return mine
@@ -302,7 +330,8 @@ def serve_rank(runner) -> None:
         dist.broadcast(slots, src=0)
         if op == _WRITE_KV:
             k0 = runner.kv_cache.k[0]
-            mine = torch.empty((len(runner.kv_cache.k), 2, fields[1], *k0.shape[1:]), dtype=_DTYPES[fields[2]])
+            mine = torch.empty((len(runner.kv_cache.k), 2, fields[1], *k0.shape[1:]), dtype=_DTYPES[fields[2]],
+                               device=runner.device)
             dist.scatter(mine, None, src=0)
             runner.write_kv_at(slots, mine)
         elif op == _READ_KV:
@@ -320,7 +349,7 @@ def _receive_step(runner, header: list[int]) -> StepInputs:
     parts = list(packed.split(sizes))
     rows = None
     if r:
-        rows = torch.empty(r, d, dtype=_DTYPES[dtype_code])
+        rows = torch.empty(r, d, dtype=_DTYPES[dtype_code], device=runner.device)
         dist.broadcast(rows, src=0)
     input_ids, positions, slots, qsl, seq_lens, tables, indptr, indices, last_len, mm_idx, text_idx, logits_idx = parts
     i32 = lambda x: x.to(torch.int32).numpy()  # noqa: E731
@@ -344,15 +373,17 @@ def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], 
     from epd.models.registry import family_for
 
     config = EngineConfig.model_validate_json(config_json)
+    device = config.rank_device(rank)
     apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
     _exit_with_parent()
     joining.put(multiprocessing.current_process().name)
     store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
+    _use_device(device)
+    dist.init_process_group(_backend(config), store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
     try:
         tp = TensorParallel(rank, size, dist.group.WORLD)
-        model = family_for(model_dir).load_llm(model_dir, device=config.target_device, dtype=config.torch_dtype,
-                                               tp=tp)
+        model = family_for(model_dir).load_llm(model_dir, device=device, dtype=config.torch_dtype, tp=tp)
+        config = config.model_copy(update={"device": device, "tensor_parallel_devices": ()})
         runner = LLMEngine(model, config, eos_token_ids=(), mm_token_ids=mm_token_ids).runner
         dist.barrier()  # loaded: rank 0 waits for this before it takes requests
         serve_rank(runner)

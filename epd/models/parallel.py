@@ -58,6 +58,15 @@ class TensorParallel:
         torch.distributed.gather(t, parts, dst=0, group=self.group)
         return torch.cat(parts, dim=-1) if self.rank == 0 else t
 
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (a CPU tensor: gloo carries it on CUDA too), so
+        the ranks agree on a size each measured on its own device (its KV pages)."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
     def split(self, total: int, what: str) -> int:
         """``total`` cut evenly -> this rank's share; one that does not divide is refused."""
         if total % self.size:

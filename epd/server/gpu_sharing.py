@@ -17,15 +17,32 @@ from epd.config import DEFAULT_GPU_MEMORY_UTILIZATION
 LLM_TIERS = ("prefill", "decode")
 
 
-def device_of(devices: Sequence[str] | None, index: int, default: str) -> str | None:
-    """The CUDA device worker ``index`` of a tier runs on (``cuda:N``), None for the CPU. ``auto``
-    counts as ``cuda:0``: where there is no GPU, gpu_memory_utilization is not used anyway."""
+def rank_devices(device: str) -> list[str]:
+    """A worker's devices, one per tensor-parallel rank: ``cuda:0,1`` -> [cuda:0, cuda:1]; a
+    one-rank worker's ``--device`` as it is."""
+    kind, _, indices = device.partition(":")
+    return [f"{kind}:{index}" for index in indices.split(",")] if "," in indices else [device]
+
+
+def device_args(device: str) -> tuple[str, ...]:
+    """The flags that put a worker on ``device`` (``ServeConfig.devices``): its ``--device`` and,
+    for a tensor-parallel worker, each rank's (``--tensor-parallel-devices``)."""
+    ranks = rank_devices(device)
+    if len(ranks) == 1:
+        return ("--device", device)
+    return ("--device", ranks[0], "--tensor-parallel-devices", ",".join(d.partition(":")[2] for d in ranks))
+
+
+def devices_of(devices: Sequence[str] | None, index: int, default: str) -> list[str]:
+    """The CUDA devices worker ``index`` of a tier runs on (``cuda:N``, one per rank), none for the
+    CPU. ``auto`` counts as ``cuda:0``: where there is no GPU, gpu_memory_utilization is not used
+    anyway."""
     device = devices[index % len(devices)] if devices else default
     if device == "cpu":
-        return None
+        return []
     if device in ("auto", "cuda"):
-        return "cuda:0"
-    return device
+        return ["cuda:0"]
+    return rank_devices(device)
 
 
 def planned_utilization(engine, devices: Mapping[str, Sequence[str]]) -> float | None:
@@ -58,10 +75,11 @@ def shared_gpu_args(counts: Mapping[str, int], devices: Mapping[str, Sequence[st
     for tier, count in counts.items():
         default = getattr(worker_config, "engine" if tier in LLM_TIERS else "encoder").device
         for index in range(count):
-            device = device_of(devices.get(tier), index, default)
-            if device is not None:
+            for device in devices_of(devices.get(tier), index, default):
                 placed.setdefault(device, []).append((tier, index))
-    args: dict[tuple[str, int], tuple[str, ...]] = {}
+    # each engine's share: on the device it shares with the most (a tensor-parallel engine's ranks
+    # all size their KV caches from the same fraction, so the most crowded device decides)
+    shares: dict[tuple[str, int], tuple[float, int]] = {}
     for workers in placed.values():
         engines = [w for w in workers if w[0] in LLM_TIERS]
         encoders = [w for w in workers if w[0] == "encoder"]
@@ -69,9 +87,11 @@ def shared_gpu_args(counts: Mapping[str, int], devices: Mapping[str, Sequence[st
             continue
         reserved = len(encoders) * _encoder_cache_bytes(model_dir, worker_config.encoder) if encoders else 0
         for worker in engines:
-            args[worker] = ("--gpu-memory-utilization", f"{utilization / len(engines):.6g}",
-                            "--reserved-device-bytes", str(math.ceil(reserved / len(engines))))
-    return args
+            fraction, reserve = utilization / len(engines), math.ceil(reserved / len(engines))
+            before = shares.get(worker, (fraction, reserve))
+            shares[worker] = (min(before[0], fraction), max(before[1], reserve))
+    return {worker: ("--gpu-memory-utilization", f"{fraction:.6g}", "--reserved-device-bytes", str(reserve))
+            for worker, (fraction, reserve) in shares.items()}
 
 
 def _encoder_cache_bytes(model_dir: str | Path, encoder_config) -> int:

@@ -25,6 +25,7 @@ import yaml
 from pydantic import BaseModel
 
 from epd.engine.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
+from epd.server.gpu_sharing import device_args
 from epd.server.parent import child_environment
 from epd.server.process import READY_PREFIX
 from epd.shm_owners import cleanup_stale_segments
@@ -207,7 +208,7 @@ class LocalCluster:
             for tier, count in self.counts.items():
                 devices = self.devices.get(tier)
                 for i in range(count):
-                    args = ("--device", devices[i % len(devices)]) if devices else ()
+                    args = device_args(devices[i % len(devices)]) if devices else ()
                     if own := self.worker_args.get(tier):
                         args += own[i % len(own)]
                     self.processes.append(self._spawn(tier, (*args, *sharing.get((tier, i), ()))))

@@ -65,6 +65,10 @@ class TierActor:
         import os
         return os.getpid()
 
+    def resources(self) -> dict[str, float]:
+        """What Ray gave this actor (a tensor-parallel worker: every rank's CPUs and GPUs)."""
+        return dict(ray.get_runtime_context().get_assigned_resources())
+
     def stop(self) -> None:
         self.running.stop()
 
@@ -151,8 +155,7 @@ class RayEPDCluster:
         bundles = []
         for tier in ("prefill", "decode"):
             spec = self.d.tiers[tier]
-            bundle = {"CPU": spec.num_cpus, **({"GPU": spec.num_gpus} if spec.num_gpus else {}), **spec.resources}
-            bundles += [bundle] * spec.replicas
+            bundles += [spec.actor_resources()] * spec.replicas
         self._group, self._group_size = placement_group(bundles, strategy="STRICT_PACK"), len(bundles)
         ray.get(self._group.ready(), timeout=timeout_s)
 
@@ -162,7 +165,8 @@ class RayEPDCluster:
                                                  "transport": self.d.transport,
                                                  "served_model_name": spec.config.served_model_name
                                                  or self.d.router.served_model_name})
-        options = dict(num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, resources=spec.resources or None,
+        need = spec.actor_resources()
+        options = dict(num_cpus=need["CPU"], num_gpus=need.get("GPU", 0.0), resources=spec.resources or None,
                        max_restarts=spec.max_restarts, max_task_retries=spec.max_restarts)
         if self._group is not None and tier in ("prefill", "decode") and self._group_next < self._group_size:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -356,4 +360,8 @@ def deployment_from(config: ServeConfig) -> RayDeployment:
         if f"{tier}s" in given:
             spec["replicas"] = given[f"{tier}s"]
         spec["config"] = deep_merge(spec.get("config", {}), worker)
+        if f"{tier}_tp" in given or "tensor_parallel_size" in worker.get("engine", {}):
+            # each tier's own size (--prefill-tp / --decode-tp, else -tp; an encoder is never cut)
+            spec["config"]["engine"] = {**spec["config"].get("engine", {}),
+                                        "tensor_parallel_size": config.tensor_parallel_size(tier)}
     return load_config(RayDeployment, data, source=config.ray_config or "epd serve --launcher ray")

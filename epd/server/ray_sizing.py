@@ -25,8 +25,7 @@ def actor_demands(d: RayDeployment) -> list[tuple[str, dict[str, float]]]:
     out = [("router", {"CPU": ROUTER_CPUS, **d.router_resources})]
     for tier in TIERS:
         spec = d.tiers[tier]
-        need = {"CPU": spec.num_cpus, **({"GPU": spec.num_gpus} if spec.num_gpus else {}), **spec.resources}
-        out += [(f"{tier} {i}", need) for i in range(spec.replicas)]
+        out += [(f"{tier} {i}", spec.actor_resources()) for i in range(spec.replicas)]
     return out
 
 
@@ -37,9 +36,9 @@ def fit_local(d: RayDeployment, node_cpus: float) -> RayDeployment:
     free = [t for t in TIERS if d.tiers[t].replicas and "num_cpus" not in d.tiers[t].model_fields_set]
     if not free:
         return d
-    fixed = sum(d.tiers[t].num_cpus * d.tiers[t].replicas for t in TIERS if t not in free)
-    actors = sum(d.tiers[t].replicas for t in free)
-    share = max(0.0, min(1.0, (node_cpus - ROUTER_CPUS - fixed) / actors))
+    fixed = sum(d.tiers[t].actor_resources()["CPU"] * d.tiers[t].replicas for t in TIERS if t not in free)
+    ranks = sum(d.tiers[t].replicas * d.tiers[t].ranks for t in free)  # num_cpus is per rank
+    share = max(0.0, min(1.0, (node_cpus - ROUTER_CPUS - fixed) / ranks))
     share = int(share * 100) / 100  # Ray takes 1/10000 CPU; round down so the sum never exceeds the node
     if share <= 0:
         return d  # nothing left to share: check_fits names the problem
@@ -75,8 +74,10 @@ def demand_breakdown(d: RayDeployment) -> str:
     for tier in TIERS:
         spec = d.tiers[tier]
         if spec.replicas:
-            parts.append(f"{spec.replicas} {tier} x {spec.num_cpus:g} CPU" +
-                         (f" + {spec.num_gpus:g} GPU" if spec.num_gpus else ""))
+            need = spec.actor_resources()
+            parts.append(f"{spec.replicas} {tier} x {need['CPU']:g} CPU" +
+                         (f" + {need['GPU']:g} GPU" if spec.num_gpus else "") +
+                         (f" ({spec.ranks} tensor-parallel ranks each)" if spec.ranks > 1 else ""))
     return ", ".join(parts)
 
 

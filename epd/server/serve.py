@@ -17,7 +17,7 @@ import threading
 import time
 import urllib.request
 
-from epd.config import ConfigError, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.config import ConfigError, EngineConfig, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
 from epd.server.flags import Command, OneLineParser, run_or_exit
 
 # set by the launcher for each worker, never by the user: where a worker listens
@@ -61,37 +61,56 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
 
 
 def _check_tensor_parallel(config: ServeConfig) -> None:
-    """Tensor-parallel sizes this launch can run, or one line saying what would."""
-    sizes = {flag: size for flag, size in (("--tensor-parallel-size", config.worker.engine.tensor_parallel_size),
-                                           ("--prefill-tp", config.prefill_tp), ("--decode-tp", config.decode_tp))
-             if size is not None and size > 1}
-    if not sizes:
+    """Tensor-parallel sizes this launch can run, on the devices given, or one line saying what would."""
+    engine = config.worker.engine
+    if engine.tensor_parallel_devices:
+        raise ConfigError("command line: --tensor-parallel-devices places one worker's ranks; epd serve places each "
+                          "tier's with --prefill-gpus / --decode-gpus (worker i takes the next -tp of them)")
+    if max(engine.tensor_parallel_size, config.prefill_tp or 1, config.decode_tp or 1) == 1:
         return
-    flag, size = next(iter(sizes.items()))
-    if config.worker.engine.target_device.startswith("cuda") or config.prefill_gpus or config.decode_gpus:
-        raise ConfigError(f"command line: {flag} {size} on CUDA: the ranks run on the CPU (gloo) so far; use "
-                          "--device cpu or 1")
     if config.router.aggregated and (config.prefill_tp or config.decode_tp):
         raise ConfigError(f"command line: {'--prefill-tp' if config.prefill_tp else '--decode-tp'} with --aggregated, "
                           "which runs one engine: use --tensor-parallel-size")
-    if config.launcher == "ray" and not config.router.aggregated:
-        raise ConfigError(f"command line: {flag} {size} with the Ray launcher: it places one-rank workers so far; "
-                          "use the local launcher or 1")
     from epd.engine.tensor_parallel import check_runnable
     from epd.models.locate import resolve_model
-    engine = config.worker.engine
-    tiers = (("--tensor-parallel-size", engine.tensor_parallel_size),) if config.router.aggregated else (
-        ("--prefill-tp" if config.prefill_tp else "--tensor-parallel-size", config.tensor_parallel_size("prefill")),
-        ("--decode-tp" if config.decode_tp else "--tensor-parallel-size", config.tensor_parallel_size("decode")))
     try:
         model_dir = resolve_model(config.router.model)
     except ValueError:
         return  # a hub id not fetched yet (fetch_model does it): each worker checks its size at its start
-    for flag, size in tiers:
+    for flag, placed in _placed_engines(config):
         try:
-            check_runnable(model_dir, engine.model_copy(update={"tensor_parallel_size": size}), flag)
+            check_runnable(model_dir, placed, flag)
         except ValueError as err:
             raise ConfigError(f"command line: {err}") from None
+
+
+def _placed_engines(config: ServeConfig) -> list[tuple[str, EngineConfig]]:
+    """(the flag that sized it, the engine config) of each differently placed tensor-parallel
+    engine this launch starts: the aggregated one, or each tier's workers on their devices."""
+    from epd.server.gpu_sharing import rank_devices
+
+    engine = config.worker.engine
+    if config.router.aggregated:
+        return [("--tensor-parallel-size", engine)]
+    placed = []
+    for tier in ("prefill", "decode"):
+        size = config.tensor_parallel_size(tier)
+        if size == 1:
+            continue
+        flag = f"--{tier}-tp" if getattr(config, f"{tier}_tp") else "--tensor-parallel-size"
+        try:
+            groups = sorted(set(config.devices(tier))) or [None]
+        except ValueError as err:
+            raise ConfigError(f"command line: {err}") from None
+        for group in groups:
+            update: dict = {"tensor_parallel_size": size}
+            if config.launcher == "ray":  # Ray gives each actor its GPUs where it places it: the cut is checked here
+                update["device"] = "cpu"
+            elif group is not None:
+                ranks = rank_devices(group)
+                update.update(device=ranks[0], tensor_parallel_devices=[d.partition(":")[2] for d in ranks])
+            placed.append((flag, EngineConfig.model_validate({**engine.model_dump(exclude_unset=True), **update})))
+    return placed
 
 
 def fetch_model(config: ServeConfig) -> ServeConfig:

@@ -15,6 +15,7 @@ from pathlib import Path
 import helm_python as helm
 import kubernetes_validate as kv
 import pytest
+import torch
 import yaml
 
 try:
@@ -82,6 +83,7 @@ CASES: dict[str, dict] = {
                     {"maxSkew": 2, "topologyKey": "topology.kubernetes.io/zone",
                      "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": {"pool": "decode"}}}]}},
     "nccl": {"gpu": {"enabled": True}, "transport": "nccl", "decode": {"gpus": 2},
+             "prefill": {"config": {"engine": {"tensor_parallel_size": 2}}},  # one pod, both ranks' GPUs
              "encoder": {"config": {"encoder": {"device": "cuda:0", "cuda_graph_buckets": [[4096, 4]]}}}},
 }
 
@@ -296,7 +298,7 @@ def _config_files(docs: list[dict], tmp_path: Path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("case", ["default", "gpu", "cpu", "hpa", "pvc", "scaled", "nccl", "secured"])
-def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
+def test_processes_accept_the_rendered_configs(case, rendered, tmp_path, monkeypatch):
     """Each container's args + its ConfigMap file parse with EPD's own CLI/config code."""
     from epd.config import EncoderConfig
     from epd.server.router import router_config_from_args
@@ -335,6 +337,9 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
                    for e in c["env"])
         argv = [str(files[f"{tier}.yaml"]) if a == f"/etc/epd/{tier}.yaml" else a for a in c["args"][1:]]
         argv = ["10.1.2.3" if a == "$(POD_IP)" else a for a in argv]
+        # the worker sees the GPUs its pod asks for (a tensor-parallel one checks it has one per rank)
+        pod_gpus = int(c["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: pod_gpus)
         wc = worker_config_from_args(tier, argv)
         assert (wc.host, wc.port, wc.metrics_port) == ("10.1.2.3", 50051, 9090)
         # decode's TCP link for the routers' token streams: a fixed port, open to them, only on decode
@@ -354,7 +359,9 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path):
                 assert wc.engine.dtype == values["gpu"].get("dtype", "bfloat16")
         limits = c["resources"].get("limits", {})
         if gpu:
-            assert limits["nvidia.com/gpu"] == values.get(tier, {}).get("gpus", values["gpu"].get("count", 1))
+            per_rank = values.get(tier, {}).get("gpus", values["gpu"].get("count", 1))
+            ranks = 1 if tier == "encoder" else wc.engine.tensor_parallel_size
+            assert limits["nvidia.com/gpu"] == per_rank * ranks
             tolerations = sts["spec"]["template"]["spec"]["tolerations"]
             assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
         else:

@@ -1,5 +1,5 @@
-"""EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end): a multimodal
-request through the HTTP API; a killed worker actor is restarted by Ray on a new port and the
+"""EPD on a local Ray cluster (127.0.0.1, private temp dir, shut down at the end), its prefill a
+tensor-parallel worker of two ranks: a multimodal request through the HTTP API; a killed worker actor is restarted by Ray on a new port and the
 launcher registers it with the router again; a decode
 actor killed under streaming clients costs no request (they migrate, token for token); a tier
 scales up (new worker registers with the router) and down (drained first). Every process talks
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, short_tmp):
-    from epd.config import RayDeployment, TierSpec, TlsConfig
+    from epd.config import EngineConfig, RayDeployment, TierSpec, TlsConfig, WorkerConfig
     from epd.server.ray import RayEPDCluster
     from tests.security.certs import issue, make_pki
 
@@ -31,8 +31,11 @@ def cluster(tmp_path_factory, short_tmp):
     pki = tmp_path_factory.mktemp("pki")
     identity = issue(pki, make_pki(pki, "ray"), "worker")
     tls = TlsConfig(tls_cert=str(identity.cert), tls_key=str(identity.key), tls_ca=str(identity.ca))
+    # the prefill is a tensor-parallel worker: one actor asking for both ranks' CPUs, its rank 1 a
+    # process of its own (every answer below must still equal the one-process engine's)
+    prefill = spec.model_copy(update={"config": WorkerConfig(engine=EngineConfig(tensor_parallel_size=2))})
     deployment = RayDeployment(model="tiny-qwen2-vl", http_port=0, grpc_port=0, colocate_prefill_decode=True,
-                               tiers={"encoder": spec, "prefill": spec, "decode": spec}, tls=tls)
+                               tiers={"encoder": spec, "prefill": prefill, "decode": spec}, tls=tls)
     c = RayEPDCluster(deployment)
     try:
         c.start(timeout_s=300)
@@ -74,6 +77,19 @@ def ask(cluster, llm, seed: int) -> str:
 
 def test_multimodal_request_through_http(cluster, llm):
     ask(cluster, llm, 1)
+
+
+def test_the_tensor_parallel_prefill_is_one_actor_with_its_ranks_as_its_processes(cluster):
+    """One worker to the router (one address), two ranks: rank 0 the actor, rank 1 its child, and
+    Ray counted both ranks' CPUs against the actor."""
+    from epd.server.parent import descendants
+
+    assert len(cluster.addresses["prefill"]) == 1
+    actor = cluster.actors["prefill"][0]
+    pid = ray.get(actor.pid.remote(), timeout=30)
+    names = [open(f"/proc/{child}/cmdline", "rb").read() for child in descendants(pid)]
+    assert any(b"multiprocessing" in name for name in names), names  # the spawned rank
+    assert ray.get(actor.resources.remote(), timeout=30)["CPU"] == 2.0
 
 
 def test_every_worker_talks_mutual_tls_only(cluster):

@@ -40,6 +40,33 @@ def test_an_explicit_num_cpus_is_kept_and_a_deployment_too_large_is_named():
     assert "1 encoder x 4 CPU" in message and "router 0.5 CPU" in message
 
 
+def test_a_tensor_parallel_worker_is_one_actor_asking_for_every_ranks_share_on_one_node():
+    """num_cpus / num_gpus are per rank: a TP2 decode on 1 GPU per rank asks 2 GPUs of one node
+    (its ranks are its processes); two nodes of one GPU each cannot hold it, one of two can."""
+    from epd.config import EngineConfig, WorkerConfig
+
+    tp2 = TierSpec(num_gpus=1, config=WorkerConfig(engine=EngineConfig(tensor_parallel_size=2)))
+    assert tp2.actor_resources() == {"CPU": 2.0, "GPU": 2.0}
+    d = deployment(encoder=TierSpec(num_gpus=1), prefill=TierSpec(num_gpus=1), decode=tp2)
+    with pytest.raises(SizingError, match=r"actor 'decode 0' asks for 2 CPU, 2 GPU and no single node has that"):
+        check_fits(d, [{"CPU": 8.0, "GPU": 1.0}] * 4)
+    check_fits(d, [{"CPU": 8.0, "GPU": 2.0}, {"CPU": 8.0, "GPU": 1.0}, {"CPU": 8.0, "GPU": 1.0}])
+    # on a one-node Ray the shares are per rank: 1.5 CPUs left for 4 ranks
+    shared = fit_local(deployment(decode=TierSpec(config=WorkerConfig(engine=EngineConfig(tensor_parallel_size=2)))),
+                       node_cpus=2)
+    assert [shared.tiers[t].num_cpus for t in ("encoder", "prefill", "decode")] == [0.37, 0.37, 0.37]
+    check_fits(shared, [{"CPU": 2.0}])
+
+
+def test_epd_serve_gives_each_ray_tier_its_own_tensor_parallel_size():
+    from epd.server.ray import deployment_from
+    from epd.server.serve import serve_config_from_args
+
+    d = deployment_from(serve_config_from_args(["tiny-qwen2-vl", "--launcher", "ray", "-tp", "2", "--decode-tp", "4"]))
+    assert [d.tiers[t].ranks for t in ("encoder", "prefill", "decode")] == [1, 2, 4]
+    assert deployment_from(serve_config_from_args(["tiny-qwen2-vl", "--launcher", "ray"])).tiers["decode"].ranks == 1
+
+
 def test_an_actor_larger_than_every_node_is_named_even_when_the_total_fits():
     d = deployment(encoder=TierSpec(num_gpus=2), prefill=TierSpec(), decode=TierSpec())
     nodes = [{"CPU": 4.0, "GPU": 1.0}, {"CPU": 4.0, "GPU": 1.0}]

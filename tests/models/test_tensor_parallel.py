@@ -147,3 +147,58 @@ def test_kv_prefilled_at_one_tp_size_decodes_at_another_as_transformers_does(mod
                                       eos_token_ids=(llm.tokenizer.eos_token_id,))
         llm.engine.run_until_done([seq])
     assert (prompt, seq.output_token_ids) == (ref.prompt_token_ids, ref.token_ids)
+
+
+def _smallest_on_rank(rank: int, port: int, value: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from epd.models.parallel import TensorParallel
+
+    store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    try:
+        out.put((rank, TensorParallel(rank, 2, dist.group.WORLD).smallest(value)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_smallest_kv_page_count():
+    """Each rank sizes its KV cache on its own device (CUDA: from its free memory); rank 0's
+    scheduler addresses every rank's pages, so all take the fewest (a rank with more would be
+    fine, one with fewer would be written past its end)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    # the rendezvous store here, on a port the OS picks; both ranks meet on it
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False)
+    ctx = multiprocessing.get_context("spawn")
+    out, port = ctx.Queue(), store.port
+    procs = [ctx.Process(target=_smallest_on_rank, args=(rank, port, value, out)) for rank, value in ((0, 900), (1, 640))]
+    for proc in procs:
+        proc.start()
+    try:
+        assert sorted(out.get(timeout=120) for _ in procs) == [(0, 640), (1, 640)]
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def test_ranks_on_cuda_use_nccl_for_cuda_tensors_and_gloo_for_the_rest(monkeypatch):
+    """The group's backend follows the device; a rank whose GPU this host does not have is one
+    line before any rank starts."""
+    import torch
+
+    from epd.config import EngineConfig
+    from epd.engine.tensor_parallel import TensorParallelConfigError, _backend, check_supported
+
+    assert _backend(EngineConfig(device="cpu", tensor_parallel_size=2)) == "gloo"
+    assert _backend(EngineConfig(device="cuda:0", tensor_parallel_size=2)) == "cpu:gloo,cuda:nccl"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    check_supported(EngineConfig(device="cuda:0", tensor_parallel_size=2))
+    with pytest.raises(TensorParallelConfigError, match=r"sees 2 CUDA device\(s\).*cuda:2 is not there"):
+        check_supported(EngineConfig(device="cuda:1", tensor_parallel_size=2))

@@ -115,11 +115,21 @@ app.kubernetes.io/component: {{ .tier }}
 {{- printf "%s.%s.svc.%s:%d" (include "epd.headlessName" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.workerPorts.grpc) -}}
 {{- end -}}
 
-{{/* GPUs per pod of a worker tier (0 when gpu.enabled is false). */}}
+{{/* Tensor-parallel ranks of each worker of a tier: its engine's tensor_parallel_size (the tier's
+config over workerConfig); an encoder is never cut. */}}
+{{- define "epd.ranks" -}}
+{{- $t := index .root.Values .tier -}}
+{{- $cfg := mustMergeOverwrite (dict) (deepCopy (.root.Values.workerConfig | default dict)) (deepCopy ($t.config | default dict)) -}}
+{{- if eq .tier "encoder" -}}1{{- else -}}{{ (get $cfg "engine" | default dict).tensor_parallel_size | default 1 }}{{- end -}}
+{{- end -}}
+
+{{/* GPUs per pod of a worker tier (0 when gpu.enabled is false): gpus (or gpu.count) per rank, and a
+tensor-parallel worker's ranks are processes of its one pod, so the pod holds every rank's GPUs. */}}
 {{- define "epd.gpus" -}}
 {{- $t := index .root.Values .tier -}}
 {{- if .root.Values.gpu.enabled -}}
-{{- if hasKey $t "gpus" -}}{{ $t.gpus }}{{- else -}}{{ .root.Values.gpu.count }}{{- end -}}
+{{- $perRank := ternary $t.gpus .root.Values.gpu.count (hasKey $t "gpus") -}}
+{{- mul (int $perRank) (int (include "epd.ranks" .)) -}}
 {{- else -}}0{{- end -}}
 {{- end -}}
 

@@ -222,6 +222,27 @@ class EncoderConfig(_Config):
         (), description="(total_tokens, num_contexts) per captured CUDA graph; empty: eager")
     num_threads: PositiveInt | None = Field(
         None, description="intra-op CPU threads of this encoder (default: usable cores; env EPD_NUM_THREADS)")
+    encoder_cache_store: Literal["local", "mooncake"] = Field(
+        "local", description="local: each encoder's own cache; mooncake: also a Mooncake Store that every encoder "
+                             "of the cluster shares (epd serve starts one on 127.0.0.1 unless --mooncake-master "
+                             "names one)")
+    mooncake_master: str | None = Field(None, description="HOST:PORT of the Mooncake master of the encoder cache "
+                                                          "store")
+    mooncake_metadata_server: str = Field(
+        "P2PHANDSHAKE", description="Mooncake's metadata service: P2PHANDSHAKE (none: peers exchange it), or an "
+                                    "http:// or etcd:// address")
+    mooncake_protocol: Literal["tcp", "rdma"] = Field("tcp", description="Mooncake transfers: tcp, or rdma where "
+                                                                         "the hosts have it")
+    mooncake_device_names: str = Field("", description="RDMA devices for mooncake_protocol rdma (e.g. mlx5_0)")
+
+    @field_validator("mooncake_master")
+    @classmethod
+    def _host_port(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected HOST:PORT, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _budgets_agree(self) -> "EncoderConfig":
@@ -513,6 +534,9 @@ class ServeConfig(_Config):
     revision: str | None = Field(None, description="a hub id's branch, tag or commit (default: main)")
     download_dir: str | None = Field(None, description="the Hugging Face cache a hub id is looked up in and "
                                                        "downloaded to (default: HF_HUB_CACHE)")
+    encoder_cache_store_bytes: PositiveInt = Field(
+        1024 * MiB, description="memory of the encoder cache store that epd serve starts (--encoder-cache-store "
+                                "mooncake without --mooncake-master)")
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
     max_restarts: int = Field(5, ge=0, description="restarts of each worker that dies (local launcher); then "
                                                    "it stays down and /health shows its tier degraded")

@@ -49,6 +49,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     a scrape can show is in the exposition): {"router" | tier: registry}."""
     from types import SimpleNamespace
 
+    from epd.encoder.shared_store import SharedStoreStats
     from epd.router.metrics import RouterMetrics
     from epd.server.metrics import TierMetrics
 
@@ -58,7 +59,8 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
                                       num_prefix_query_tokens=0))
     encoder = SimpleNamespace(
         cache=SimpleNamespace(metrics=SimpleNamespace(hits=0, misses=0, bytes=0, evictions=0)),
-        num_forwards=0, num_encoded_items=0, scheduler=SimpleNamespace(num_waiting_requests=0))
+        num_forwards=0, num_encoded_items=0, scheduler=SimpleNamespace(num_waiting_requests=0),
+        shared_store=SimpleNamespace(stats=SharedStoreStats()))
     store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 
     router = RouterMetrics(model_name)

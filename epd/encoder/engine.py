@@ -27,6 +27,7 @@ from epd.encoder.item_scheduler import (
     resolve_output_budgets,
 )
 from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
+from epd.encoder.shared_store import SharedEncoderStore
 from epd.engine.threads import ThreadPolicy
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
 from epd.multimodal.geometry import image_geometry_from_bytes
@@ -78,14 +79,18 @@ class EncoderEngine:
         media: MediaSettings | None = None,
         threads: ThreadPolicy | None = None,
         allocate_output: Callable | None = None,
+        shared_store: SharedEncoderStore | None = None,
     ) -> None:
         """``model``: the encoder, or a zero-argument factory run on the loop thread, so that one
         thread runs every torch op of this engine (see ``epd.engine.engine_loop`` for why);
         ``threads``: the intra-op thread policy that thread applies first (default: the
         ``num_threads`` of ``config``, else the process's usable cores, see ``epd.engine.threads``);
         ``allocate_output``: where CPU outputs are kept (``epd.transport.shm.shared_empty``: zero-copy
-        export over shm; default: ordinary memory)."""
+        export over shm; default: ordinary memory); ``shared_store``: the cluster's encoder cache
+        (``epd.encoder.shared_store``), looked up after this engine's own cache and before encoding,
+        and given what this engine encodes. The engine closes it."""
         self.config = config
+        self.shared_store = shared_store
         self.model_id = model_id
         self.media = media  # the checkpoint's image geometry and video sampling (items' kwargs are checked by it)
         self.num_forwards = 0
@@ -118,7 +123,8 @@ class EncoderEngine:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EncoderConfig | None = None, *,
-                       model_id: str | None = None, allocate_output: Callable | None = None) -> EncoderEngine:
+                       model_id: str | None = None, allocate_output: Callable | None = None,
+                       shared_store: SharedEncoderStore | None = None) -> EncoderEngine:
         """An engine over the checkpoint's own vision tower (``family_for(model_dir).load_vision``)."""
         from epd.models.registry import family_for
 
@@ -142,7 +148,8 @@ class EncoderEngine:
         media = family_for(model_dir).media_settings(model_dir)
         return cls(load, config, model_id=model_id or str(model_dir.resolve()),
                    model_max_atomic_item_tokens=media.max_item_encoder_tokens,
-                   encoder_tokens_per_row=media.image.merge_size ** 2, media=media, allocate_output=allocate_output)
+                   encoder_tokens_per_row=media.image.merge_size ** 2, media=media, allocate_output=allocate_output,
+                   shared_store=shared_store)
 
     def make_item(self, data: bytes, processor_kwargs: dict | None = None, modality: str = "image") -> EncoderItem:
         """An item from encoded image or video bytes, as the router would describe it (needs the
@@ -207,6 +214,8 @@ class EncoderEngine:
         for request_id, entry in pending.items():
             self.scheduler.abort_request(request_id)
             entry.future.set_exception(RuntimeError(f"encoder engine closed before request {request_id!r} finished"))
+        if self.shared_store is not None:
+            self.shared_store.close()
 
     def __enter__(self) -> EncoderEngine:
         return self
@@ -252,13 +261,25 @@ class EncoderEngine:
                 self._notify()  # more may wait, and failed entries need a new producer
 
     def _run_batch(self, batch: ScheduledBatch) -> None:
+        if self.shared_store is not None:
+            found, outputs, batch = self._split_by_store(batch)
+            if not found.is_empty:
+                self._settle(found, lambda: self.runner.commit_outputs(found, outputs))
+            if batch.is_empty:
+                return
         self.num_forwards += 1
         self.num_encoded_items += len(batch)
+        if self._settle(batch, lambda: self.runner.forward_items(batch)) and self.shared_store is not None:
+            self._share(batch)
+
+    def _settle(self, batch: ScheduledBatch, produce: Callable[[], list]) -> bool:
+        """``produce()`` (-> the requests it made ready) and complete them; a failure fails only the
+        requests it names. -> whether it succeeded."""
         try:
-            ready = self.runner.forward_items(batch)
+            ready = produce()
         except (MultimodalEncoderRequestError, MultimodalEncoderInputError) as error:
             self._fail_requests(error.request_ids, error)
-            return
+            return False
         except Exception as error:  # a bug past the runner's own handling must not kill the loop
             logger.exception("encoder batch of %d items failed unexpectedly", len(batch))
             wrapped = MultimodalEncoderRequestError(f"encoder batch failed: {error}",
@@ -266,8 +287,32 @@ class EncoderEngine:
             for key in batch.cache_keys:
                 self.cache.fail(key, wrapped, producer_only=True)
             self._fail_requests(wrapped.request_ids, wrapped)
-            return
+            return False
         self._complete(ready)
+        return True
+
+    def _share(self, batch: ScheduledBatch) -> None:
+        """What this engine encoded, for the cluster's other encoders (queued: nobody waits for it)."""
+        for item in batch.items:
+            entry = self.cache.get(item.cache_key)
+            if entry is not None and entry.tensor is not None:
+                tensor = entry.tensor  # a CUDA output is copied here, after the stream that wrote it
+                self.shared_store.put(item.cache_key, tensor.to("cpu") if tensor.is_cuda else tensor)
+
+    def _split_by_store(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list, ScheduledBatch]:
+        """(the items the cluster's store has, their outputs, the items left to encode)."""
+        runner, found, outputs, rest = self.runner, [], [], []
+        for item in batch.items:
+            shape = (item.item.expected_rows, runner.expected_width)
+            tensor = self.shared_store.fetch(item.cache_key, shape, runner.expected_dtype)
+            if tensor is None:
+                rest.append(item)
+            else:
+                found.append(item)
+                outputs.append(tensor.to(runner.device) if runner.device.type != "cpu" else tensor)
+        left = ScheduledBatch(tuple(rest), sum(i.item.encoder_tokens for i in rest),
+                              sum(i.item.expected_rows for i in rest) * self.scheduler.budgets.bytes_per_embedding)
+        return ScheduledBatch(tuple(found)), outputs, left
 
     def _complete(self, states: list[MultimodalEncoderRequestState]) -> None:
         for state in states:

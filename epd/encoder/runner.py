@@ -91,6 +91,13 @@ class MultimodalEncoderRunner:
             if undecodable := self._undecodable(batch):
                 raise self._fail_users(batch, undecodable, MultimodalEncoderInputError) from error
             raise self._fail_producers(batch, error) from error
+        return self.commit_outputs(batch, outputs)
+
+    def commit_outputs(self, batch: ScheduledBatch, outputs) -> list[MultimodalEncoderRequestState]:
+        """Publish one output per scheduled item (encoded here, or fetched from the cluster's
+        store): checked, owned, committed to the cache; -> the requests now fully ready."""
+        targets = [_OutputTarget(s.request_id, s.item_index, s.cache_key, s.item.expected_rows, s.item.name)
+                   for s in batch.items]
         # Validate the entire batch before publishing any output: a bad later item must not
         # leave earlier items READY and their requests sent on to prefill.
         problems = {t.cache_key: msg for t, out in zip(targets, outputs) if (msg := self._check(t, out))}

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 
+from epd.config import ConfigError
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
+from epd.encoder.shared_store import SharedEncoderStore
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.multimodal.media import MODALITIES
@@ -261,7 +263,24 @@ def build(ctx):
 
     # CPU rows are made in the store's shared memory: a push over shm is then a lease, not a copy
     engine = EncoderEngine.from_model_dir(resolve_model(ctx.config.model), ctx.config.encoder,
-                                          allocate_output=functools.partial(shared_empty, ctx.store))
+                                          allocate_output=functools.partial(shared_empty, ctx.store),
+                                          shared_store=shared_store_for(ctx.config))
     ctx.metrics.watch_encoder(engine)
     servicer = EncoderServicer(engine, ctx)
     return lambda server: encoder_pb2_grpc.add_EncoderServicer_to_server(servicer, server), engine.close
+
+
+def shared_store_for(config) -> SharedEncoderStore | None:
+    """The cluster's encoder cache store this encoder joins (``encoder_cache_store``), or None."""
+    encoder = config.encoder
+    if encoder.encoder_cache_store == "local":
+        return None
+    if encoder.mooncake_master is None:
+        raise ConfigError("encoder_cache_store mooncake needs --mooncake-master HOST:PORT (epd serve starts a "
+                          "store and fills it in)")
+    from epd.encoder.mooncake_store import MooncakeBackend
+
+    return SharedEncoderStore(MooncakeBackend(encoder.mooncake_master, host=config.host,
+                                              metadata_server=encoder.mooncake_metadata_server,
+                                              protocol=encoder.mooncake_protocol,
+                                              device_names=encoder.mooncake_device_names))

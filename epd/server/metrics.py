@@ -83,6 +83,24 @@ class TierMetrics:
                                       "(cache misses)", registry=self.own)
         self.live("epd_encoder_queue_depth", "Requests waiting for the encoder",
                   lambda: engine.scheduler.num_waiting_requests)
+        if engine.shared_store is not None:
+            self.watch_shared_store(engine.shared_store.stats)
+
+    def watch_shared_store(self, stats) -> None:
+        """The cluster's encoder cache store, as this encoder sees it (``SharedStoreStats``)."""
+        count = self.counts.add
+        count("epd_encoder_store_hits", "Items fetched from the cluster's encoder cache store instead of encoded",
+              lambda: stats.hits)
+        count("epd_encoder_store_misses", "Store lookups that found nothing", lambda: stats.misses)
+        count("epd_encoder_store_puts", "Encoded items put in the store", lambda: stats.puts)
+        count("epd_encoder_store_dropped_puts", "Encoded items not put: the put queue was full",
+              lambda: stats.dropped_puts)
+        count("epd_encoder_store_rejected", "Store entries rejected (corrupt, or not this encoder's dtype and "
+              "shape) and encoded again", lambda: stats.rejected)
+        count("epd_encoder_store_errors", "Store operations that failed (the encoder used its own cache)",
+              lambda: stats.errors)
+        self.live("epd_encoder_store_up", "1 while the last store operation succeeded, else 0",
+                  lambda: 1.0 if stats.up else 0.0)
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP exporter; returns the bound port (0 picks a free one)."""

@@ -10,6 +10,7 @@ one name everywhere; the validated configs reach the children as files.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -17,8 +18,18 @@ import threading
 import time
 import urllib.request
 
-from epd.config import ConfigError, EngineConfig, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.config import (
+    ConfigError,
+    EngineConfig,
+    RouterConfig,
+    ServeConfig,
+    WorkerConfig,
+    deep_merge,
+    load_config,
+    load_yaml,
+)
 from epd.server.flags import Command, OneLineParser, run_or_exit
+from epd.server.mooncake import MooncakeStartError, MooncakeStore
 
 # set by the launcher for each worker, never by the user: where a worker listens
 _WORKER_ASSIGNED = ("host", "port", "metrics_port")
@@ -169,15 +180,43 @@ def main(argv: list[str] | None = None) -> int:
         from epd.server.ray_sizing import SizingError
         config = run_or_exit("epd serve", lambda: fetch_model(config))
         try:
-            serve_on_ray(config, stop)
-        except SizingError as err:  # one line naming what is asked and what exists, not a traceback
+            with encoder_cache_store(config) as config:
+                serve_on_ray(config, stop)
+        except (SizingError, MooncakeStartError) as err:  # one line naming what is wrong, not a traceback
             print(f"epd serve: error: {err}", file=sys.stderr, flush=True)
             return 1
         return 0
     from epd.server.ports import check_serve_ports, exit_if_taken
     exit_if_taken("epd serve", lambda: check_serve_ports(config))  # before anything starts
     config = run_or_exit("epd serve", lambda: fetch_model(config))
-    return serve_locally(config, stop)
+    try:
+        with encoder_cache_store(config) as config:
+            return serve_locally(config, stop)
+    except MooncakeStartError as err:
+        print(f"epd serve: error: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+@contextlib.contextmanager
+def encoder_cache_store(config: ServeConfig):
+    """``config`` with its encoders pointed at the cluster's encoder cache store: for
+    ``--encoder-cache-store mooncake`` without ``--mooncake-master``, a store started here on the
+    workers' host (master and segment server, ``--encoder-cache-store-bytes``), stopped at exit."""
+    encoder = config.worker.encoder
+    if encoder.encoder_cache_store != "mooncake" or encoder.mooncake_master is not None:
+        yield config
+        return
+    if config.launcher == "ray" and config.ray_address is not None:
+        raise MooncakeStartError("--encoder-cache-store mooncake on an existing Ray cluster: give the cluster's "
+                                 "--mooncake-master HOST:PORT (a store started here would be this host's only)")
+    print(f"epd serve: starting the encoder cache store (Mooncake, {config.encoder_cache_store_bytes / 2**20:.0f} "
+          "MiB) ...", flush=True)
+    with MooncakeStore(segment_bytes=config.encoder_cache_store_bytes, host=config.worker.host) as store:
+        print(f"epd serve: encoder cache store: Mooncake master {store.master} (pid {store.procs[0].pid}), segment "
+              f"server pid {store.procs[1].pid}", flush=True)
+        worker = config.worker.model_copy(update={
+            "encoder": encoder.model_copy(update={"mooncake_master": store.master})})
+        yield config.model_copy(update={"worker": worker})
 
 
 def serve_locally(config: ServeConfig, stop: threading.Event) -> int:

@@ -1,0 +1,149 @@
+"""The cluster's encoder cache store as an encoder uses it (``epd.encoder.shared_store``), proved
+in-process over a store in memory with the same first-write-wins rule as Mooncake Store (the
+Mooncake tests, tests/chaos/test_encoder_cache_store.py, run the same paths against a real master):
+entries checked by dtype, shape and checksum; a bad entry re-encoded and counted; an outage degrades
+to the local cache without failing a request; two engines share one encoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from epd.config import EncoderConfig
+from epd.encoder.cache import EncoderCacheKey
+from epd.encoder.engine import EncoderEngine
+from epd.encoder.shared_store import (
+    CorruptEntry,
+    MemoryBackend,
+    SharedEncoderStore,
+    decode_entry,
+    encode_entry,
+    store_key,
+)
+
+from .fakes import BYTES_PER_ROW, FakeEncoder, expected_output, make_item
+
+KEY = EncoderCacheKey("c0ffee", "kw", "model", 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_an_entry_round_trips_and_owns_its_memory(dtype):
+    rows = torch.randn(3, 5).to(dtype)
+    back = decode_entry(encode_entry(rows), (3, 5), dtype)
+    assert back.dtype == dtype and torch.equal(back, rows)
+    back += 1  # writable, its own bytes
+    assert not torch.equal(back, rows)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[:-1], "payload bytes"),  # truncated
+    (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),  # one bit flipped
+    (lambda b: b"XXXX" + b[4:], "not an entry"),
+    (lambda b: b[:10], "shorter than an entry's header"),
+])
+def test_a_damaged_entry_is_refused(damage, message):
+    blob = encode_entry(torch.randn(3, 5))
+    with pytest.raises(CorruptEntry, match=message):
+        decode_entry(damage(blob), (3, 5), torch.float32)
+
+
+def test_an_entry_of_another_dtype_or_shape_is_refused():
+    blob = encode_entry(torch.randn(3, 5))
+    with pytest.raises(CorruptEntry, match=r"expected torch.bfloat16"):
+        decode_entry(blob, (3, 5), torch.bfloat16)
+    with pytest.raises(CorruptEntry, match=r"\(3, 5\), expected torch.float32 \(4, 5\)"):
+        decode_entry(blob, (4, 5), torch.float32)
+
+
+def test_the_key_names_every_input_that_changes_the_bytes():
+    base = store_key(KEY, torch.float32)
+    for other in (store_key(KEY._replace(content_hash="beef"), torch.float32),
+                  store_key(KEY._replace(processor_kwargs_hash="kw2"), torch.float32),
+                  store_key(KEY._replace(model_id="other"), torch.float32),
+                  store_key(KEY._replace(expected_rows=4), torch.float32), store_key(KEY, torch.bfloat16)):
+        assert other != base
+
+
+def test_fetch_put_and_a_corrupt_entry_is_removed_and_counted():
+    backend = MemoryBackend()
+    store = SharedEncoderStore(backend)
+    try:
+        assert store.fetch(KEY, (3, 5), torch.float32) is None
+        rows = torch.randn(3, 5)
+        store.put(KEY, rows)
+        assert store.flush()
+        assert torch.equal(store.fetch(KEY, (3, 5), torch.float32), rows)
+        name = store_key(KEY, torch.float32)
+        backend.entries[name] = backend.entries[name][:-4]  # truncated in the store
+        assert store.fetch(KEY, (3, 5), torch.float32) is None
+        assert name not in backend.entries  # removed: the next encoder's put replaces it
+        s = store.stats
+        assert (s.hits, s.misses, s.puts, s.rejected, s.errors, s.up) == (1, 1, 1, 1, 0, True)
+    finally:
+        store.close()
+
+
+def test_an_outage_is_counted_once_per_call_and_the_store_left_alone_until_retry():
+    backend, now = MemoryBackend(), [0.0]
+    store = SharedEncoderStore(backend, retry_after_s=5.0, clock=lambda: now[0])
+    try:
+        backend.fail = True
+        assert store.fetch(KEY, (3, 5), torch.float32) is None
+        assert (store.stats.errors, store.stats.up, store.stats.misses) == (1, False, 0)
+        calls = sum(backend.calls.values())
+        store.put(KEY, torch.randn(3, 5))
+        store.flush()
+        assert store.fetch(KEY, (3, 5), torch.float32) is None
+        assert sum(backend.calls.values()) == calls  # within retry_after_s: not asked again
+        backend.fail = False
+        now[0] = 6.0
+        assert store.fetch(KEY, (3, 5), torch.float32) is None  # asked again: a miss, and up
+        assert store.stats.up and store.stats.misses == 1
+    finally:
+        store.close()
+
+
+def _engine(backend: MemoryBackend):
+    model = FakeEncoder()
+    engine = EncoderEngine(model, EncoderConfig(encoder_max_num_tokens=64), model_id="m",
+                           model_max_atomic_item_tokens=64, bytes_per_embedding=BYTES_PER_ROW,
+                           encoder_tokens_per_row=4, shared_store=SharedEncoderStore(backend))
+    return engine, model
+
+
+def test_what_one_engine_encodes_another_fetches_instead_of_encoding():
+    backend = MemoryBackend()
+    first, first_model = _engine(backend)
+    second, second_model = _engine(backend)
+    try:
+        first.submit("a", [make_item("x"), make_item("y", 3)]).result(timeout=10)
+        assert first.shared_store.flush()
+        result = second.submit("b", [make_item("y", 3), make_item("z")]).result(timeout=10)
+        assert second_model.batches == [["z"]]  # y came from the store: only z was encoded
+        assert torch.equal(result.embeddings[0], expected_output("y", 3))
+        assert torch.equal(result.embeddings[1], expected_output("z"))
+        assert (second.num_encoded_items, second.shared_store.stats.hits) == (1, 1)
+        assert first_model.batches == [["x", "y"]]
+    finally:
+        first.close()
+        second.close()
+
+
+def test_a_corrupt_entry_is_encoded_again_and_a_store_outage_fails_no_request():
+    backend = MemoryBackend()
+    first, _ = _engine(backend)
+    second, second_model = _engine(backend)
+    try:
+        first.submit("a", [make_item("x")]).result(timeout=10)
+        assert first.shared_store.flush()
+        (name,) = backend.entries
+        backend.entries[name] = backend.entries[name][:-1] + b"\x00"  # a flipped byte
+        result = second.submit("b", [make_item("x")]).result(timeout=10)
+        assert second_model.batches == [["x"]] and torch.equal(result.embeddings[0], expected_output("x"))
+        assert second.shared_store.stats.rejected == 1
+        backend.fail = True
+        result = second.submit("c", [make_item("w")]).result(timeout=10)
+        assert torch.equal(result.embeddings[0], expected_output("w"))
+        assert second.shared_store.stats.errors >= 1 and not second.shared_store.stats.up
+    finally:
+        first.close()
+        second.close()

@@ -228,6 +228,9 @@ class EncoderConfig(_Config):
                              "names one)")
     mooncake_master: str | None = Field(None, description="HOST:PORT of the Mooncake master of the encoder cache "
                                                           "store")
+    encoder_cache_claim_ttl_s: float = Field(
+        10.0, gt=0, description="with the store: how long an encoder's claim on a new item holds off other "
+                                "encoders (they wait for its result); a claimant that dies is taken over after it")
     mooncake_metadata_server: str = Field(
         "P2PHANDSHAKE", description="Mooncake's metadata service: P2PHANDSHAKE (none: peers exchange it), or an "
                                     "http:// or etcd:// address")

@@ -17,6 +17,7 @@ import torch
 
 from epd.config import EncoderConfig
 from epd.encoder.cache import CacheMetrics, EncoderCacheKey
+from epd.encoder.cluster_cache import POLL_S, ClusterCache, Split
 from epd.encoder.errors import MultimodalEncoderInputError, MultimodalEncoderRequestError
 from epd.encoder.item_scheduler import (
     EncoderItem,
@@ -91,6 +92,7 @@ class EncoderEngine:
         and given what this engine encodes. The engine closes it."""
         self.config = config
         self.shared_store = shared_store
+        self.cluster: ClusterCache | None = None
         self.model_id = model_id
         self.media = media  # the checkpoint's image geometry and video sampling (items' kwargs are checked by it)
         self.num_forwards = 0
@@ -117,6 +119,9 @@ class EncoderEngine:
             self.cache = self.scheduler.cache
             self.runner = MultimodalEncoderRunner(model, self.scheduler, device=config.target_device,
                                                   allocate=allocate_output)
+            self.cluster = None if shared_store is None else ClusterCache(
+                shared_store, width=self.runner.expected_width, dtype=self.runner.expected_dtype,
+                device=self.runner.device, bytes_per_embedding=bytes_per_embedding)
         except BaseException:
             self.close()
             raise
@@ -251,26 +256,43 @@ class EncoderEngine:
         while True:
             with self._wakeup:
                 while not self._has_work and not self._closed:
+                    if self.cluster is not None and self.cluster.waiting:  # items another encoder encodes
+                        self._wakeup.wait(POLL_S)
+                        break
                     self._wakeup.wait()
                 if self._closed:
                     return
                 self._has_work = False
+            if self.cluster is not None and self.cluster.waiting:
+                taken_over = self._take(self.cluster.poll())
+                if not taken_over.is_empty:
+                    self._encode(taken_over)
             batch = self.scheduler.schedule()
             if not batch.is_empty:
                 self._run_batch(batch)
                 self._notify()  # more may wait, and failed entries need a new producer
 
     def _run_batch(self, batch: ScheduledBatch) -> None:
-        if self.shared_store is not None:
-            found, outputs, batch = self._split_by_store(batch)
-            if not found.is_empty:
-                self._settle(found, lambda: self.runner.commit_outputs(found, outputs))
+        if self.cluster is not None:
+            batch = self._take(self.cluster.split(batch))
             if batch.is_empty:
                 return
+        self._encode(batch)
+
+    def _take(self, split: Split) -> ScheduledBatch:
+        """Commit what came from the cluster's store; -> what is left to encode."""
+        if not split.found.is_empty:
+            self._settle(split.found, lambda: self.runner.commit_outputs(split.found, split.outputs))
+        return split.encode
+
+    def _encode(self, batch: ScheduledBatch) -> None:
         self.num_forwards += 1
         self.num_encoded_items += len(batch)
-        if self._settle(batch, lambda: self.runner.forward_items(batch)) and self.shared_store is not None:
-            self._share(batch)
+        encoded = self._settle(batch, lambda: self.runner.forward_items(batch))
+        if self.cluster is not None and encoded:
+            self.cluster.share(batch, self.cache)
+        elif self.cluster is not None:
+            self.cluster.forget(batch)
 
     def _settle(self, batch: ScheduledBatch, produce: Callable[[], list]) -> bool:
         """``produce()`` (-> the requests it made ready) and complete them; a failure fails only the
@@ -290,29 +312,6 @@ class EncoderEngine:
             return False
         self._complete(ready)
         return True
-
-    def _share(self, batch: ScheduledBatch) -> None:
-        """What this engine encoded, for the cluster's other encoders (queued: nobody waits for it)."""
-        for item in batch.items:
-            entry = self.cache.get(item.cache_key)
-            if entry is not None and entry.tensor is not None:
-                tensor = entry.tensor  # a CUDA output is copied here, after the stream that wrote it
-                self.shared_store.put(item.cache_key, tensor.to("cpu") if tensor.is_cuda else tensor)
-
-    def _split_by_store(self, batch: ScheduledBatch) -> tuple[ScheduledBatch, list, ScheduledBatch]:
-        """(the items the cluster's store has, their outputs, the items left to encode)."""
-        runner, found, outputs, rest = self.runner, [], [], []
-        for item in batch.items:
-            shape = (item.item.expected_rows, runner.expected_width)
-            tensor = self.shared_store.fetch(item.cache_key, shape, runner.expected_dtype)
-            if tensor is None:
-                rest.append(item)
-            else:
-                found.append(item)
-                outputs.append(tensor.to(runner.device) if runner.device.type != "cpu" else tensor)
-        left = ScheduledBatch(tuple(rest), sum(i.item.encoder_tokens for i in rest),
-                              sum(i.item.expected_rows for i in rest) * self.scheduler.budgets.bytes_per_embedding)
-        return ScheduledBatch(tuple(found)), outputs, left
 
     def _complete(self, states: list[MultimodalEncoderRequestState]) -> None:
         for state in states:

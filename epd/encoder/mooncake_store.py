@@ -91,6 +91,16 @@ class MooncakeBackend:
         if code != 0:
             raise MooncakeStoreError(f"put of {len(value)} bytes returned {code}")
 
+    def put_first(self, key: str, value: bytes) -> bytes | None:
+        """Mooncake keeps the first write of a key (``put`` of a key that exists changes nothing):
+        write, then read back who won."""
+        store = self._client()
+        code = store.put(key, value)
+        if code != 0:
+            raise MooncakeStoreError(f"put of a claim returned {code}")
+        held = store.get(key)
+        return bytes(held) if held else None  # None: the winner's write is not readable yet
+
     def remove(self, key: str) -> None:
         self._client().remove(key)  # refused while a lease holds it, or gone already: put replaces it
 

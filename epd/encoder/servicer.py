@@ -283,4 +283,5 @@ def shared_store_for(config) -> SharedEncoderStore | None:
     return SharedEncoderStore(MooncakeBackend(encoder.mooncake_master, host=config.host,
                                               metadata_server=encoder.mooncake_metadata_server,
                                               protocol=encoder.mooncake_protocol,
-                                              device_names=encoder.mooncake_device_names))
+                                              device_names=encoder.mooncake_device_names),
+                              claim_ttl_s=encoder.encoder_cache_claim_ttl_s)

@@ -13,12 +13,21 @@ is counted, removed from the store and encoded again: it never reaches prefill.
 A store that fails (a master gone, a full store, a timeout) degrades to the local cache: each
 failure is counted and logged once per outage, the store is left alone for ``retry_after_s``, and
 no request fails for it.
+
+Single flight across the cluster: before it encodes an item the store does not have, an encoder
+claims it (``claim``: the first to write the item's claim key owns it; the store keeps the first
+write of a key). Another encoder that needs the item meanwhile finds the claim and waits for the
+result instead of encoding it too (``poll``). A claim is a lease: it names its deadline
+(``claim_ttl_s`` from now, wall clock), and a claimant that dies leaves a claim that expires; the
+first waiter to claim the item's next generation (``<key>/claim/<n+1>``, again first write wins)
+takes over and encodes it. The owner removes its claims once the result is in the store.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
 import queue
+import secrets
 import struct
 import threading
 import time
@@ -43,12 +52,15 @@ _PUT_QUEUE = 64  # outputs waiting to be put; past it a put is dropped (counted)
 
 
 class StoreBackend(Protocol):
-    """The few operations the shared cache needs of a key-value store (``put`` inserts or replaces).
-    Each may raise on an outage."""
+    """The few operations the shared cache needs of a key-value store (``put`` inserts or replaces;
+    ``put_first`` writes only a key nobody wrote, and returns what the key holds after it: the
+    value given when this call wrote it). Each may raise on an outage."""
 
     def get(self, key: str) -> bytes | None: ...
 
     def put(self, key: str, value: bytes) -> None: ...
+
+    def put_first(self, key: str, value: bytes) -> bytes | None: ...
 
     def remove(self, key: str) -> None: ...
 
@@ -103,6 +115,21 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+_MAX_GENERATIONS = 8  # claims of one item past this many expired ones: encode without a claim
+
+
+@dataclass
+class Claim:
+    """An item being encoded somewhere in the cluster: ``mine`` (this encoder encodes it) or
+    another's, which holds it until ``deadline_s`` (wall clock, seconds)."""
+
+    key: EncoderCacheKey
+    name: str  # the claim key
+    generation: int
+    mine: bool
+    deadline_s: float
+
+
 @dataclass
 class SharedStoreStats:
     hits: int = 0  # items fetched from the store instead of encoded
@@ -112,6 +139,9 @@ class SharedStoreStats:
     rejected: int = 0  # entries that were corrupt or not this encoder's: removed, encoded again
     errors: int = 0  # store operations that failed (each outage's first is logged)
     up: bool = True  # the last operation reached the store
+    claims: int = 0  # items this encoder claimed (and so encoded for the cluster)
+    waits: int = 0  # items another encoder was encoding: waited for, not encoded here
+    takeovers: int = 0  # claims taken over from a claimant whose lease ran out
 
 
 class SharedEncoderStore:
@@ -119,10 +149,13 @@ class SharedEncoderStore:
     a batch runs) and ``put`` (queued, a thread of its own puts it: a request never waits for the
     store). ``clock`` is for tests."""
 
-    def __init__(self, backend: StoreBackend, *, retry_after_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, backend: StoreBackend, *, retry_after_s: float = 5.0, claim_ttl_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.backend = backend
         self.retry_after_s = retry_after_s
+        self.claim_ttl_s = claim_ttl_s
+        self.owner = secrets.token_hex(8)  # this encoder, in the claims it writes
+        self._wall = wall
         self.stats = SharedStoreStats()
         self._clock = clock
         self._down_until = 0.0
@@ -132,15 +165,17 @@ class SharedEncoderStore:
         self._put_thread.start()
 
     # -- reads -----------------------------------------------------------------------------
-    def fetch(self, key: EncoderCacheKey, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    def fetch(self, key: EncoderCacheKey, shape: tuple[int, ...], dtype: torch.dtype, *,
+              count_miss: bool = True) -> torch.Tensor | None:
         """The item's output from the store, or None (not there, damaged, or the store is down)."""
         name = store_key(key, dtype)
         blob = self._call("get", lambda: self.backend.get(name))
         if blob is _FAILED:
             return None
         if not blob:
-            with self._lock:
-                self.stats.misses += 1
+            if count_miss:
+                with self._lock:
+                    self.stats.misses += 1
             return None
         try:
             tensor = decode_entry(blob, shape, dtype)
@@ -154,12 +189,52 @@ class SharedEncoderStore:
             self.stats.hits += 1
         return tensor
 
+    # -- single flight ---------------------------------------------------------------------
+    def claim(self, key: EncoderCacheKey, dtype: torch.dtype, after: Claim | None = None) -> Claim | None:
+        """Claim ``key`` for this encoder, or find who holds it: -> the claim (``mine``, or
+        another's live one), or None when the store cannot say (down: encode without a claim).
+        ``after``: an expired claim seen before; its next generation is tried first."""
+        name = store_key(key, dtype)
+        generation = after.generation + 1 if after is not None else 0
+        while generation < _MAX_GENERATIONS:
+            claim_name = f"{name}/claim/{generation}"
+            deadline_s = self._wall() + self.claim_ttl_s
+            token = f"{self.owner} {deadline_s:.3f}".encode()
+            held = self._call("claim", lambda: self.backend.put_first(claim_name, token))
+            if held is _FAILED:
+                return None
+            if held == token:
+                with self._lock:
+                    self.stats.claims += 1
+                    self.stats.takeovers += generation > 0
+                return Claim(key, claim_name, generation, True, deadline_s)
+            holder_deadline = _deadline_of(held, default=self._wall() + self.claim_ttl_s)
+            if holder_deadline > self._wall():
+                return Claim(key, claim_name, generation, False, holder_deadline)
+            generation += 1  # that claimant's lease ran out: the next generation is free to claim
+        return None
+
+    def poll(self, claim: Claim, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | Claim | None:
+        """Another encoder's claim: -> its result once in the store, a new claim once the lease ran
+        out (``mine``: encode it now), else None (wait on)."""
+        tensor = self.fetch(claim.key, shape, dtype, count_miss=False)
+        if tensor is not None:
+            return tensor
+        if self._wall() < claim.deadline_s:
+            return None
+        return self.claim(claim.key, dtype, after=claim) or Claim(claim.key, claim.name, claim.generation, True, 0.0)
+
+    def counted_wait(self) -> None:
+        with self._lock:
+            self.stats.waits += 1
+
     # -- writes ----------------------------------------------------------------------------
-    def put(self, key: EncoderCacheKey, tensor: torch.Tensor) -> None:
+    def put(self, key: EncoderCacheKey, tensor: torch.Tensor, claim: Claim | None = None) -> None:
         """Queue an encoded output for the store (its bytes are read on the put thread: the tensor
-        must not be written again, as cache entries never are)."""
+        must not be written again, as cache entries never are); ``claim`` (this encoder's) is
+        removed once the output is in."""
         try:
-            self._puts.put_nowait((store_key(key, tensor.dtype), tensor))
+            self._puts.put_nowait((store_key(key, tensor.dtype), tensor, claim))
         except queue.Full:
             with self._lock:
                 self.stats.dropped_puts += 1
@@ -177,10 +252,12 @@ class SharedEncoderStore:
             try:
                 if job is None:
                     return
-                name, tensor = job
+                name, tensor, claim = job
                 if self._call("put", lambda: self.backend.put(name, encode_entry(tensor))) is not _FAILED:
                     with self._lock:
                         self.stats.puts += 1
+                    if claim is not None and claim.mine:  # its waiters find the result first from now on
+                        self._call("remove", lambda: self.backend.remove(claim.name))
             finally:
                 self._puts.task_done()
 
@@ -215,6 +292,15 @@ class SharedEncoderStore:
         self.backend.close()
 
 
+def _deadline_of(token: bytes | None, default: float) -> float:
+    """The deadline a claim token names (``<owner> <deadline>``); ``default`` for one not readable
+    (being written this moment: taken as live)."""
+    try:
+        return float(token.split()[1])
+    except (AttributeError, IndexError, ValueError):
+        return default
+
+
 class _Failed:
     def __bool__(self) -> bool:
         return False
@@ -244,6 +330,10 @@ class MemoryBackend:
     def put(self, key: str, value: bytes) -> None:
         self._check("put")
         self.entries[key] = value  # insert or replace, as the Mooncake backend does
+
+    def put_first(self, key: str, value: bytes) -> bytes | None:
+        self._check("put_first")
+        return self.entries.setdefault(key, value)
 
     def remove(self, key: str) -> None:
         self._check("remove")

@@ -99,6 +99,12 @@ class TierMetrics:
               "shape) and encoded again", lambda: stats.rejected)
         count("epd_encoder_store_errors", "Store operations that failed (the encoder used its own cache)",
               lambda: stats.errors)
+        count("epd_encoder_store_claims", "New items this encoder claimed, and so encoded for the cluster",
+              lambda: stats.claims)
+        count("epd_encoder_store_waits", "Items another encoder was encoding: waited for, not encoded here",
+              lambda: stats.waits)
+        count("epd_encoder_store_takeovers", "Claims taken over from a claimant whose lease ran out",
+              lambda: stats.takeovers)
         self.live("epd_encoder_store_up", "1 while the last store operation succeeded, else 0",
                   lambda: 1.0 if stats.up else 0.0)
 

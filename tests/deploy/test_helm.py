@@ -69,7 +69,8 @@ CASES: dict[str, dict] = {
                 "apiKeys": {"secretName": "epd-api-keys", "key": "keys"},
                 "networkPolicy": {"enabled": True, "routerFrom": [{"namespaceSelector": {
                     "matchLabels": {"kubernetes.io/metadata.name": "ingress"}}}]},
-                "router": {"service": {"type": "LoadBalancer"}}},
+                "router": {"service": {"type": "LoadBalancer"}},
+                "encoderCacheStore": {"enabled": True}},
     "exposed": {"runtimeClassName": "nvidia",
                 "router": {"ingress": {"enabled": True, "className": "nginx",
                                        "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
@@ -84,6 +85,7 @@ CASES: dict[str, dict] = {
                      "whenUnsatisfiable": "ScheduleAnyway", "labelSelector": {"matchLabels": {"pool": "decode"}}}]}},
     "nccl": {"gpu": {"enabled": True}, "transport": "nccl", "decode": {"gpus": 2},
              "prefill": {"config": {"engine": {"tensor_parallel_size": 2}}},  # one pod, both ranks' GPUs
+             "encoderCacheStore": {"enabled": True, "master": "mooncake-master.stores.svc:50061"},
              "encoder": {"config": {"encoder": {"device": "cuda:0", "cuda_graph_buckets": [[4096, 4]]}}}},
 }
 
@@ -403,7 +405,7 @@ def test_the_secured_chart_wires_secrets_and_network_policies(rendered, tmp_path
         assert ("api-keys" in volumes) == (doc is router_doc)
     assert "subPath" not in {m["name"]: m for m in _container(router_doc)["volumeMounts"]}["api-keys"]
     policies = by_kind(docs, "NetworkPolicy")
-    assert set(policies) == {"epd-router", *(f"epd-{t}" for t in TIERS)}
+    assert set(policies) == {"epd-router", "epd-mooncake", *(f"epd-{t}" for t in TIERS)}  # + the encoder cache store
     for tier in TIERS:
         grpc_rule, metrics_rule = policies[f"epd-{tier}"]["spec"]["ingress"]
         assert grpc_rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": RELEASE,
@@ -705,3 +707,34 @@ def _exported_metric_names() -> set[str]:
     from tests.prom import every_registry
     return {family.name for registry in every_registry().values()
             for family in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def test_the_encoder_cache_store_is_run_by_the_chart_or_pointed_at(rendered, tmp_path):
+    """encoderCacheStore: the chart runs a master and a segment server (one pod, a Service, its own
+    NetworkPolicy) and points every encoder at it; with ``master`` given it runs nothing and points
+    the encoders there; off, encoders keep their own caches only."""
+    from epd.server.tier import worker_config_from_args
+
+    def encoder_config(case: str):
+        (tmp_path / case).mkdir()
+        files = _config_files(rendered[case], tmp_path / case)
+        return worker_config_from_args("encoder", ["--config", str(files["encoder.yaml"])]).encoder
+
+    run = rendered["secured"]
+    (store,) = [d for d in by_kind(run, "Deployment").values() if d["metadata"]["name"] == "epd-mooncake"]
+    containers = {c["name"]: c for c in store["spec"]["template"]["spec"]["containers"]}
+    assert containers["master"]["command"] == ["mooncake_master"]
+    assert "-rpc_port=50061" in containers["master"]["args"]
+    assert containers["segment"]["command"] == ["mooncake_client"]
+    assert "-global_segment_size=4294967296" in containers["segment"]["args"]
+    assert "-master_server_address=$(POD_IP):50061" in containers["segment"]["args"]
+    assert by_kind(run, "Service")["epd-mooncake"]["spec"]["ports"][0]["port"] == 50061
+    assert "epd-mooncake" in by_kind(run, "NetworkPolicy")
+    config = encoder_config("secured")
+    assert (config.encoder_cache_store, config.mooncake_master) == \
+        ("mooncake", f"epd-mooncake.{NAMESPACE}.svc.cluster.local:50061")
+    pointed = rendered["nccl"]
+    assert "epd-mooncake" not in by_kind(pointed, "Deployment")
+    assert encoder_config("nccl").mooncake_master == "mooncake-master.stores.svc:50061"
+    assert "epd-mooncake" not in by_kind(rendered["default"], "Deployment")
+    assert encoder_config("default").encoder_cache_store == "local"

@@ -37,6 +37,8 @@ class FakeEncoder:
         self.wrong_rows: dict[str, int] = {}  # name -> rows actually produced
         self.wrong_dtype: set[str] = set()
         self.undecodable: set[str] = set()  # names whose media do not decode (preprocess refuses them)
+        self.entered = threading.Event()  # set when an encode starts
+        self.hold: threading.Event | None = None  # when set to an Event: encode waits for it (a slow forward)
         self._lock = threading.Lock()
 
     def preprocess(self, inputs: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +57,9 @@ class FakeEncoder:
             if self.fail_next_encodes:
                 self.fail_next_encodes -= 1
                 raise RuntimeError("CUDA out of memory (fake)")
+        self.entered.set()
+        if self.hold is not None:
+            assert self.hold.wait(30), "the test never let the encode finish"
         outputs = []
         for name, rows in self._pending:
             out = expected_output(name, self.wrong_rows.get(name, int(rows)))

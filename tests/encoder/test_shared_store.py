@@ -1,9 +1,14 @@
 """The cluster's encoder cache store as an encoder uses it (``epd.encoder.shared_store``), proved
-in-process over a store in memory with the same first-write-wins rule as Mooncake Store (the
+in-process over a store in memory with Mooncake Store's rules (a claim's first write wins; the
 Mooncake tests, tests/chaos/test_encoder_cache_store.py, run the same paths against a real master):
 entries checked by dtype, shape and checksum; a bad entry re-encoded and counted; an outage degrades
-to the local cache without failing a request; two engines share one encoding."""
+to the local cache without failing a request; two engines share one encoding; an item being encoded
+by one engine is waited for by the others, not encoded again, and a claimant that dies is taken over
+when its lease runs out."""
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import torch
@@ -147,3 +152,87 @@ def test_a_corrupt_entry_is_encoded_again_and_a_store_outage_fails_no_request():
     finally:
         first.close()
         second.close()
+
+
+def test_an_item_another_engine_is_encoding_is_waited_for_not_encoded_again():
+    backend = MemoryBackend()
+    first, first_model = _engine(backend)
+    second, second_model = _engine(backend)
+    try:
+        first_model.hold = threading.Event()
+        slow = first.submit("a", [make_item("x")])
+        assert first_model.entered.wait(10)  # claimed, and encoding
+        waiting = second.submit("b", [make_item("x"), make_item("y")])
+        assert wait_until(lambda: second.shared_store.stats.waits == 1, 10)
+        assert second_model.batches in ([["y"]], [])  # y is its own; x is first's
+        first_model.hold.set()
+        assert torch.equal(slow.result(timeout=10).embeddings[0], expected_output("x"))
+        result = waiting.result(timeout=10)
+        assert torch.equal(result.embeddings[0], expected_output("x"))
+        assert second_model.encoded_names == ["y"] and first_model.encoded_names == ["x"]
+        assert (first.shared_store.stats.claims, second.shared_store.stats.claims) == (1, 1)  # x and y
+        assert not [k for k in backend.entries if "/claim/" in k]  # each claim removed once its result was in
+    finally:
+        first_model.hold = None
+        first.close()
+        second.close()
+
+
+def test_sixteen_requests_for_one_new_image_over_two_engines_run_one_forward():
+    backend = MemoryBackend()
+    engines = [_engine(backend), _engine(backend)]
+    try:
+        for _, model in engines:
+            model.hold = threading.Event()
+        barrier = threading.Barrier(16)
+        futures = {}
+
+        def go(i: int) -> None:
+            barrier.wait()
+            futures[i] = engines[i % 2][0].submit(f"r{i}", [make_item("new")])
+
+        threads = [threading.Thread(target=go, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert wait_until(lambda: any(m.entered.is_set() for _, m in engines), 10)
+        time.sleep(0.2)  # both engines have scheduled the item by now: one encodes, one waits
+        for _, model in engines:
+            model.hold.set()
+        results = [futures[i].result(timeout=10) for i in range(16)]
+        assert all(torch.equal(r.embeddings[0], expected_output("new")) for r in results)
+        assert sum(len(m.batches) for _, m in engines) == 1  # one forward in the "cluster"
+        assert sum(e.shared_store.stats.waits for e, _ in engines) == 1  # the other engine waited for it
+    finally:
+        for engine, model in engines:
+            model.hold = None
+            engine.close()
+
+
+def test_a_claimant_that_dies_is_taken_over_when_its_lease_runs_out():
+    backend = MemoryBackend()
+    dead = SharedEncoderStore(backend, claim_ttl_s=0.5)
+    engine, model = _engine(backend)
+    try:
+        key = engine.scheduler.cache_key(make_item("x"))
+        assert dead.claim(key, torch.float32).mine  # then it "dies": never puts the result
+        started = time.monotonic()
+        result = engine.submit("a", [make_item("x")]).result(timeout=10)
+        assert time.monotonic() - started >= 0.4  # it waited for the lease
+        assert torch.equal(result.embeddings[0], expected_output("x"))
+        assert model.encoded_names == ["x"]
+        s = engine.shared_store.stats
+        assert (s.waits, s.takeovers, s.claims) == (1, 1, 1)
+    finally:
+        dead.close()
+        engine.close()
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False

@@ -151,6 +151,10 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
 {{- $_ := set $cfg "engine" $eng -}}
 {{- end -}}
 {{- end -}}
+{{- if and (eq $tier "encoder") $root.Values.encoderCacheStore.enabled -}}
+{{- $store := dict "encoder_cache_store" "mooncake" "mooncake_master" (include "epd.mooncakeMaster" $root) -}}
+{{- $_ := set $cfg "encoder" (mustMergeOverwrite (get $cfg "encoder" | default dict) $store) -}}
+{{- end -}}
 {{- if and (hasKey $cfg "encoder") (ne $tier "encoder") -}}
 {{- $_ := unset $cfg "encoder" -}}
 {{- end -}}
@@ -406,4 +410,13 @@ initContainers:
 {{- $_ := set $res "limits" $limits -}}
 {{- end -}}
 {{- toYaml $res -}}
+{{- end -}}
+
+{{/* HOST:PORT of the encoder cache store's Mooncake master: the one given, or the chart's. */}}
+{{- define "epd.mooncakeMaster" -}}
+{{- if .Values.encoderCacheStore.master -}}
+{{- .Values.encoderCacheStore.master -}}
+{{- else -}}
+{{- printf "%s.%s.svc.%s:%d" (include "epd.tierName" (dict "root" . "tier" "mooncake")) .Release.Namespace .Values.clusterDomain (int .Values.encoderCacheStore.rpcPort) -}}
+{{- end -}}
 {{- end -}}

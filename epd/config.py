@@ -384,6 +384,13 @@ class RouterConfig(_Config):
     host: str = Field("127.0.0.1", description="where the router listens")
     port: Port = Field(8000, description="HTTP port of the OpenAI API (0: a free one)")
     grpc_port: Port = Field(50051, description="port of the public gRPC API (0: a free one)")
+    http_fd: NonNegativeInt | None = Field(
+        None, description="serve HTTP on this listening socket, inherited from the launcher, instead of binding "
+                          "--port (epd serve --routers N: one socket, bound once, every router accepting on it)")
+    router_index: NonNegativeInt = Field(0, description="which of epd serve's routers this is (in /health and the "
+                                                        "epd_router_info metric)")
+    public_grpc: bool = Field(True, description="serve the public gRPC API on --grpc-port (with --routers N the "
+                                                "first router does)")
     max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="what this process logs")
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line (for "
@@ -537,6 +544,10 @@ class ServeConfig(_Config):
     revision: str | None = Field(None, description="a hub id's branch, tag or commit (default: main)")
     download_dir: str | None = Field(None, description="the Hugging Face cache a hub id is looked up in and "
                                                        "downloaded to (default: HF_HUB_CACHE)")
+    routers: PositiveInt = Field(1, description="router processes serving the one HTTP port (vLLM's "
+                                                "--api-server-count): the port is bound once and every router "
+                                                "accepts on it; the first also serves gRPC",
+                                 json_schema_extra={"aliases": ["--api-server-count"]})
     encoder_cache_store_bytes: PositiveInt = Field(
         1024 * MiB, description="memory of the encoder cache store that epd serve starts (--encoder-cache-store "
                                 "mooncake without --mooncake-master)")

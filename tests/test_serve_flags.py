@@ -229,3 +229,16 @@ def test_allowed_media_domains_refuse_other_hosts(app_with):
                                                                      r"\(example.com; --allowed-media-domains\)"):
                         client.chat.completions.create(model="tiny", messages=chat)
             assert len(backend.jobs) == (1 if ok else 0)
+
+
+def test_routers_share_the_http_port_and_vllms_api_server_count_is_the_same_flag():
+    assert serve_config_from_args(["tiny-qwen2-vl", "--api-server-count", "3"]).routers == 3
+    assert serve_config_from_args(["tiny-qwen2-vl", "--routers", "2"]).routers == 2
+    for flags, expected in ((["--aggregated"], "--routers 2 with --aggregated (each router would run its own"),
+                            (["--launcher", "ray"], "--routers 2 with the Ray launcher")):
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            serve_config_from_args(["tiny-qwen2-vl", "--routers", "2", *flags])
+    # what epd serve sets on each of its routers is not a flag of its own
+    for flag in ("--http-fd", "--router-index", "--public-grpc"):
+        with pytest.raises(ConfigError, match=re.escape(flag)):
+            serve_config_from_args(["tiny-qwen2-vl", flag, "1"])

@@ -13,9 +13,12 @@ _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 
 
 class RouterMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, router_index: int = 0) -> None:
         self.own = r = CollectorRegistry()
         self.registry = exposition(r, model_name)  # what /metrics serves
+        # which of epd serve's routers answered (with --routers N they share one port)
+        Gauge("epd_router_info", "This router process (its index among the routers sharing the port)", ["router"],
+              registry=r).labels(str(router_index)).set(1)
         self.requests = Counter("epd_requests", "Requests finished, by outcome", ["outcome"], registry=r)
         self.rejections = Counter("epd_admission_rejections", "Requests refused at admission, by reason",
                                   ["reason"], registry=r)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -69,7 +71,7 @@ class RequestPipeline:
         self.media = media or MediaFetcher(limits=FetchLimits(max_items=config.max_items_per_request))
         self.limits = RequestLimits.from_config(config, backend.embedding_row_bytes)
         self.gate = AdmissionGate(config.max_concurrent_requests, config.max_queued_requests, config.queue_timeout_s)
-        self.metrics = RouterMetrics(self.model_name)
+        self.metrics = RouterMetrics(self.model_name, config.router_index)
 
     async def start(self) -> None:
         await self.backend.start()
@@ -79,7 +81,9 @@ class RequestPipeline:
 
     # ---- RouterCore -----------------------------------------------------------------------------
     def health(self) -> dict:
-        return {"model": self.model_name, **self.backend.health()}
+        return {"model": self.model_name,
+                "router": {"index": self.config.router_index, "host": socket.gethostname(), "pid": os.getpid()},
+                **self.backend.health()}
 
     def metrics_text(self) -> bytes:
         self.refresh_metrics()

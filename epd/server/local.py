@@ -229,19 +229,23 @@ class LocalCluster:
 
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
                      extra_args: Sequence[str] = (), timeout_s: float = 120.0,
-                     config: BaseModel | None = None) -> TierProcess:
+                     config: BaseModel | None = None, http_socket: socket.socket | None = None) -> TierProcess:
         """Start the router over the running workers; its ready line names the HTTP URL and the
         public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
-        ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win)."""
+        ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win);
+        ``http_socket``: a listening socket it serves HTTP on (inherited, kept open here for the
+        next router)."""
         config_fd = _config_pipe(config) if config is not None else None
         args = ["--config", f"/dev/fd/{config_fd}"] if config_fd is not None else []
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
                  "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
                  "--decodes", ",".join(self.decodes), *extra_args]
+        if http_socket is not None:
+            args += ["--http-fd", str(http_socket.fileno())]
         if self.transport:
             args += ["--transport", self.transport]
         proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
-                           config_fd=config_fd)
+                           config_fd=config_fd, keep_fds=(http_socket.fileno(),) if http_socket is not None else ())
         self.processes.append(proc)
         proc._ready.wait(timeout_s)
         if proc.address is None:
@@ -330,13 +334,14 @@ class LocalCluster:
             cmd += ["--transport", self.transport]
         return cmd + list(args)
 
-    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL, config_fd: int | None = None) -> TierProcess:
+    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL, config_fd: int | None = None,
+               keep_fds: Sequence[int] = ()) -> TierProcess:
         """Start ``cmd``; it dies with this process (``epd.server.parent``); ``config_fd``: a pipe's
-        read end it inherits (closed here once it has it)."""
+        read end it inherits (closed here once it has it); ``keep_fds``: others it inherits (kept)."""
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True,
                                     env=child_environment(self.env), start_new_session=True,
-                                    pass_fds=(config_fd,) if config_fd is not None else ())
+                                    pass_fds=(*((config_fd,) if config_fd is not None else ()), *keep_fds))
         finally:
             if config_fd is not None:
                 os.close(config_fd)

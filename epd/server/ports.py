@@ -28,8 +28,10 @@ def check_free(host: str, port: int, flag: str) -> None:
 
 def check_router_ports(router) -> None:
     """The router's HTTP, gRPC and admin ports (``RouterConfig``)."""
-    check_free(router.host, router.port, "--port")
-    check_free(router.host, router.grpc_port, "--grpc-port")
+    if router.http_fd is None:  # an inherited socket is bound already, by the launcher
+        check_free(router.host, router.port, "--port")
+    if router.public_grpc:
+        check_free(router.host, router.grpc_port, "--grpc-port")
     if router.admin_port is not None:
         check_free(router.admin_host, router.admin_port, "--admin-port")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 import grpc
 import uvicorn
@@ -151,10 +152,12 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
     grpc_server = grpc.aio.server(options=public_server_options(limits), interceptors=interceptors)
     add_router_grpc(grpc_server, router, default_max_tokens=config.default_max_tokens, limits=limits,
                     generation=router.generation)
-    grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    if grpc_port == 0:  # taken since the check at start
-        raise PortTaken(f"--grpc-port {config.grpc_port}: cannot bind {config.host}:{config.grpc_port} (in use?); "
-                        "give --grpc-port another port, or 0 for a free one")
+    grpc_port = None
+    if config.public_grpc:
+        grpc_port = grpc_server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        if grpc_port == 0:  # taken since the check at start
+            raise PortTaken(f"--grpc-port {config.grpc_port}: cannot bind {config.host}:{config.grpc_port} (in use?); "
+                            "give --grpc-port another port, or 0 for a free one")
     await grpc_server.start()
     app = build_app(router, tokenizer=router.tokenizer, default_max_tokens=config.default_max_tokens,
                     generation=router.generation,
@@ -179,15 +182,18 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
             loop.add_signal_handler(sig, stop)
         # its launcher died: the clients' requests can not be finished by workers that go with it
         watch_parent(lambda: loop.call_soon_threadsafe(stop, 0.0))
-    serving = asyncio.create_task(server.serve())
+    # a socket the launcher bound and shares between its routers: accepted on, never bound here
+    sockets = [socket.socket(fileno=config.http_fd)] if config.http_fd is not None else None
+    serving = asyncio.create_task(server.serve(sockets=sockets))
     while not server.started and not serving.done():
         await asyncio.sleep(0.05)
     if server.started:
         http_port = server.servers[0].sockets[0].getsockname()[1]
-        announce_ready("router", f"http://{config.host}:{http_port}", f"grpc={config.host}:{grpc_port}",
+        grpc_address = f"{config.host}:{grpc_port}" if grpc_port is not None else "none"
+        announce_ready("router", f"http://{config.host}:{http_port}", f"grpc={grpc_address}",
                        *([f"admin={admin[2]}"] if admin else []))
         if on_ready is not None:  # (HTTP URL, gRPC address, admin URL or None)
-            on_ready(f"http://{config.host}:{http_port}", f"{config.host}:{grpc_port}", admin[2] if admin else None)
+            on_ready(f"http://{config.host}:{http_port}", grpc_address, admin[2] if admin else None)
     stats = None if config.disable_log_stats else asyncio.create_task(
         StatsLog(router).run(config.log_stats_interval_s))
     await serving

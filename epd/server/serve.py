@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -43,7 +44,9 @@ def serve_command() -> Command:
     parser.add_argument("--worker-config", help="YAML with every worker's settings (WorkerConfig fields)")
     command = Command(parser).add(ServeConfig, skip=("router", "worker"))
     # the router's engine is the workers' one (--aggregated copies it over): its flags are the workers'
-    command.add(RouterConfig, ("router",), skip=("encoders", "prefills", "decodes", "engine"))
+    # (and what it sets on each of its routers itself: their shared socket, index, gRPC)
+    command.add(RouterConfig, ("router",), skip=("encoders", "prefills", "decodes", "engine", "http_fd",
+                                                 "router_index", "public_grpc"))
     return command.add(WorkerConfig, ("worker",), skip=_WORKER_ASSIGNED)
 
 
@@ -62,6 +65,10 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
             overrides.setdefault(part, {})["model"] = args.model_positional
     data = deep_merge(data, overrides)
     config = load_config(ServeConfig, data, source="command line")
+    if config.routers > 1 and (config.router.aggregated or config.launcher == "ray"):
+        raise ConfigError(f"command line: --routers {config.routers} with "
+                          f"{'--aggregated (each router would run its own engine)' if config.router.aggregated else 'the Ray launcher (one router actor so far)'}; "
+                          "use the local launcher's tiers")
     if config.router.aggregated and config.launcher == "ray":
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
                           "use the local launcher")
@@ -226,7 +233,7 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
 
     router = config.router
     counts = (0, 0, 0) if router.aggregated else (config.encoders, config.prefills, config.decodes)
-    progress = StartProgress(sum(counts) + 1, _print_line)  # the workers and the router
+    progress = StartProgress(sum(counts) + config.routers, _print_line)  # the workers and the routers
     cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
                            worker_config=_one_rank(config.worker), tier_args=_tier_args(config),
@@ -239,8 +246,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
             f"{cluster.threads_per_tier or 'default'} thread(s) each"
         print(f"epd serve: starting {what} for {router.model} ...", flush=True)
         cluster.start(timeout_s=config.timeout_s)
-        process = cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
-                                       timeout_s=config.timeout_s, config=router)
+        routers = start_routers(cluster, config)
+        process = routers[0]
         url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
         admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
                         for field in process.ready_fields[2:] if field.startswith("admin="))
@@ -250,12 +257,36 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
                           for p in cluster.processes if p.tier != "router")
         print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
               f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
-              f"  router      {url} (pid {process.proc.pid})\n{workers}(Ctrl-C stops everything)", flush=True)
-        return 0 if supervise(cluster, process, config.max_restarts, stop) else 1
+              + "".join(f"  router      {url} (pid {p.proc.pid})\n" for p in routers) +
+              f"{workers}(Ctrl-C stops everything)", flush=True)
+        return 0 if supervise(cluster, routers, config.max_restarts, stop) else 1
     finally:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
+
+
+def start_routers(cluster, config: ServeConfig) -> list:
+    """The router, or ``--routers N`` of them on one HTTP socket bound here once (each accepts on
+    it: the kernel spreads the connections; no other process can join the port, as it could with
+    SO_REUSEPORT). The first also serves gRPC and the admin API: gRPC's Python server cannot
+    accept on a socket it did not bind."""
+    router = config.router
+    if config.routers == 1:
+        return [cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
+                                     timeout_s=config.timeout_s, config=router)]
+    listener = socket.create_server((router.host, router.port), backlog=2048)
+    try:
+        started = []
+        for index in range(config.routers):
+            own = router.model_copy(update={"router_index": index, "public_grpc": index == 0,
+                                            "admin_port": router.admin_port if index == 0 else None})
+            started.append(cluster.start_router(
+                host=router.host, port=listener.getsockname()[1], grpc_port=router.grpc_port if index == 0 else 0,
+                timeout_s=config.timeout_s, config=own, http_socket=listener))
+        return started
+    finally:
+        listener.close()  # the routers hold it now
 
 
 def _print_line(line: str) -> None:
@@ -275,15 +306,15 @@ def _metrics_of(process) -> str:
     return "".join(f" metrics {f.removeprefix('metrics=')}" for f in process.ready_fields if f.startswith("metrics="))
 
 
-def supervise(cluster, router, max_restarts: int, stop: threading.Event) -> bool:
+def supervise(cluster, routers: list, max_restarts: int, stop: threading.Event) -> bool:
     """Until ``stop`` (-> True): a worker that dies is restarted (``LocalCluster.supervise``); the
     router's death ends the service (-> False), since it holds every request's state: its clients'
     connections went with it, and a new router would know none of their requests. Exiting non-zero
     lets whatever runs ``epd serve`` (systemd, a container runtime) restart the whole service."""
     while not stop.is_set():
-        if router.proc.poll() is not None:
-            print(f"epd serve: the router exited with {router.proc.returncode}; stopping.\n{router.tail()}",
-                  file=sys.stderr, flush=True)
+        if router := next((r for r in routers if r.proc.poll() is not None), None):
+            print(f"epd serve: the router (pid {router.proc.pid}) exited with {router.proc.returncode}; stopping."
+                  f"\n{router.tail()}", file=sys.stderr, flush=True)
             return False
         for event in cluster.supervise(max_restarts):
             print(f"epd serve: {event}", file=sys.stderr, flush=True)

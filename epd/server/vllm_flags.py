@@ -80,8 +80,6 @@ VLLM_FLAGS: dict[str, Accepted | Refused] = {
                                      otherwise="replicas are workers here: --prefills N --decodes N"),
     "-dp": Accepted("one engine a worker", takes_value=True, values=("1",),
                     otherwise="replicas are workers here: --prefills N --decodes N"),
-    "--api-server-count": Accepted("one router process", takes_value=True, values=("1",),
-                                   otherwise="one router process a deployment here; run more routers side by side"),
     "--scheduling-policy": Accepted("requests are served first come, first served", takes_value=True,
                                     values=("fcfs",), otherwise="only fcfs scheduling here"),
     "--cpu-offload-gb": Accepted("nothing is offloaded", takes_value=True, values=("0",),

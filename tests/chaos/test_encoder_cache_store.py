@@ -1,15 +1,18 @@
 """One encoder cache for the cluster on a real Mooncake Store: ``epd serve --encoder-cache-store
-mooncake`` with two encoders starts a master and a segment server on 127.0.0.1. An image encoded
-once is fetched, not encoded, by encoders restarted since (their own caches empty); a corrupted
-entry is encoded again and replaced; the master killed mid-run costs no request (the encoders go on
-with their own caches). Every answer equals the first, token for token; at the end nothing of the
-run is left in the process table or /dev/shm."""
+mooncake`` with two routers on one HTTP port and two encoders starts a master and a segment server
+on 127.0.0.1. Sixteen concurrent requests for one new image, spread over both routers, cost one
+vision forward in the cluster and get one answer; an image encoded once is fetched, not encoded, by
+encoders restarted since (their own caches empty); a corrupted entry is encoded again and replaced;
+the master killed mid-run costs no request (the encoders go on with their own caches). Every answer
+equals the first, token for token; at the end nothing of the run is left in the process table or
+/dev/shm."""
 from __future__ import annotations
 
 import base64
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -31,7 +34,7 @@ MAX_NEW = 12
 @pytest.fixture(scope="module")
 def serve():
     shm_before = set(os.listdir("/dev/shm"))
-    server = ServeProcess(MODEL, "--encoders", "2", "--encoder-cache-store", "mooncake",
+    server = ServeProcess(MODEL, "--routers", "2", "--encoders", "2", "--encoder-cache-store", "mooncake",
                           "--encoder-cache-store-bytes", str(64 * 2**20), "--health-timeout-s", "2")
     server.started = descendants(server.proc.pid)
     try:
@@ -76,16 +79,39 @@ def _restart_encoders(server) -> None:
     server.started |= descendants(server.proc.pid)
 
 
+def test_both_routers_answer_on_the_one_port_and_say_which_answered(serve):
+    seen = set()
+    for _ in range(100):
+        health = httpx.get(f"{serve.base_url}/health", timeout=10).json()  # a new connection each time
+        seen.add(health["router"]["index"])
+        if seen == {0, 1}:
+            break
+    assert seen == {0, 1}
+    assert len([line for line in serve.lines if line.strip().startswith("router ")]) == 2  # both in the banner
+
+
+def test_sixteen_requests_for_a_new_image_over_two_routers_cost_one_forward(serve):
+    image = make_image_bytes(88, 72, seed=79)
+    before = _encoded_items(serve)
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda _: _ask(serve, image), range(16)))
+    assert all(a == answers[0] for a in answers) and len(set(answers[0])) > 2
+    assert wait_until(lambda: _encoded_items(serve) == before + 1, 10), _encoded_items(serve) - before
+    assert not wait_until(lambda: _encoded_items(serve) > before + 1, 2)
+
+
 @pytest.fixture(scope="module")
 def first_tokens(serve) -> list[int]:
-    """The image chat's answer, the first time any encoder sees the image."""
-    return _ask(serve)
+    """The image chat's answer, the first time any encoder sees the image (one forward)."""
+    before = _encoded_items(serve)
+    tokens = _ask(serve)
+    assert wait_until(lambda: _encoded_items(serve) == before + 1, 10)  # the router's view refreshes every second
+    return tokens
 
 
 def test_an_image_encoded_once_is_fetched_by_encoders_restarted_since(serve, first_tokens):
     first = first_tokens
     assert len(set(first)) > 2
-    assert wait_until(lambda: _encoded_items(serve) == 1, 10)  # the router's view refreshes every second
     _restart_encoders(serve)  # both caches empty now; the store keeps the rows
     assert _ask(serve) == first
     assert not wait_until(lambda: _encoded_items(serve) > 0, 3), "an encoder encoded what the store had"

@@ -2,8 +2,9 @@
 process spends per token, with the model's own cost taken out (the zero-cost ``null-qwen2-vl``)
 and kept in (``tiny-qwen2-vl``).
 
-For each model and each topology (one decode worker, two, ``--aggregated``, and ``1d-grpc``: one decode
-worker streaming over its gRPC call instead of the TCP link, the link's baseline), in one run: text-
+For each model and each topology (one decode worker, two, ``--aggregated``, ``1d-grpc``: one decode
+worker streaming over its gRPC call instead of the TCP link, the link's baseline, and ``2d-2r``: two
+decode workers and two routers on the one port), in one run: text-
 only and one-image chats at each concurrency. Printed per point: tokens/s through the router; CPU
 ms per streamed token of the router, of each tier, and of the client; decode CPU ms per engine step
 (the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
@@ -14,7 +15,7 @@ stream), SSE counted by lines, only the last event (usage) parsed, spread over s
 its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,tiny-qwen2-vl] [--streams 64,256]
-        [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc] [--kinds text,image] [--out cp.json] [--api-key K]
+        [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc,2d-2r] [--kinds text,image] [--out cp.json] [--api-key K]
 
 Only loopback; every process started is stopped.
 """
@@ -37,7 +38,9 @@ from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the ch
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ()),
                # decode's tokens over its gRPC Stream call instead of the TCP link: the link's baseline
-               "1d-grpc": ("epd", ("--decode-link", "grpc"))}
+               "1d-grpc": ("epd", ("--decode-link", "grpc")),
+               # two routers on the one HTTP port (--routers 2): how the router tier scales out
+               "2d-2r": ("epd", ("--decodes", "2", "--routers", "2"))}
 _AUTH = {"header": b""}  # with --api-key: every request's Authorization line (the client processes fork)
 _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
 
@@ -160,7 +163,8 @@ class Cluster:
             if m := _PID_LINE.match(line):
                 tier = m.group(1)
                 counts[tier] = counts.get(tier, 0) + 1
-                self.pids[f"{tier}{counts[tier] - 1}" if tier != "router" else tier] = int(m.group(2))
+                n = counts[tier] - 1  # routers: router, router1, ...; workers: decode0, decode1, ...
+                self.pids[f"{tier}{n}" if tier != "router" else f"router{n or ''}"] = int(m.group(2))
                 if tier == "decode" and m.group(3):
                     self.decode_metrics.append(m.group(3))
         return self

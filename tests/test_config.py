@@ -70,8 +70,10 @@ def test_commands_take_their_flags_from_the_same_definitions():
         return set(command.flags)
     router = {path[1] for flag in serve_command().flags.values() for path in flag.paths if path[0] == "router"}
     # epd serve has every router flag the router process has, but the worker lists it assigns itself
-    # (and the engine section, which it fills from the workers' own engine flags with --aggregated)
-    assert router == set(RouterConfig.model_fields) - {"encoders", "prefills", "decodes", "engine"}
+    # (and the engine section, which it fills from the workers' own engine flags with --aggregated,
+    # and what it sets on each of its --routers: their shared socket, index and gRPC)
+    assert router == set(RouterConfig.model_fields) - {"encoders", "prefills", "decodes", "engine", "http_fd",
+                                                       "router_index", "public_grpc"}
     assert {"allow_private_network", "allowed_local_media_path"} <= router
     assert "max_num_batched_tokens" in flags(tier_command("prefill"))
     assert "max_num_batched_tokens" not in flags(tier_command("encoder"))  # an encoder has no LLM engine

@@ -16,6 +16,7 @@ from epd.decode.stream_listener import StreamListener
 from epd.decode.worker import DecodeWorker
 from epd.engine.engine_loop import TokenUpdate
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
+from epd.loops import wait_for_future
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import decode_pb2, decode_pb2_grpc
@@ -180,7 +181,7 @@ class _RouterStream:
         if seq is not None:
             aborted = self.s.worker.abort_soon(seq)
             if not state.kv_written:
-                await asyncio.wait({asyncio.wrap_future(aborted)}, timeout=_LATE_ADD_WAIT_S)
+                await wait_for_future(aborted, _LATE_ADD_WAIT_S)
         _release(state)
 
     def _end_if_done(self) -> None:
@@ -204,8 +205,7 @@ def _release(state: StreamRequest) -> None:
 
 async def _queued(request_id: str, added: Future, timeout_s: float) -> None:
     """Wait until the loop queued the request (its cache budget is checked there)."""
-    done, _ = await asyncio.wait({asyncio.wrap_future(added)}, timeout=max(0.0, timeout_s))
-    if not done:
+    if not await wait_for_future(added, timeout_s):
         raise DeadlineExceeded(f"request {request_id}: not admitted in time")
     error = added.exception()
     if isinstance(error, ValueError):  # the request can never fit this worker's cache, or a KV of another shape
@@ -219,7 +219,7 @@ async def _sequence(added: Future):
     steps); None when it was never added."""
     if added.cancelled():
         return None
-    done, _ = await asyncio.wait({asyncio.wrap_future(added)}, timeout=_LATE_ADD_WAIT_S)
+    done = await wait_for_future(added, _LATE_ADD_WAIT_S)
     if not done or added.cancelled() or added.exception() is not None:
         return None
     return added.result()

@@ -20,6 +20,7 @@ from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.encoder.shared_store import SharedEncoderStore
 from epd.errors import Cancelled, DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
+from epd.loops import wait_for_future
 from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.multimodal.media import MODALITIES
 from epd.multimodal.processor_kwargs import MediaSettings
@@ -87,8 +88,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
 
     @staticmethod
     async def _result(request_id: str, future, timeout_s: float):
-        done, _ = await asyncio.wait({asyncio.wrap_future(future)}, timeout=timeout_s)
-        if not done:
+        if not await wait_for_future(future, timeout_s):
             raise DeadlineExceeded(f"request {request_id}: not encoded in time")
         if future.cancelled():
             raise Cancelled(f"request {request_id}: cancelled")

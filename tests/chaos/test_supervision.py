@@ -125,7 +125,7 @@ def test_killing_the_router_stops_epd_serve_and_leaves_no_orphans():
         assert router_pid in started
         os.kill(router_pid, signal.SIGKILL)
         assert serve.proc.wait(60) == 1
-        assert any("the router exited with -9; stopping" in line for line in serve.lines)
+        assert any(f"the router (pid {router_pid}) exited with -9; stopping" in line for line in serve.lines)
     finally:
         serve.stop()
     _assert_all_gone(started)

@@ -110,7 +110,8 @@ class EngineConfig(_Config):
                        "encoder's output and cache budget; epd serve and epd.LLM fill it in)")
     max_num_seqs: PositiveInt = Field(64, description="sequences running at once")
     max_num_batched_tokens: PositiveInt = Field(2048, description="tokens per engine step (prefill chunk budget)")
-    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request (unset on CUDA: the "
+                                                         "checkpoint's max_position_embeddings, as vLLM)")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
     tensor_parallel_size: PositiveInt = Field(
@@ -391,7 +392,9 @@ class RouterConfig(_Config):
                                                         "epd_router_info metric)")
     public_grpc: bool = Field(True, description="serve the public gRPC API on --grpc-port (with --routers N the "
                                                 "first router does)")
-    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request")
+    max_model_len: PositiveInt = Field(4096, description="prompt + output tokens of one request (unset: the "
+                                                         "smallest its prefill and decode workers take, 4096 "
+                                                         "until they answer)")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="what this process logs")
     log_format: Literal["text", "json"] = Field("text", description="text lines, or one JSON object a line (for "
                                                                      "log collectors)")

@@ -9,6 +9,7 @@ import torch
 
 from epd.config import EncoderConfig, EngineConfig
 from epd.engine.llm_engine import LLMEngine
+from epd.engine.memory_profile import with_model_len
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.engine.tensor_parallel import load_engine
@@ -34,7 +35,7 @@ class LLM:
         from epd.models.locate import resolve_model
         self.model_dir = resolve_model(model)
         self.family = family_for(self.model_dir)
-        self.engine_config = engine_config or EngineConfig()
+        self.engine_config = with_model_len(engine_config or EngineConfig(), self.model_dir)
         if set_threads:  # the user's thread: it runs every torch op of chat() / generate()
             apply_thread_policy("epd.LLM", override=self.engine_config.num_threads)
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -16,6 +16,7 @@ import torch
 from epd.config import EngineConfig
 from epd.engine.engine_loop import EngineLoop
 from epd.engine.llm_engine import LLMEngine
+from epd.engine.memory_profile import with_model_len
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.sequence import Sequence
 from epd.engine.tensor_parallel import load_engine
@@ -31,7 +32,8 @@ class DecodeWorker:
         tensor-parallel rank lost; ``EngineLoop``): the worker's process is to stop."""
         model_dir = Path(model_dir)
         # prefix caching buys nothing here: the KV arrives computed
-        cfg = engine_config.model_copy(update={"enable_prefix_caching": False})
+        cfg = with_model_len(engine_config, model_dir).model_copy(update={"enable_prefix_caching": False})
+        self.max_model_len = cfg.max_model_len  # what its health answer tells the routers
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         self.loop = EngineLoop(lambda: load_engine(model_dir, cfg, (), lambda model: LLMEngine(
             model, cfg, eos_token_ids=(), load_tokenizer=functools.partial(load_tokenizer, model_dir))),

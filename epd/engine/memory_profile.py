@@ -110,3 +110,17 @@ def check_holds_one_sequence(num_blocks: int, block_size: int, max_model_len: in
         raise ValueError(f"the KV cache holds {tokens} tokens (gpu_memory_utilization {utilization}), fewer than "
                          f"one sequence of max_model_len {max_model_len}: lower --max-model-len to {tokens} or "
                          "less, or raise --gpu-memory-utilization")
+
+
+def with_model_len(config, model_dir):
+    """``config`` with its ``max_model_len`` decided where the model runs: as given; unset on CUDA,
+    the checkpoint's ``max_position_embeddings`` (vLLM's default: the KV cache, sized from the
+    device, is then checked to hold one such sequence); unset on the CPU, the default (4096: a KV
+    cache of ``kv_cache_bytes`` would rarely hold a checkpoint's whole length)."""
+    if "max_model_len" in config.model_fields_set or not config.target_device.startswith("cuda"):
+        return config
+    from epd.models.checkpoint import read_config
+
+    hf_config = read_config(model_dir)
+    length = {**hf_config, **hf_config.get("text_config", {})}.get("max_position_embeddings")
+    return config.model_copy(update={"max_model_len": int(length)}) if length else config

@@ -97,7 +97,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         engine = self.worker.engine
         computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
         return self.ctx.health(num_running=computable, num_waiting=waiting, kv_usage=engine.block_manager.usage,
-                               num_steps=engine.num_steps)
+                               num_steps=engine.num_steps, max_model_len=self.worker.max_model_len)
 
 
 def build(ctx):

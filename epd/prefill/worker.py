@@ -20,6 +20,7 @@ import torch
 from epd.config import EngineConfig
 from epd.engine.engine_loop import EngineLoop, TokenUpdate
 from epd.engine.llm_engine import LLMEngine
+from epd.engine.memory_profile import with_model_len
 from epd.engine.mm_inputs import ItemRows, SequenceMultimodal
 from epd.engine.sequence import Sequence, stop_reason
 from epd.engine.tensor_parallel import load_engine
@@ -79,6 +80,8 @@ class PrefillWorker:
         self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         # (rank 0 of a tensor-parallel engine imports each embedding and sends the rows with the step)
+        engine_config = with_model_len(engine_config, model_dir)
+        self.max_model_len = engine_config.max_model_len  # what its health answer tells the routers
         build = functools.partial(LLMEngine, config=engine_config, eos_token_ids=(),
                                   mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish,
                                   load_tokenizer=functools.partial(load_tokenizer, model_dir))

@@ -219,7 +219,18 @@ class RequestPipeline:
 
     @property
     def max_model_len(self) -> int:
+        self._follow_the_engines()
         return self.limits.max_model_len
+
+    def _follow_the_engines(self) -> None:
+        """A router given no ``max_model_len`` admits by what its engines take: the smallest of its
+        prefill and decode workers' (each decides its own where it runs: on CUDA by default the
+        checkpoint's length), or the in-process engine's; the default until they answer."""
+        if "max_model_len" in self.config.model_fields_set:
+            return
+        length = getattr(self.backend, "engine_max_model_len", lambda: None)()
+        if length and length != self.limits.max_model_len:
+            self.limits = dataclasses.replace(self.limits, max_model_len=length)
 
     def detokenize(self, token_ids: list[int]) -> str:
         vocab = len(self.tokenizer)
@@ -230,6 +241,7 @@ class RequestPipeline:
 
     async def _prepare(self, request: ChatRequest) -> ProcessedPrompt:
         prompt = await self.prompt_of(request)
+        self._follow_the_engines()
         self.limits.check_item_tokens([(item.modality, item.geometry.num_patches) for item in prompt.items])
         if request.fill_max_tokens:
             request.sampling = self.limits.fill_max_tokens(len(prompt.prompt_token_ids), request.sampling)

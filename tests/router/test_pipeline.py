@@ -255,6 +255,33 @@ def test_a_request_that_can_never_fit_is_refused_before_the_backend(model_dir, t
     assert backend.jobs == []
 
 
+def test_a_router_given_no_model_length_admits_by_what_its_engines_take(model_dir, tokenizer):
+    """The workers decide their length where they run (on CUDA by default the checkpoint's) and say it
+    in their health answers; a router given none follows the smallest, one given a length keeps it."""
+    backend = ScriptedBackend(pieces(tokenizer, ["ok"]))
+    backend.engine_max_model_len = lambda: 48
+    with pytest.raises(InvalidRequest, match=r"exceeds the model length 48"):
+        run(make_pipeline(model_dir, backend), [{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=44))
+    assert make_pipeline(model_dir, backend).max_model_len == 48
+    assert make_pipeline(model_dir, backend, max_model_len=8192).max_model_len == 8192
+    backend.engine_max_model_len = lambda: 8192  # a longer one than the router's default
+    assert make_pipeline(model_dir, backend).max_model_len == 8192
+    assert backend.jobs == []
+
+
+def test_workers_decide_their_model_length_where_they_run(tmp_path):
+    """On CUDA an unset max_model_len is the checkpoint's (vLLM's default); given, or on the CPU, as it is."""
+    import json
+
+    from epd.config import EngineConfig
+    from epd.engine.memory_profile import with_model_len
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 32768}}))
+    assert with_model_len(EngineConfig(device="cuda"), tmp_path).max_model_len == 32768
+    assert with_model_len(EngineConfig(device="cuda", max_model_len=2048), tmp_path).max_model_len == 2048
+    assert with_model_len(EngineConfig(device="cpu"), tmp_path).max_model_len == 4096
+
+
 def test_no_wait_outlives_the_request_deadline(model_dir, tokenizer):
     backend = ScriptedBackend(pieces(tokenizer, ["a", "b"]), hang_after=1)
     pipeline = make_pipeline(model_dir, backend)

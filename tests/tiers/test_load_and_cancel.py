@@ -35,13 +35,15 @@ LEASE_TTL_S = 4.0
 # how long the polls below wait for the tiers to go idle: far past the time a cancel takes, far
 # short of the requests' own end (200 tokens) or of their timeout
 IDLE_DEADLINE_S = 10.0
+WORKERS_MODEL_LEN = 3000
 _CLIENT_TASK: contextvars.ContextVar[asyncio.Task] = contextvars.ContextVar("client_task")
 
 
 @pytest.fixture(scope="module")
 def cluster():
     args = ["--io-threads", str(IO_THREADS), "--lease-ttl-s", str(LEASE_TTL_S)]
-    with LocalCluster("tiny-qwen2-vl", tier_args={tier: args for tier in ("encoder", "prefill", "decode")}) as c:
+    engines = [*args, "--max-model-len", str(WORKERS_MODEL_LEN)]  # the router is given none: it follows these
+    with LocalCluster("tiny-qwen2-vl", tier_args={"encoder": args, "prefill": engines, "decode": engines}) as c:
         yield c
 
 
@@ -118,6 +120,12 @@ def _idle(router: SyncRouter, kv_before: dict[str, float]) -> str | None:
             return (f"{tier}: running={h.num_running} waiting={h.num_waiting} held={h.num_held_requests} "
                     f"kv_usage={h.kv_usage:.4f} (was {kv_before[tier]:.4f})")
     return None
+
+
+def test_the_router_admits_by_the_model_length_its_workers_report(router):
+    lengths = {tier: h.max_model_len for tier, h in _healths(router) if tier != "encoder"}
+    assert lengths == {"prefill": WORKERS_MODEL_LEN, "decode": WORKERS_MODEL_LEN}
+    assert router.pipeline.max_model_len == WORKERS_MODEL_LEN  # not the router's own default, 4096
 
 
 def test_more_requests_than_any_pool_all_complete_without_timeouts(router):

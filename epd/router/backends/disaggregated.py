@@ -134,6 +134,12 @@ class DisaggregatedBackend:
                 worker["passed_over_s"] = round(paused_s, 1)  # its rows could not be imported lately
         return {"status": "ok" if ok else "degraded", "workers": workers}
 
+    def engine_max_model_len(self) -> int | None:
+        """The longest request every healthy prefill and decode worker takes (None before any says)."""
+        lengths = [w.last_health.max_model_len for tier in ("prefill", "decode")
+                   for w in self.workers.workers.get(tier, []) if w.healthy and w.last_health.max_model_len]
+        return min(lengths) if lengths else None
+
     def refresh_metrics(self, metrics) -> None:
         metrics.refresh_cluster(self.workers.workers)
         metrics.refresh_moves(self.moves)

@@ -59,6 +59,9 @@ class InProcessBackend:
         self.loop.stop()
         self.llm.close()  # a no-op once closed above
 
+    def engine_max_model_len(self) -> int:
+        return self.llm.engine_config.max_model_len
+
     def health(self) -> dict:
         sched = self.llm.engine.scheduler  # lengths only: a snapshot is enough for a health answer
         return {"status": "ok" if self.llm.healthy else "error", "mode": "aggregated", "workers": {},

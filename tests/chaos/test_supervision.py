@@ -1,4 +1,5 @@
-"""Faults under load, as a user sees them through ``epd serve --encoders 2 --prefills 2 --decodes 2``.
+"""Faults under load, as a user sees them through ``epd serve --encoders 2 --prefills 2 --decodes 2``
+with the cluster's encoder cache store on.
 
 First 16 clients with no fault: none may fail (a saturated cluster slows down, it does not fail
 requests). Then 8 streaming clients while one worker of each tier is killed with SIGKILL in turn, at
@@ -86,8 +87,11 @@ def _wait_for_progress(clients: LoopingClients) -> None:
 def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
     print(f"EPD_CHAOS_SEED={SEED}")
     rng = random.Random(SEED)
+    # the encoders share the cluster's encoder cache store (Mooncake, started by epd serve): faults
+    # cost no request with it either (a killed encoder's claims run out; the store outlives it)
     serve = ServeProcess("--model", MODEL, "--encoders", "2", "--prefills", "2", "--decodes", "2",
-                         "--health-timeout-s", "2")
+                         "--health-timeout-s", "2", "--encoder-cache-store", "mooncake",
+                         "--encoder-cache-store-bytes", str(256 * 2**20))
     started = descendants(serve.proc.pid)
     try:
         chat_list = chats(max_tokens=32, seed=SEED)

@@ -15,11 +15,14 @@ import pytest
 from epd.models.presets import write_preset_checkpoint
 from tests.conftest import make_image_bytes
 from tests.e2e.serve_process import ServeProcess, wait_until
+from tests.fake_hub import COMMIT as HUB_COMMIT
+from tests.fake_hub import FakeHub
 from tests.fidelity.reference import ReferenceModel, user_message
 from tests.prom import convention_problems, promtool_problems, sample_sum, scrape
 from tests.router.fake_core import send_bytes, serve_files
 
 pytestmark = pytest.mark.slow
+HUB_REPO = "qwen-test/tiny-vl"
 ROUTER_YAML = """max_model_len: 2048
 max_items_per_request: 3
 encoder_output_budget_bytes: 32768
@@ -43,14 +46,31 @@ def media_dir(tmp_path_factory):
 def server(model_dir, media_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("cfg") / "router.yaml"
     config.write_text(ROUTER_YAML)
-    # vLLM users' habits on the command line: accepted flags (said once each) beside ours
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", "--no-standby",
-                         "--allowed-local-media-path", str(media_dir),
-                         "--config", str(config), "--allow-private-network",  # http images from a loopback server
-                         "--trust-remote-code", "--disable-log-requests", "--kv-cache-dtype", "auto",
-                         "--dtype", "float")
+    # the model as a vLLM user names it, a hub id not in the cache: downloaded by epd serve from a
+    # stand-in for the Hub's HTTP API on 127.0.0.1 (the Hub is out of reach here) serving model_dir
+    downloads = tmp_path_factory.mktemp("downloads")
+    with FakeHub(model_dir, HUB_REPO) as hub:
+        env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+        # vLLM users' habits on the command line: accepted flags (said once each) beside ours
+        serve = ServeProcess(HUB_REPO, "--download-dir", str(downloads), "--revision", "main",
+                             "--served-model-name", "m", "--no-standby",
+                             "--allowed-local-media-path", str(media_dir),
+                             "--config", str(config), "--allow-private-network",  # http images from a loopback server
+                             "--trust-remote-code", "--disable-log-requests", "--kv-cache-dtype", "auto",
+                             "--dtype", "float", env=env)
+    serve.hub_requests, serve.snapshot = hub.requests, downloads / f"models--{HUB_REPO.replace('/', '--')}" / \
+        "snapshots" / HUB_COMMIT
     yield serve
-    serve.stop_and_check_clean(model_dir)
+    serve.stop_and_check_clean(serve.snapshot)
+
+
+def test_a_hub_id_not_in_the_cache_is_downloaded_once_into_the_download_dir(server, model_dir):
+    """Every file of the checkpoint, fetched once (the workers read the snapshot), with
+    huggingface_hub's progress bar; the answers below are the checkpoint's own (equal transformers)."""
+    assert sorted(p.name for p in server.snapshot.iterdir()) == sorted(p.name for p in model_dir.iterdir())
+    downloads = [path for method, path in server.hub_requests if method == "GET" and "/resolve/" in path]
+    assert len(downloads) == len(list(model_dir.iterdir()))
+    assert any("Fetching" in line for line in server.lines), server.lines[:20]
 
 
 @pytest.fixture(scope="module")

@@ -421,8 +421,23 @@ def _tp1_against_tp2(prompt, engine: dict) -> dict:
     return out
 
 
+def profile(run: Run) -> dict:
+    """``epd profile`` on this device (a small grid; the dry run a tiny one): the first GPU run yields
+    a GPU profile, the planner's input, written beside the results as profile.json."""
+    from epd.bench.profile import main as profile_main
+
+    out = run.out.parent / "profile.json"
+    grid = (["--image-sizes", "112", "--encoder-batches", "1", "--prefill-lengths", "64", "--decode-batches", "1,2",
+             "--contexts", "64", "--decode-steps", "3", "--transfer-mb", "1", "--repeats", "1"] if run.dry_run else
+            ["--image-sizes", "224,448,896", "--encoder-batches", "1,4,16", "--prefill-lengths", "512,2048,8192",
+             "--decode-batches", "1,16,64,256", "--contexts", "512,4096", "--transfer-mb", "1,16,256"])
+    code = profile_main(["--model", "tiny-qwen2-vl", "--device", run.device, "--out", str(out), *grid])
+    profile_json = json.loads(out.read_text()) if code == 0 else {}
+    return {"exit_code": code, "file": str(out), "profile": profile_json}
+
+
 PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode,
-          "tensor_parallel": tensor_parallel}
+          "tensor_parallel": tensor_parallel, "profile": profile}
 
 
 def main() -> int:

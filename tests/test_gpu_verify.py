@@ -33,7 +33,7 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert sorted(results) == ["bandwidth_gb_s", "dry_run", "phases"] and results["dry_run"] is True
     assert results["bandwidth_gb_s"] > 0
     phases = results["phases"]
-    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc", "tensor_parallel"] and \
+    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc", "profile", "tensor_parallel"] and \
         all(p["ok"] for p in phases.values()), phases
     for name, phase in phases.items():  # every phase says how it went and how long it took
         assert phase["ok"] is True and isinstance(phase["seconds"], float) and "partial" not in phase, (name, phase)
@@ -45,6 +45,7 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert phases["decode"]["tiny"][0]["tok_s"] > 0 and phases["ipc"]["shm"][0]["ms"] > 0
     assert [r["tokens"] for r in phases["encoder"]["rows"]] == [64, 128]  # 112 px images: 8 x 8 patches each
     # no GPUs here: the TP phase says so, and still checks the gloo ranks (TP 2 == TP 1)
+    assert phases["profile"]["exit_code"] == 0 and phases["profile"]["profile"]["decode"]  # epd profile ran
     assert phases["tensor_parallel"]["cuda"] == "skipped: 0 GPU(s); TP over GPUs needs 2 or more"
     assert phases["tensor_parallel"]["cpu"]["ok"] is True and phases["tensor_parallel"]["ok"] is True
     for name in ("cuda_tests.xml", "env.txt", "log.txt"):

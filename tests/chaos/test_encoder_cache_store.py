@@ -72,8 +72,17 @@ def _ask(server, image: bytes = IMAGE) -> list[int]:
 
 
 def _encoded_items(server) -> float:
-    """Items the encoders now running have encoded (each worker's own count, from the router)."""
-    return sample_sum(scrape(f"{server.base_url}/metrics"), "epd_encoder_encoded_items_total")
+    """Items the encoders now running have encoded (each worker's own count, from its health answer):
+    the larger of the two routers' views (a scrape reaches either; one may not have seen a restarted
+    worker's first answer yet)."""
+    seen: dict[str, float] = {}
+    for _ in range(200):
+        text = scrape(f"{server.base_url}/metrics")  # a new connection: either router takes it
+        (router,) = re.findall(r'^epd_router_info\{[^}]*router="(\d+)"', text, re.M)
+        seen[router] = sample_sum(text, "epd_encoder_encoded_items_total")
+        if len(seen) == 2:
+            return max(seen.values())
+    raise AssertionError(f"only router(s) {sorted(seen)} answered 200 scrapes")
 
 
 def _restart_encoders(server) -> None:
@@ -84,7 +93,7 @@ def _restart_encoders(server) -> None:
     for address, _ in worker_pids(server.lines)["encoder"]:
         assert wait_until(lambda: restarted_pid(server.lines, "encoder", address, seen) is not None
                           and in_rotation(server.base_url, "encoder", address), 90), "\n".join(server.lines[-20:])
-    assert wait_until(lambda: _encoded_items(server) == 0, 10)  # the router sees the new processes' counts
+    assert wait_until(lambda: _encoded_items(server) == 0, 30)  # both routers see the new processes' counts
     server.started |= descendants(server.proc.pid)
 
 

@@ -91,7 +91,7 @@ def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
     # cost no request with it either (a killed encoder's claims run out; the store outlives it)
     serve = ServeProcess("--model", MODEL, "--encoders", "2", "--prefills", "2", "--decodes", "2",
                          "--health-timeout-s", "2", "--encoder-cache-store", "mooncake",
-                         "--encoder-cache-store-bytes", str(256 * 2**20))
+                         "--encoder-cache-store-bytes", str(256 * 2**20), "--encoder-cache-claim-ttl-s", "2")
     started = descendants(serve.proc.pid)
     try:
         chat_list = chats(max_tokens=32, seed=SEED)

@@ -1,0 +1,204 @@
+"""``epd profile``: what each stage of EPD costs on this machine, for one model, as one JSON file (the
+input a cluster simulator or a planner starts from).
+
+Measured in this process, each point a median of ``--repeats`` runs after a warm-up:
+- encoder: ms per item by image size and batch (distinct images: no cache hit), through the
+  encoder engine the workers run;
+- prefill: ms per chunk by prompt length, cold and with the prompt's prefix cached (a second request
+  sharing all but its last block);
+- decode: ms per step by batch and context length;
+- transfer: ms per MB of handing a tensor over by each transport this host has (export + import).
+
+    epd profile [--model tiny-qwen2-vl] [--out profile.json] [--device auto]
+        [--image-sizes 224,448] [--encoder-batches 1,4] [--prefill-lengths 256,1024]
+        [--decode-batches 1,8,32] [--contexts 256,1024] [--transfer-mb 1,16] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _median_s(run, repeats: int) -> float:
+    run()  # warm: first calls allocate and compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def profile_encoder(model_dir, device: str, sizes: list[int], batches: list[int], repeats: int) -> list[dict]:
+    from epd.bench.workload import ImageSpec, render_image
+    from epd.config import EncoderConfig
+    from epd.encoder.engine import EncoderEngine
+
+    engine = EncoderEngine.from_model_dir(model_dir, EncoderConfig(device=device, encoder_batch_size=max(batches)))
+    seed = iter(range(1 << 30))
+    points = []
+    try:
+        for size in sizes:
+            for batch in batches:
+                def run() -> None:
+                    items = [engine.make_item(render_image(ImageSpec(size, size, next(seed), "noise")))
+                             for _ in range(batch)]
+                    name = f"p{next(seed)}"
+                    engine.submit(name, items, hold_until_release=False).result(timeout=600)
+
+                seconds = _median_s(run, repeats)
+                points.append({"image_px": size, "batch": batch, "ms_per_item": round(1000 * seconds / batch, 3)})
+    finally:
+        engine.close()
+    return points
+
+
+def _llm_engine(model_dir, device: str, max_batch: int, max_len: int):
+    from epd.config import EngineConfig
+    from epd.engine.llm_engine import LLMEngine
+    from epd.models.registry import load_llm_for
+
+    # room for every sequence's whole length at once: the batch measured is the batch asked for
+    blocks_per_seq = -(-(max_len + 64) // 16)
+    config = EngineConfig(device=device, max_num_seqs=max(max_batch, 8), max_num_batched_tokens=2048,
+                          max_model_len=max_len + 64, block_size=16, num_kv_blocks=max(max_batch, 8) * blocks_per_seq)
+    return LLMEngine(load_llm_for(model_dir, config), config, eos_token_ids=())
+
+
+def profile_prefill(model_dir, device: str, lengths: list[int], repeats: int) -> list[dict]:
+    """Each prompt to its first token, cold (a prompt never seen) and with its prefix cached (the
+    same prompt sent just before, untimed: all but its last block come from the prefix cache)."""
+    from epd.types import SamplingParams
+
+    engine = _llm_engine(model_dir, device, 1, max(lengths))
+    chunk = engine.config.max_num_batched_tokens
+    counter = iter(range(1 << 30))
+    one = SamplingParams(max_tokens=1)
+    points = []
+    for length in lengths:
+        for cached in (False, True):
+            times = []
+            for _ in range(repeats + 1):  # the first: warm-up
+                n = next(counter)
+                prompt = [1000 + n % 30000] + [1001 + (i % 5000) for i in range(length - 1)]  # a prefix never seen
+                if cached:
+                    _run_to_first_token(engine, prompt, f"w{n}", one)
+                start = time.perf_counter()
+                _run_to_first_token(engine, prompt, f"p{n}", one)
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times[1:])
+            chunks = -(-length // chunk)
+            points.append({"prompt_tokens": length, "prefix_cached": cached, "ms_total": round(1000 * seconds, 3),
+                           "ms_per_chunk": round(1000 * seconds / chunks, 3), "chunk_tokens": chunk})
+    return points
+
+
+def _run_to_first_token(engine, prompt: list[int], request_id: str, params) -> None:
+    seq = engine.add_request(prompt, params, request_id=request_id)
+    while not seq.is_finished:
+        engine.step()
+
+
+def profile_decode(model_dir, device: str, batches: list[int], contexts: list[int], steps: int) -> list[dict]:
+    from epd.types import SamplingParams
+
+    points = []
+    for context in contexts:
+        engine = _llm_engine(model_dir, device, max(batches), context + steps + 16)
+        for batch in batches:
+            params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
+            seqs = [engine.add_request([1000 + (b % 997)] + [1001 + (i % 5000) for i in range(context - 1)], params,
+                                       request_id=f"d{context}-{batch}-{b}") for b in range(batch)]
+            while any(not s.output_token_ids for s in seqs):
+                engine.step()  # every request prefilled and decoding
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            seconds = (time.perf_counter() - start) / steps
+            for s in seqs:
+                engine.abort(s)
+            while engine.has_unfinished:
+                engine.step()
+            points.append({"batch": batch, "context_tokens": context, "ms_per_step": round(1000 * seconds, 3)})
+    return points
+
+
+def profile_transfer(sizes_mb: list[int], repeats: int) -> list[dict]:
+    """A tensor exported and imported (read once) by each transport, its lease released over the
+    store's own gRPC server, as between two processes of one host (inline: as between hosts)."""
+    import torch
+
+    from epd.transport import TensorStore, close_all, import_tensor, serve_tensor_store
+
+    store = TensorStore(shm_pool_bytes=2 * max(sizes_mb) * 2**20)
+    server = serve_tensor_store(store)
+    points = []
+    try:
+        for transport in ("shm", "inline"):
+            for mb in sizes_mb:
+                tensor = torch.rand(mb * 2**20 // 4)
+
+                def run() -> None:
+                    imported = import_tensor(store.export(tensor, transport=transport, ttl_s=60))
+                    imported.tensor.sum()  # the consumer's first read
+                    imported.release()
+
+                seconds = _median_s(run, repeats)
+                points.append({"transport": transport, "mb": mb, "ms_per_mb": round(1000 * seconds / mb, 4)})
+    finally:
+        server.stop(0)
+        store.close()
+        close_all()
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="epd profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny-qwen2-vl")
+    parser.add_argument("--out", default="profile.json")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--image-sizes", default="224,448")
+    parser.add_argument("--encoder-batches", default="1,4")
+    parser.add_argument("--prefill-lengths", default="256,1024")
+    parser.add_argument("--decode-batches", default="1,8,32")
+    parser.add_argument("--contexts", default="256,1024")
+    parser.add_argument("--decode-steps", type=int, default=20)
+    parser.add_argument("--transfer-mb", default="1,16")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    from epd.config import resolve_device
+    from epd.models.locate import resolve_model
+
+    try:
+        model_dir = resolve_model(args.model)
+    except ValueError as err:
+        print(f"epd profile: error: {err}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    started = time.perf_counter()
+    result = {"model": args.model, "device": device, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
+                                                               "python": platform.python_version()}}
+    result["encoder"] = profile_encoder(model_dir, device, _ints(args.image_sizes), _ints(args.encoder_batches),
+                                        args.repeats)
+    result["prefill"] = profile_prefill(model_dir, device, _ints(args.prefill_lengths), args.repeats)
+    result["decode"] = profile_decode(model_dir, device, _ints(args.decode_batches), _ints(args.contexts),
+                                      args.decode_steps)
+    result["transfer"] = profile_transfer(_ints(args.transfer_mb), args.repeats)
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"epd profile: {args.model} on {device}, {result['seconds']} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""``epd profile``: one JSON file of what each stage costs here, measured, not assumed: every point
+is there, positive, and the costs follow the work (a longer prompt costs a cold prefill more, a
+cached prefix costs less than the cold prompt, a bigger image costs the encoder more)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from epd.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_small_profile_measures_every_stage(tmp_path):
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--model", "tiny-qwen2-vl", "--out", str(out), "--device", "cpu",
+                 "--image-sizes", "112,448", "--encoder-batches", "1,2", "--prefill-lengths", "64,1536",
+                 "--decode-batches", "1,4", "--contexts", "128", "--decode-steps", "5", "--transfer-mb", "1",
+                 "--repeats", "2"]) == 0
+    profile = json.loads(out.read_text())
+    assert profile["device"] == "cpu" and profile["host"]["cpus"] >= 1
+    encoder = {(p["image_px"], p["batch"]): p["ms_per_item"] for p in profile["encoder"]}
+    assert set(encoder) == {(112, 1), (112, 2), (448, 1), (448, 2)} and min(encoder.values()) > 0
+    assert encoder[(448, 1)] > encoder[(112, 1)]  # 16x the patches
+    prefill = {(p["prompt_tokens"], p["prefix_cached"]): p["ms_total"] for p in profile["prefill"]}
+    assert set(prefill) == {(64, False), (64, True), (1536, False), (1536, True)}
+    assert prefill[(1536, False)] > prefill[(64, False)]
+    assert prefill[(1536, True)] < prefill[(1536, False)]  # all but the last block from the prefix cache
+    decode = {(p["batch"], p["context_tokens"]): p["ms_per_step"] for p in profile["decode"]}
+    assert set(decode) == {(1, 128), (4, 128)} and min(decode.values()) > 0
+    transfer = {(p["transport"], p["mb"]): p["ms_per_mb"] for p in profile["transfer"]}
+    assert set(transfer) == {("shm", 1), ("inline", 1)} and min(transfer.values()) > 0
+
+
+def test_a_model_that_is_not_there_is_one_line(capsys):
+    assert main(["profile", "--model", "/nowhere/model"]) == 2
+    assert capsys.readouterr().err.startswith("epd profile: error: ")

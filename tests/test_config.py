@@ -162,6 +162,8 @@ def test_a_tensor_parallel_worker_takes_the_next_tp_gpus_of_its_tier(monkeypatch
     assert config.devices("prefill") == ["cuda:0,1", "cuda:2,3"]
     with pytest.raises(ValueError, match="--prefill-gpus 0 has 1 GPU.* give at least 2"):
         serve_config_from_args(["--prefill-gpus", "0", "--prefill-tp", "2", "--device", "cpu"]).devices("prefill")
+    with pytest.raises(ConfigError, match=r"--prefill-gpus: tensor_parallel_devices 1,1: two ranks on one device"):
+        serve_config_from_args(["--prefill-gpus", "1,1", "--prefill-tp", "2", "--device", "cpu"])
     with pytest.raises(ConfigError, match=r"on cuda:3, cuda:4: this process sees 4 CUDA device\(s\).*cuda:4 is not"):
         serve_config_from_args(["--prefill-gpus", "3,4", "--prefill-tp", "2", "--device", "cpu"])
 

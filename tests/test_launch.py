@@ -140,3 +140,23 @@ def test_worker_ports_come_from_below_the_ephemeral_range():
     ports = {port_outside_ephemeral_range() for _ in range(8)}
     assert all(0 < p < low for p in ports), (ports, low)
     assert len(ports) > 1  # drawn, not one fixed port two clusters on a host would both want
+
+
+def test_a_worker_gets_what_was_set_even_at_a_defaults_value():
+    """--max-model-len 4096 given on the command line must reach a CUDA worker as given: left unset, the
+    worker takes the checkpoint's length (epd.engine.memory_profile.with_model_len)."""
+    import os
+
+    import yaml
+
+    from epd.config import EngineConfig, WorkerConfig
+    from epd.engine.memory_profile import with_model_len
+    from epd.server.local import _config_pipe
+
+    fd = _config_pipe(WorkerConfig(engine=EngineConfig(max_model_len=4096, device="cuda")))
+    try:
+        received = WorkerConfig.model_validate(yaml.safe_load(os.read(fd, 1 << 20)))
+    finally:
+        os.close(fd)
+    assert "max_model_len" in received.engine.model_fields_set
+    assert with_model_len(received.engine, "/nonexistent").max_model_len == 4096  # the checkpoint is not read

@@ -116,7 +116,8 @@ def profile_decode(model_dir, device: str, batches: list[int], contexts: list[in
     for context in contexts:
         engine = _llm_engine(model_dir, device, max(batches), context + steps + 16)
         for batch in batches:
-            params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, temperature=0.0)
+            # past the steps timed and the ones spent prefilling the batch (chunked: decodes run beside them)
+            params = SamplingParams(max_tokens=steps + 16 + batch * context // 2048, ignore_eos=True, temperature=0.0)
             seqs = [engine.add_request([1000 + (b % 997)] + [1001 + (i % 5000) for i in range(context - 1)], params,
                                        request_id=f"d{context}-{batch}-{b}") for b in range(batch)]
             while any(not s.output_token_ids for s in seqs):

@@ -75,6 +75,30 @@ class ClusterCache:
                 outputs.append(self._on_device(outcome))
         return self._split(found, outputs, encode)
 
+    def stop_waiting(self) -> ScheduledBatch:
+        """Every item waited for, to encode here after all (the store cannot say how they are)."""
+        items = [item for item, _ in self._awaiting.values()]
+        self._awaiting.clear()
+        return self._split([], [], items).encode
+
+    def within_budgets(self, batch: ScheduledBatch, budgets) -> list[ScheduledBatch]:
+        """``batch`` cut into batches the engine may run: at most ``encoder_batch_size`` items,
+        ``encoder_max_num_tokens`` tokens and ``output_budget_bytes`` each (items taken over after a
+        lease ran out come together, however many)."""
+        parts, current = [], []
+        for item in batch.items:
+            trial = current + [item]
+            if current and (len(trial) > budgets.encoder_batch_size
+                            or sum(i.item.encoder_tokens for i in trial) > budgets.encoder_max_num_tokens
+                            or sum(i.item.expected_rows for i in trial) * self.bytes_per_embedding
+                            > budgets.output_budget_bytes):
+                parts.append(current)
+                trial = [item]
+            current = trial
+        if current:
+            parts.append(current)
+        return [self._split([], [], part).encode for part in parts]
+
     def share(self, batch: ScheduledBatch, cache) -> None:
         """What this engine encoded, for the cluster's other encoders (queued: nobody here waits for
         it), each with its claim, removed once the output is in the store."""

@@ -264,9 +264,7 @@ class EncoderEngine:
                     return
                 self._has_work = False
             if self.cluster is not None and self.cluster.waiting:
-                taken_over = self._take(self.cluster.poll())
-                if not taken_over.is_empty:
-                    self._encode(taken_over)
+                self._poll_cluster()
             batch = self.scheduler.schedule()
             if not batch.is_empty:
                 self._run_batch(batch)
@@ -274,10 +272,26 @@ class EncoderEngine:
 
     def _run_batch(self, batch: ScheduledBatch) -> None:
         if self.cluster is not None:
-            batch = self._take(self.cluster.split(batch))
+            try:
+                split = self.cluster.split(batch)
+            except Exception as error:  # noqa: BLE001 - the store's side must not stop the loop
+                self._fail_batch(batch, error)
+                return
+            batch = self._take(split)
             if batch.is_empty:
                 return
         self._encode(batch)
+
+    def _poll_cluster(self) -> None:
+        """The items another encoder was encoding: settled from the store, or encoded here (their
+        claimant's lease ran out), in batches within this engine's budgets."""
+        try:
+            batch = self._take(self.cluster.poll())
+        except Exception:  # noqa: BLE001 - as in _run_batch: they are encoded here instead
+            logger.exception("encoder cache store: looking up awaited items failed; encoding them here")
+            batch = self.cluster.stop_waiting()
+        for part in self.cluster.within_budgets(batch, self.scheduler.budgets):
+            self._encode(part)
 
     def _take(self, split: Split) -> ScheduledBatch:
         """Commit what came from the cluster's store; -> what is left to encode."""
@@ -303,15 +317,21 @@ class EncoderEngine:
             self._fail_requests(error.request_ids, error)
             return False
         except Exception as error:  # a bug past the runner's own handling must not kill the loop
-            logger.exception("encoder batch of %d items failed unexpectedly", len(batch))
-            wrapped = MultimodalEncoderRequestError(f"encoder batch failed: {error}",
-                                                    request_ids=batch.producer_request_ids)
-            for key in batch.cache_keys:
-                self.cache.fail(key, wrapped, producer_only=True)
-            self._fail_requests(wrapped.request_ids, wrapped)
+            self._fail_batch(batch, error)
             return False
         self._complete(ready)
         return True
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> None:
+        """A batch failed past the runner's own handling: its producers' requests fail (logged), and
+        the requests that only share its items get a new producer."""
+        logger.exception("encoder batch of %d items failed unexpectedly", len(batch))
+        wrapped = MultimodalEncoderRequestError(f"encoder batch failed: {error}", request_ids=batch.producer_request_ids)
+        for key in batch.cache_keys:
+            self.cache.fail(key, wrapped, producer_only=True)
+        self._fail_requests(wrapped.request_ids, wrapped)
+        if self.cluster is not None:
+            self.cluster.forget(batch)
 
     def _complete(self, states: list[MultimodalEncoderRequestState]) -> None:
         for state in states:

@@ -48,8 +48,10 @@ class MooncakeBackend:
         os.environ.setdefault("MC_LOG_LEVEL", "WARNING")  # read as the library loads
         store_class = _import_store()  # a missing wheel is an error at start
         self.master = master
+        self.max_entry_bytes = _LOCAL_BUFFER_BYTES  # a put stages the entry in the client's buffer
         self._store = None
         self._closed = threading.Event()
+        self._lock = threading.Lock()  # _store between the join thread and close
         setup = (host, metadata_server, 0, _LOCAL_BUFFER_BYTES, protocol, device_names, master)
         self._joiner = threading.Thread(target=self._join, args=(store_class, setup, retry_s),
                                         name="epd-mooncake-join", daemon=True)
@@ -57,13 +59,20 @@ class MooncakeBackend:
 
     def _join(self, store_class, setup: tuple, retry_s: float) -> None:
         while not self._closed.is_set():
-            store = store_class()
-            code = store.setup(*setup)
+            try:
+                store = store_class()
+                code = store.setup(*setup)
+            except Exception as err:  # noqa: BLE001 - tried again, as a refused join is
+                code = f"{type(err).__name__}: {err}"
             if code == 0:
-                self._store = store
+                with self._lock:
+                    if self._closed.is_set():  # closed while joining: this client is nobody's
+                        store.close()
+                        return
+                    self._store = store
                 log.info("encoder cache store: joined the Mooncake master at %s", self.master)
                 return
-            log.debug("encoder cache store: joining the Mooncake master at %s returned %s", self.master, code)
+            log.debug("encoder cache store: joining the Mooncake master at %s: %s", self.master, code)
             self._closed.wait(retry_s)
 
     def wait_joined(self, timeout_s: float) -> bool:
@@ -105,7 +114,8 @@ class MooncakeBackend:
         self._client().remove(key)  # refused while a lease holds it, or gone already: put replaces it
 
     def close(self) -> None:
-        self._closed.set()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        with self._lock:
+            self._closed.set()
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()

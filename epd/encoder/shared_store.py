@@ -95,7 +95,9 @@ def decode_entry(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> tor
     magic, version, code, ndim, crc, nbytes = _HEADER.unpack_from(blob)
     if magic != _MAGIC or version != _VERSION or code >= len(_DTYPES):
         raise CorruptEntry(f"not an entry of this version (magic {magic!r}, version {version}, dtype code {code})")
-    dims_end = _HEADER.size + ndim * _DIM.size
+    dims_end = _HEADER.size + ndim * _DIM.size  # the header's own bytes are not in the checksum: check its sizes
+    if ndim != len(shape) or len(blob) < dims_end:
+        raise CorruptEntry(f"{ndim} dimensions in {len(blob)} bytes, expected {len(shape)}")
     found_shape = tuple(_DIM.unpack_from(blob, _HEADER.size + i * _DIM.size)[0] for i in range(ndim))
     if _DTYPES[code] != dtype or found_shape != tuple(shape):
         raise CorruptEntry(f"{_DTYPES[code]} {found_shape}, expected {dtype} {tuple(shape)}")
@@ -203,12 +205,14 @@ class SharedEncoderStore:
             held = self._call("claim", lambda: self.backend.put_first(claim_name, token))
             if held is _FAILED:
                 return None
-            if held == token:
+            if held == token or _owner_of(held) == self.owner:  # ours (an earlier one of a failed batch too)
                 with self._lock:
                     self.stats.claims += 1
                     self.stats.takeovers += generation > 0
                 return Claim(key, claim_name, generation, True, deadline_s)
-            holder_deadline = _deadline_of(held, default=self._wall() + self.claim_ttl_s)
+            # never longer than a lease of ours from now: a holder's clock may run ahead, a token be bad
+            holder_deadline = min(_deadline_of(held, default=self._wall() + self.claim_ttl_s),
+                                  self._wall() + self.claim_ttl_s)
             if holder_deadline > self._wall():
                 return Claim(key, claim_name, generation, False, holder_deadline)
             generation += 1  # that claimant's lease ran out: the next generation is free to claim
@@ -233,6 +237,11 @@ class SharedEncoderStore:
         """Queue an encoded output for the store (its bytes are read on the put thread: the tensor
         must not be written again, as cache entries never are); ``claim`` (this encoder's) is
         removed once the output is in."""
+        too_large = getattr(self.backend, "max_entry_bytes", None)
+        if too_large is not None and tensor.nbytes + 1024 > too_large:  # not an outage: this one is not kept
+            with self._lock:
+                self.stats.dropped_puts += 1
+            return
         try:
             self._puts.put_nowait((store_key(key, tensor.dtype), tensor, claim))
         except queue.Full:
@@ -287,9 +296,20 @@ class SharedEncoderStore:
 
     def close(self) -> None:
         self.flush(timeout_s=10.0)
-        self._puts.put(None)
+        try:
+            self._puts.put(None, timeout=5.0)
+        except queue.Full:  # the put thread is stuck in the store: it is a daemon, it goes with the process
+            pass
         self._put_thread.join(10.0)
-        self.backend.close()
+        if not self._put_thread.is_alive():
+            self.backend.close()
+
+
+def _owner_of(token: bytes | None) -> str | None:
+    try:
+        return token.split()[0].decode()
+    except (AttributeError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def _deadline_of(token: bytes | None, default: float) -> float:

@@ -81,7 +81,9 @@ def _config_pipe(config: BaseModel) -> int:
     if read_fd < 3:  # this process runs without some of stdin/out/err: the child's own would take it
         low_fd, read_fd = read_fd, fcntl.fcntl(read_fd, fcntl.F_DUPFD_CLOEXEC, 3)
         os.close(low_fd)
-    data = yaml.safe_dump(config.model_dump(mode="json", exclude_defaults=True)).encode()
+    # what was set, even at a default's value: a worker decides what was left unset itself (on CUDA an
+    # unset max_model_len is the checkpoint's, a given 4096 stays 4096)
+    data = yaml.safe_dump(config.model_dump(mode="json", exclude_unset=True)).encode()
 
     def write() -> None:
         try:

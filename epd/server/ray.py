@@ -346,7 +346,7 @@ def deployment_from(config: ServeConfig) -> RayDeployment:
     """The deployment from ``--ray-config`` with what the command line set on top: model, ports,
     transport, router settings, tier counts, and worker settings for every tier."""
     data = load_yaml(config.ray_config) if config.ray_config else {}
-    given = config.model_dump(exclude_defaults=True)  # only what the command line (or its files) set wins
+    given = config.model_dump(exclude_unset=True)  # only what the command line (or its files) set wins
     router, worker = given.get("router", {}), given.get("worker", {})
     for key, target in (("model", "model"), ("port", "http_port"), ("grpc_port", "grpc_port"),
                         ("transport", "transport")):

@@ -127,7 +127,11 @@ def _placed_engines(config: ServeConfig) -> list[tuple[str, EngineConfig]]:
             elif group is not None:
                 ranks = rank_devices(group)
                 update.update(device=ranks[0], tensor_parallel_devices=[d.partition(":")[2] for d in ranks])
-            placed.append((flag, EngineConfig.model_validate({**engine.model_dump(exclude_unset=True), **update})))
+            try:
+                placed.append((flag, EngineConfig.model_validate({**engine.model_dump(exclude_unset=True), **update})))
+            except ValueError as err:  # e.g. two ranks on one GPU: one line, not a traceback
+                why = err.errors()[0]["msg"].removeprefix("Value error, ") if hasattr(err, "errors") else str(err)
+                raise ConfigError(f"command line: --{tier}-gpus: {why}") from None
     return placed
 
 

@@ -44,6 +44,8 @@ def test_an_entry_round_trips_and_owns_its_memory(dtype):
     (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum"),  # one bit flipped
     (lambda b: b"XXXX" + b[4:], "not an entry"),
     (lambda b: b[:10], "shorter than an entry's header"),
+    (lambda b: b[:6] + bytes([200]) + b[7:], "200 dimensions"),  # the header's ndim (not in the checksum)
+    (lambda b: b[:20], "dimensions in 20 bytes"),  # cut inside the shape
 ])
 def test_a_damaged_entry_is_refused(damage, message):
     blob = encode_entry(torch.randn(3, 5))
@@ -236,3 +238,37 @@ def wait_until(predicate, timeout_s: float) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_an_encoder_knows_its_own_claim_after_a_failed_batch_and_a_lease_is_never_longer_than_ours():
+    backend, now = MemoryBackend(), [100.0]
+    store = SharedEncoderStore(backend, claim_ttl_s=10.0, wall=lambda: now[0])
+    other = SharedEncoderStore(backend, claim_ttl_s=1e9, wall=lambda: now[0])
+    try:
+        assert store.claim(KEY, torch.float32).mine
+        now[0] += 1.0  # its batch failed; the request is scheduled again: the claim is still its own
+        assert store.claim(KEY, torch.float32).mine
+        key2 = KEY._replace(content_hash="beef")
+        assert other.claim(key2, torch.float32).mine  # a holder whose lease reaches far ahead
+        assert store.claim(key2, torch.float32).deadline_s <= now[0] + 10.0
+    finally:
+        store.close()
+        other.close()
+
+
+def test_items_taken_over_together_are_encoded_within_the_batch_budgets():
+    from epd.encoder.cluster_cache import ClusterCache
+    from epd.encoder.item_scheduler import ScheduledBatch, ScheduledItem
+
+    engine, _ = _engine(MemoryBackend())
+    try:
+        budgets = engine.scheduler.budgets  # 64 encoder tokens a batch; each item here 4 rows x 4 tokens = 16
+        items = tuple(ScheduledItem(f"r{i}", 0, engine.scheduler.cache_key(make_item(f"t{i}", rows=4)),
+                                    make_item(f"t{i}", rows=4)) for i in range(10))
+        cluster = ClusterCache(engine.shared_store, width=4, dtype=torch.float32, device=torch.device("cpu"),
+                               bytes_per_embedding=BYTES_PER_ROW)
+        parts = cluster.within_budgets(ScheduledBatch(items), budgets)
+        assert [len(p) for p in parts] == [4, 4, 2] and all(p.num_encoder_tokens <= 64 for p in parts)
+        assert [i for p in parts for i in p.items] == list(items)
+    finally:
+        engine.close()

@@ -426,11 +426,11 @@ def profile(run: Run) -> dict:
     a GPU profile, the planner's input, written beside the results as profile.json."""
     from epd.bench.profile import main as profile_main
 
+    if run.dry_run:  # the same code on the CPU is tests/bench/test_profile.py's: the dry run checks the call
+        return {"skipped": "the dry run (tests/bench/test_profile.py profiles the CPU)", "main": profile_main.__name__}
     out = run.out.parent / "profile.json"
-    grid = (["--image-sizes", "112", "--encoder-batches", "1", "--prefill-lengths", "64", "--decode-batches", "1,2",
-             "--contexts", "64", "--decode-steps", "3", "--transfer-mb", "1", "--repeats", "1"] if run.dry_run else
-            ["--image-sizes", "224,448,896", "--encoder-batches", "1,4,16", "--prefill-lengths", "512,2048,8192",
-             "--decode-batches", "1,16,64,256", "--contexts", "512,4096", "--transfer-mb", "1,16,256"])
+    grid = ["--image-sizes", "224,448,896", "--encoder-batches", "1,4,16", "--prefill-lengths", "512,2048,8192",
+            "--decode-batches", "1,16,64,256", "--contexts", "512,4096", "--transfer-mb", "1,16,256"]
     code = profile_main(["--model", "tiny-qwen2-vl", "--device", run.device, "--out", str(out), *grid])
     profile_json = json.loads(out.read_text()) if code == 0 else {}
     return {"exit_code": code, "file": str(out), "profile": profile_json}

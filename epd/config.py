@@ -60,6 +60,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
 
 
+def cuda_indices(value: Any, example: str) -> Any:
+    """CUDA device indices, comma-separated or a list, as a tuple of digit strings (the flags' form)."""
+    indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
+    for index in indices or ():
+        if not str(index).isdigit():
+            raise ValueError(f"expected CUDA device indices like {example}, got {value!r}")
+    return tuple(str(i) for i in indices or ())
+
+
 def _no_bool(value: Any) -> Any:
     if isinstance(value, bool):  # YAML's yes/no must not pass as 1/0
         raise ValueError(f"expected an integer, got {value!r}")
@@ -145,11 +154,7 @@ class EngineConfig(_Config):
     @field_validator("tensor_parallel_devices", mode="before")
     @classmethod
     def _device_indices(cls, value: Any) -> Any:
-        indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
-        for index in indices or ():
-            if not str(index).isdigit():
-                raise ValueError(f"expected CUDA device indices like 0,1 (one per rank), got {value!r}")
-        return tuple(str(i) for i in indices or ())
+        return cuda_indices(value, "0,1 (one per rank)")
 
     @model_validator(mode="after")
     def _one_device_per_rank(self) -> "EngineConfig":
@@ -568,11 +573,7 @@ class ServeConfig(_Config):
     @field_validator("encoder_gpus", "prefill_gpus", "decode_gpus", mode="before")
     @classmethod
     def _gpu_indices(cls, value: Any) -> Any:
-        indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value
-        for index in indices or ():
-            if not str(index).isdigit():
-                raise ValueError(f"expected CUDA device indices like 0 or 0,1, got {value!r}")
-        return tuple(str(i) for i in indices or ())
+        return cuda_indices(value, "0 or 0,1")
 
     @model_validator(mode="after")
     def _one_tls_block(self) -> "ServeConfig":

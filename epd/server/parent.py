@@ -107,22 +107,37 @@ def start_time(pid: int) -> int | None:
         return None
 
 
-def reap_with_me(pids: list[int]) -> None:
+def reap_with_me(pids: list[int]) -> "Reaper":
     """Start a small process that, once this one is gone however it went, ends ``pids`` (each only
-    if it is still the process it was now): for processes started on this process's behalf that do
-    not watch it themselves (the one-node Ray ``epd serve --launcher ray`` starts, whose agents
-    outlive a killed driver)."""
-    import json
-    import subprocess
-    import sys
+    if it is still the process it was now) and then reclaims the shared memory of whatever died:
+    for processes started on this process's behalf that do not watch it themselves (the one-node
+    Ray ``epd serve --launcher ray`` starts, whose agents and actors outlive a killed driver)."""
+    return Reaper(pids)
 
-    known = [(pid, started) for pid in pids if (started := start_time(pid)) is not None]
-    reaper = subprocess.Popen([sys.executable, "-m", "epd.server.parent"], stdin=subprocess.PIPE,
-                              stdout=subprocess.DEVNULL, env=child_environment(dict(os.environ)),
-                              start_new_session=True, text=True)
-    reaper.stdin.write(json.dumps(known) + "\n")
-    reaper.stdin.flush()  # kept open: its EOF is one more way for the reaper to see this process go
-    _REAPERS.append(reaper)  # and so is the Popen object, for as long as this process lives
+
+class Reaper:
+    """The process ``reap_with_me`` starts; ``add`` tells it of more processes to end."""
+
+    def __init__(self, pids: list[int]) -> None:
+        import subprocess
+        import sys
+
+        self._proc = subprocess.Popen([sys.executable, "-m", "epd.server.parent"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, env=child_environment(dict(os.environ)),
+                                      start_new_session=True, text=True)
+        _REAPERS.append(self._proc)  # its stdin stays open while this process lives: EOF means gone
+        self.add(pids)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def add(self, pids: list[int]) -> None:
+        import json
+
+        known = [(pid, started) for pid in pids if (started := start_time(pid)) is not None]
+        self._proc.stdin.write(json.dumps(known) + "\n")
+        self._proc.stdin.flush()
 
 
 def _reap(known: list[tuple[int, int]]) -> None:
@@ -130,7 +145,7 @@ def _reap(known: list[tuple[int, int]]) -> None:
     SIGKILL for what is left a few seconds later."""
     import time
 
-    for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.0)):
+    for sig, wait_s in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 2.0)):
         alive = [pid for pid, started in known if start_time(pid) == started]
         for pid in alive:
             try:
@@ -148,14 +163,30 @@ def main() -> int:
     import json
     import sys
 
-    known = [tuple(entry) for entry in json.loads(sys.stdin.readline() or "[]")]
+    known: list[tuple[int, int]] = []
     gone = threading.Event()
     if not watch_parent(gone.set):
         return 2
-    threading.Thread(target=lambda: (sys.stdin.read(), gone.set()), daemon=True).start()  # EOF: gone too
+
+    def listen() -> None:  # a line of (pid, start time) pairs per reap_with_me / add; EOF: gone too
+        for line in sys.stdin:
+            known.extend(tuple(entry) for entry in json.loads(line))
+        gone.set()
+
+    threading.Thread(target=listen, daemon=True).start()
     gone.wait()
-    _reap(known)
+    _reap(list(known))
+    _reclaim_shared_memory()
     return 0
+
+
+def _reclaim_shared_memory() -> None:
+    """Unlink the segments of the producers that ended with the launcher: a Ray actor ended because
+    its driver went has no supervisor left to do it, and its next start (which would) never comes.
+    Only dead producers' files of this user are touched (``cleanup_stale_segments``)."""
+    from epd.shm_owners import cleanup_stale_segments
+
+    cleanup_stale_segments()
 
 
 if __name__ == "__main__":

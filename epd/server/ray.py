@@ -328,10 +328,12 @@ def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
         deployment = fit_local(deployment, ray.cluster_resources().get("CPU", 0.0))
         # and it ends with this process, however it ends: a driver killed hard takes Ray's head
         # processes with it but leaves their agents running
-        reap_with_me(sorted(descendants(os.getpid())))
+        reaper = reap_with_me(sorted(descendants(os.getpid())))
     cluster = RayEPDCluster(deployment)
     try:
         cluster.start(timeout_s=config.timeout_s)
+        if config.ray_address is None:  # and so do its actors (Ray ends them, but nobody frees their segments)
+            reaper.add(sorted(descendants(os.getpid()) - {reaper.pid}))
         cluster.wait_healthy(config.timeout_s)
         print(f"epd serve (ray): ready\n  OpenAI API  {cluster.http_url}/v1\n  gRPC API    {cluster.grpc_address}\n"
               f"(Ctrl-C stops everything)", flush=True)

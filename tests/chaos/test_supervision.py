@@ -37,7 +37,7 @@ from tests.procs import descendants, gone
 pytestmark = pytest.mark.slow
 MODEL = "tiny-qwen2-vl"
 SHM_GONE_S, BACK_IN_ROTATION_S = 10, 15
-NO_FAULT_CLIENTS, NO_FAULT_REQUESTS, CHAOS_CLIENTS = 16, 64, 8
+NO_FAULT_CLIENTS, NO_FAULT_REQUESTS, CHAOS_CLIENTS = 16, 32, 8
 # where each fault lands: printed, and set EPD_CHAOS_SEED to replay a failing run's timing
 SEED = int(os.environ.get("EPD_CHAOS_SEED", str(random.SystemRandom().randrange(1 << 16))))
 

@@ -93,28 +93,14 @@ def test_epd_serve_on_ray_refuses_an_oversized_deployment_in_seconds(tmp_path, s
 
 
 @pytest.mark.slow
-def test_epd_serve_on_ray_serves_on_this_small_machine_with_shared_cpus(short_tmp):
+def test_epd_serve_on_ray_serves_on_this_small_machine_and_killed_hard_leaves_nothing(short_tmp):
     """Three tiers at one CPU each and the router used to ask 3.5 CPUs of a 2-CPU machine and hang;
-    on the one-node Ray it starts itself, the launcher shares the node instead."""
+    on the one-node Ray it starts itself, the launcher shares the node instead. Then the driver is
+    killed with SIGKILL: Ray ends the actors (their owner is gone) and its head processes, and the
+    reaper started with the one-node Ray ends Ray's agents, which would outlive the driver; nothing
+    of EPD's is left in /dev/shm. (A graceful stop on Ray: tests/deploy/test_ray.py.)"""
     import openai
 
-    from tests.e2e.serve_process import ServeProcess
-
-    serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(short_tmp("ray"))})
-    try:
-        client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="x", max_retries=0, timeout=120)
-        out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=4, messages=[{"role": "user",
-                                                                                           "content": "Hi"}])
-        assert out.usage.completion_tokens == 4
-    finally:
-        assert serve.stop() == 0, "\n".join(serve.lines[-20:])
-
-
-@pytest.mark.slow
-def test_epd_serve_on_ray_killed_hard_leaves_no_process_and_no_shared_memory(short_tmp):
-    """The driver killed with SIGKILL: Ray ends the actors (their owner is gone) and its head
-    processes, and the reaper started with the one-node Ray ends Ray's agents, which would outlive
-    the driver; nothing of EPD's is left in /dev/shm."""
     from epd.bench.chaos import segments_of
     from tests.e2e.serve_process import ServeProcess, wait_until
     from tests.procs import descendants, gone
@@ -122,6 +108,11 @@ def test_epd_serve_on_ray_killed_hard_leaves_no_process_and_no_shared_memory(sho
     serve = ServeProcess("--launcher", "ray", timeout_s=240, env={"RAY_TMPDIR": str(short_tmp("ray"))})
     tree = descendants(serve.proc.pid)
     try:
+        client = openai.OpenAI(base_url=f"{serve.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+        out = client.chat.completions.create(model="tiny-qwen2-vl", max_tokens=4, messages=[{"role": "user",
+                                                                                           "content": "Hi"}])
+        assert out.usage.completion_tokens == 4
+        tree |= descendants(serve.proc.pid)
         os.kill(serve.proc.pid, signal.SIGKILL)
         assert wait_until(lambda: all(gone(pid) for pid in tree), 10, period_s=0.1), \
             [open(f"/proc/{pid}/cmdline").read()[:80] for pid in tree if not gone(pid)]

@@ -450,6 +450,10 @@ class RouterConfig(_Config):
                                                 "TCP link a worker's health offers; gRPC when it offers none) or "
                                                 "grpc (always the gRPC Stream call: only the gRPC port reachable)")
     transport: str = Field("", description="inline | shm | cuda_ipc | nccl (empty: chosen per pair)")
+    prefill_store_reads: Literal["auto", "always", "never"] = Field(
+        "auto", description="with the encoder cache store: items prefill reads from the store itself instead of an "
+                            "encoder pushing them: auto (those no encoder on prefill's host holds), always (every "
+                            "item the store has), never")
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
     allowed_media_domains: tuple[str, ...] = Field(

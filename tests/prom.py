@@ -71,6 +71,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     tiers["encoder"].watch_store(store)
     tiers["prefill"].watch_engine(engine)
     tiers["prefill"].watch_store(store)
+    tiers["prefill"].store_reads().labels("read")
     tiers["decode"].watch_engine(engine)
     for owner in (router, *tiers.values()):
         for metric in vars(owner).values():

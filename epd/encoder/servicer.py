@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from epd.config import ConfigError
+from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.encoder.shared_store import SharedEncoderStore
@@ -25,9 +26,11 @@ from epd.multimodal.hashing import hash_encoded_media, hash_processor_kwargs
 from epd.multimodal.media import MODALITIES
 from epd.multimodal.processor_kwargs import MediaSettings
 from epd.transport import choose_transport
+from epd.transport.base import wait_for_producer
 from epd.transport.choose import is_same_host
 from epd.transport.shm import shared_empty
-from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.transport.store import store_handle
+from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc, tensor_pb2
 from epd.wire.rpc import MAX_MESSAGE_BYTES, abort_with_async, open_channel, remaining_s
 from epd.wire.tls import process_tls
 
@@ -84,7 +87,28 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
                                             if not hit))
         return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
-                                          cache_hits=result.cache_hits)
+                                          cache_hits=result.cache_hits,
+                                          in_store=self._in_store(items, result, request.refresh_store))
+
+    def _in_store(self, items: list[EncoderItem], result, refresh: bool) -> list:
+        """Per item, a ``store`` handle of its rows where the cluster's store has them (the router
+        may have prefill read them there next time), else an empty handle; nothing without a store.
+        ``refresh``: prefill could not read them there: put them again (a hit in this encoder's own
+        cache never looks at the store, so a damaged entry would stay and fail every read)."""
+        shared = self.engine.shared_store
+        if shared is None:
+            return []
+        handles = []
+        events = result.ready_events or [None] * len(result.embeddings)
+        for item, rows, ready in zip(items, result.embeddings, events):
+            key = EncoderCacheKey(item.content_hash, item.processor_kwargs_hash, self.engine.model_id,
+                                  item.expected_rows)
+            if refresh:  # cache rows are never written again: the put thread may read them later
+                wait_for_producer(rows, ready)  # CUDA: after the batch that wrote them
+                shared.put(key, rows.to("cpu") if rows.is_cuda else rows)
+            name = shared.holds(key, rows.dtype)
+            handles.append(store_handle(name, rows) if name else tensor_pb2.TensorHandle())
+        return handles
 
     @staticmethod
     async def _result(request_id: str, future, timeout_s: float):
@@ -278,7 +302,7 @@ def shared_store_for(config) -> SharedEncoderStore | None:
     if encoder.mooncake_master is None:
         raise ConfigError("encoder_cache_store mooncake needs --mooncake-master HOST:PORT (epd serve starts a "
                           "store and fills it in)")
-    from epd.encoder.mooncake_store import MooncakeBackend
+    from epd.transport.mooncake import MooncakeBackend
 
     return SharedEncoderStore(MooncakeBackend(encoder.mooncake_master, host=config.host,
                                               metadata_server=encoder.mooncake_metadata_server,

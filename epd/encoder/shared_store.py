@@ -1,14 +1,13 @@
 """One encoder cache for the whole cluster: encoder outputs shared through a store (Mooncake Store in
-a deployment, ``epd.encoder.mooncake_store``), under each item's content-hash key.
+a deployment, ``epd.transport.mooncake``), under each item's content-hash key.
 
 An encoder looks up its own LRU first (``TensorLRUCache``), then this store, and only then encodes;
 what it encodes it puts here. So an image encoded once anywhere in the cluster costs every other
 encoder a fetch, and an encoder that restarts finds its work again.
 
-An entry is a header and the rows' bytes: a magic, the dtype, the shape and a CRC-32 of the
-bytes. An entry that does not match what this encoder would produce (another dtype or shape: a
-key collision or a bad writer) or whose bytes do not match their checksum (truncated, corrupted)
-is counted, removed from the store and encoded again: it never reaches prefill.
+Entries (``epd.transport.store_entries``) carry their dtype, shape and a checksum: one that does
+not match what this encoder would produce, or whose bytes are damaged, is counted, removed from the
+store and encoded again: it never reaches prefill.
 
 A store that fails (a master gone, a full store, a timeout) degrades to the local cache: each
 failure is counted and logged once per outage, the store is left alone for ``retry_after_s``, and
@@ -28,93 +27,36 @@ import hashlib
 import logging
 import queue
 import secrets
-import struct
 import threading
 import time
-import zlib
-from collections import Counter
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from epd.encoder.cache import EncoderCacheKey
+from epd.transport.store_entries import (  # noqa: F401 - MemoryBackend: the in-process store
+    ENTRY_VERSION,
+    CorruptEntry,
+    MemoryBackend,
+    StoreBackend,
+    decode_entry,
+    encode_entry,
+)
 
 log = logging.getLogger("epd.encoder")
 
-_MAGIC = b"EPDE"
-_VERSION = 1
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEADER = struct.Struct("<4sBBBxII")  # magic, version, dtype code, ndim, pad, crc32, payload bytes
-_DIM = struct.Struct("<Q")
 _PUT_QUEUE = 64  # outputs waiting to be put; past it a put is dropped (counted): the store is a cache
-
-
-class StoreBackend(Protocol):
-    """The few operations the shared cache needs of a key-value store (``put`` inserts or replaces;
-    ``put_first`` writes only a key nobody wrote, and returns what the key holds after it: the
-    value given when this call wrote it). Each may raise on an outage."""
-
-    def get(self, key: str) -> bytes | None: ...
-
-    def put(self, key: str, value: bytes) -> None: ...
-
-    def put_first(self, key: str, value: bytes) -> bytes | None: ...
-
-    def remove(self, key: str) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class CorruptEntry(ValueError):
-    """A stored entry that is not what this encoder would produce, or whose bytes are damaged."""
+_KNOWN_KEYS = 65_536  # entries this encoder found or put lately, for ``holds``
 
 
 def store_key(key: EncoderCacheKey, dtype: torch.dtype) -> str:
     """The store's name for an item's output: the item's content and processor-kwargs hashes, the
     model, the rows and the dtype (every input that changes the bytes), in one flat string."""
     model = hashlib.sha256(key.model_id.encode()).hexdigest()[:16]
-    return (f"epd/enc/v{_VERSION}/{model}/{key.content_hash}/{key.processor_kwargs_hash}/{key.expected_rows}/"
+    return (f"epd/enc/v{ENTRY_VERSION}/{model}/{key.content_hash}/{key.processor_kwargs_hash}/{key.expected_rows}/"
             f"{str(dtype).removeprefix('torch.')}")
-
-
-def encode_entry(tensor: torch.Tensor) -> bytes:
-    """A tensor's header and bytes, as stored."""
-    rows = tensor.detach().to("cpu").contiguous()
-    payload = rows.view(torch.uint8).numpy().tobytes() if rows.numel() else b""
-    header = _HEADER.pack(_MAGIC, _VERSION, _DTYPES.index(rows.dtype), rows.dim(), zlib.crc32(payload), len(payload))
-    return header + b"".join(_DIM.pack(d) for d in rows.shape) + payload
-
-
-def decode_entry(blob: bytes, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """The tensor of a stored entry, checked against what this encoder would produce
-    (``CorruptEntry`` otherwise). The result owns its memory."""
-    if len(blob) < _HEADER.size:
-        raise CorruptEntry(f"{len(blob)} bytes, shorter than an entry's header")
-    magic, version, code, ndim, crc, nbytes = _HEADER.unpack_from(blob)
-    if magic != _MAGIC or version != _VERSION or code >= len(_DTYPES):
-        raise CorruptEntry(f"not an entry of this version (magic {magic!r}, version {version}, dtype code {code})")
-    dims_end = _HEADER.size + ndim * _DIM.size  # the header's own bytes are not in the checksum: check its sizes
-    if ndim != len(shape) or len(blob) < dims_end:
-        raise CorruptEntry(f"{ndim} dimensions in {len(blob)} bytes, expected {len(shape)}")
-    found_shape = tuple(_DIM.unpack_from(blob, _HEADER.size + i * _DIM.size)[0] for i in range(ndim))
-    if _DTYPES[code] != dtype or found_shape != tuple(shape):
-        raise CorruptEntry(f"{_DTYPES[code]} {found_shape}, expected {dtype} {tuple(shape)}")
-    payload = memoryview(blob)[dims_end:]
-    if len(payload) != nbytes or nbytes != dtype.itemsize * _numel(shape):
-        raise CorruptEntry(f"{len(payload)} payload bytes, the header says {nbytes}, the shape needs "
-                           f"{dtype.itemsize * _numel(shape)}")
-    if zlib.crc32(payload) != crc:
-        raise CorruptEntry("payload checksum mismatch")
-    return torch.frombuffer(bytearray(payload), dtype=dtype).reshape(shape)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _MAX_GENERATIONS = 8  # claims of one item past this many expired ones: encode without a claim
@@ -163,6 +105,7 @@ class SharedEncoderStore:
         self._down_until = 0.0
         self._lock = threading.Lock()  # stats, _down_until: the loop and the put thread both write
         self._puts: queue.Queue = queue.Queue(maxsize=_PUT_QUEUE)
+        self._known: OrderedDict[str, None] = OrderedDict()  # store names found or put, newest last
         self._put_thread = threading.Thread(target=self._put_loop, name="epd-encoder-store-put", daemon=True)
         self._put_thread.start()
 
@@ -175,6 +118,7 @@ class SharedEncoderStore:
         if blob is _FAILED:
             return None
         if not blob:
+            self._forget(name)
             if count_miss:
                 with self._lock:
                     self.stats.misses += 1
@@ -185,11 +129,33 @@ class SharedEncoderStore:
             log.warning("encoder cache store: entry %s rejected (%s); encoding it again", name, err)
             with self._lock:
                 self.stats.rejected += 1
+            self._forget(name)
             self._call("remove", lambda: self.backend.remove(name))
             return None
         with self._lock:
             self.stats.hits += 1
+        self._remember(name)
         return tensor
+
+    def holds(self, key: EncoderCacheKey, dtype: torch.dtype) -> str | None:
+        """The store's name of ``key``'s output when this encoder found it there or put it (queued
+        puts too: they land within milliseconds) and the store is up; else None. A hint for the
+        router, which may then have prefill read the rows from the store itself: a wrong one costs
+        that read and the usual push, nothing else."""
+        name = store_key(key, dtype)
+        with self._lock:
+            return name if self.stats.up and name in self._known else None
+
+    def _remember(self, name: str) -> None:
+        with self._lock:
+            self._known[name] = None
+            self._known.move_to_end(name)
+            if len(self._known) > _KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._known.pop(name, None)
 
     # -- single flight ---------------------------------------------------------------------
     def claim(self, key: EncoderCacheKey, dtype: torch.dtype, after: Claim | None = None) -> Claim | None:
@@ -242,8 +208,10 @@ class SharedEncoderStore:
             with self._lock:
                 self.stats.dropped_puts += 1
             return
+        name = store_key(key, tensor.dtype)
         try:
-            self._puts.put_nowait((store_key(key, tensor.dtype), tensor, claim))
+            self._puts.put_nowait((name, tensor, claim))
+            self._remember(name)
         except queue.Full:
             with self._lock:
                 self.stats.dropped_puts += 1
@@ -262,7 +230,9 @@ class SharedEncoderStore:
                 if job is None:
                     return
                 name, tensor, claim = job
-                if self._call("put", lambda: self.backend.put(name, encode_entry(tensor))) is not _FAILED:
+                if self._call("put", lambda: self.backend.put(name, encode_entry(tensor))) is _FAILED:
+                    self._forget(name)
+                else:
                     with self._lock:
                         self.stats.puts += 1
                     if claim is not None and claim.mine:  # its waiters find the result first from now on
@@ -327,37 +297,3 @@ class _Failed:
 
 
 _FAILED = _Failed()
-
-
-class MemoryBackend:
-    """A store in this process's memory: the shared cache's logic without a store service (unit
-    tests, and ``epd.LLM`` which has one encoder anyway). ``fail``: make every call raise."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, bytes] = {}
-        self.calls: Counter[str] = Counter()
-        self.fail = False
-
-    def _check(self, what: str) -> None:
-        self.calls[what] += 1
-        if self.fail:
-            raise ConnectionError("store down")
-
-    def get(self, key: str) -> bytes | None:
-        self._check("get")
-        return self.entries.get(key)
-
-    def put(self, key: str, value: bytes) -> None:
-        self._check("put")
-        self.entries[key] = value  # insert or replace, as the Mooncake backend does
-
-    def put_first(self, key: str, value: bytes) -> bytes | None:
-        self._check("put_first")
-        return self.entries.setdefault(key, value)
-
-    def remove(self, key: str) -> None:
-        self._check("remove")
-        self.entries.pop(key, None)
-
-    def close(self) -> None:
-        pass

@@ -8,12 +8,13 @@ import functools
 import logging
 
 from epd.engine.async_updates import AsyncUpdates
-from epd.errors import IMPORT_FAILED_MARKER, EPDError
+from epd.errors import IMPORT_FAILED_MARKER, EPDError, InvalidRequest
 from epd.prefill.worker import PrefillResult, PrefillWorker
 from epd.transport import choose_transport, import_tensor
 from epd.transport.choose import is_same_host
 from epd.transport.handles import TransportError
 from epd.transport.shm import shared_empty
+from epd.transport.store import reads_store, use_store
 from epd.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 from epd.wire.protocol import logprobs_to_proto, prefill_job_from_proto
 from epd.wire.rpc import abort_with_async, remaining_s
@@ -25,6 +26,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, ctx) -> None:
         self.worker, self.ctx = worker, ctx
         self.store, self.config, self.metrics = ctx.store, ctx.config, ctx.metrics
+        self.store_reads = ctx.metrics.store_reads()
 
     async def PushEmbeddings(self, request, context):
         return await self.ctx.blocking(lambda: self._accept(request))
@@ -48,6 +50,29 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             accepted += self.worker.push(push.request_id, push.item_index, imported.tensor, imported.release_soon)
         return prefill_pb2.PushEmbeddingsResponse(num_accepted=accepted, refused_lease_ids=refused)
 
+    def _read_stored(self, request_id: str, stored) -> list[int]:
+        """On an io thread: each ``store`` handle's rows, read from the store into the request;
+        -> the items that could not be (gone from the store, damaged, the store down), which the
+        router then has encoded and pushed."""
+        misses = []
+        for push in stored:
+            if push.embedding.WhichOneof("body") != "store" or push.request_id not in ("", request_id):
+                raise InvalidRequest(f"request {request_id}: stored item {push.item_index} is not a store handle of "
+                                     f"this request (got {push.embedding.WhichOneof('body')} for "
+                                     f"{push.request_id!r})")
+            try:
+                with self.metrics.time_import(push.embedding):
+                    imported = import_tensor(push.embedding, device=self.worker.engine.config.target_device)
+            except TransportError as err:
+                log.info("request %s: item %d not read from the encoder cache store (%s); the router has it pushed",
+                         request_id, push.item_index, err)
+                self.store_reads.labels("missed").inc()
+                misses.append(push.item_index)
+                continue
+            self.store_reads.labels("read").inc()
+            self.worker.push(request_id, push.item_index, imported.tensor, None)
+        return misses
+
     async def Prefill(self, request, context):
         try:
             job = prefill_job_from_proto(request.request)
@@ -62,6 +87,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         ticket = self.worker.admit(job, AsyncUpdates())
         try:
             await context.write(prefill_pb2.PrefillReply(accepted=prefill_pb2.PrefillAccepted()))
+            if request.stored:  # rows read from the cluster's store here, while the encoders push the rest
+                misses = await self.ctx.blocking(lambda: self._read_stored(job.request_id, request.stored))
+                if misses:
+                    await context.write(prefill_pb2.PrefillReply(
+                        store_misses=prefill_pb2.StoreMisses(item_indices=misses)))
         except BaseException:  # the router left before it heard: nobody will wait for the result
             self.worker.drop(ticket)
             raise
@@ -97,7 +127,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         engine = self.worker.engine
         computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
         return self.ctx.health(num_running=computable, num_waiting=waiting, kv_usage=engine.block_manager.usage,
-                               num_steps=engine.num_steps, max_model_len=self.worker.max_model_len)
+                               num_steps=engine.num_steps, max_model_len=self.worker.max_model_len,
+                               reads_encoder_store=reads_store())
 
 
 def build(ctx):
@@ -110,4 +141,25 @@ def build(ctx):
                            on_engine_lost=ctx.on_engine_lost)
     ctx.metrics.watch_engine(worker.engine)
     servicer = PrefillServicer(worker, ctx)
-    return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), worker.close
+    backend = store_reader_for(ctx.config)
+    use_store(backend)
+
+    def close() -> None:
+        worker.close()
+        if backend is not None:
+            use_store(None)
+            backend.close()
+    return lambda server: prefill_pb2_grpc.add_PrefillServicer_to_server(servicer, server), close
+
+
+def store_reader_for(config):
+    """The cluster's encoder cache store, for reading rows from it (``store`` handles), when the
+    encoders of this cluster share one (``encoder_cache_store: mooncake`` with its master known);
+    else None (a router then sends this worker no such handle)."""
+    encoder = config.encoder
+    if encoder.encoder_cache_store == "local" or encoder.mooncake_master is None:
+        return None
+    from epd.transport.mooncake import MooncakeBackend
+
+    return MooncakeBackend(encoder.mooncake_master, host=config.host, metadata_server=encoder.mooncake_metadata_server,
+                           protocol=encoder.mooncake_protocol, device_names=encoder.mooncake_device_names)

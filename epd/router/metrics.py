@@ -53,8 +53,13 @@ class RouterMetrics:
                             lambda: (((stage,), self._moves.get(stage, 0)) for stage in ("redispatched", "migrated")))
         counts.add_labelled("epd_tensor_handoffs", "Tensor hand-overs the router arranged since start, by stage "
                             "(embeddings: encoder to prefill; kv: prefill to decode) and placement (same_host: "
-                            "shm / CUDA IPC; cross_host: inline / NCCL)", ["stage", "placement"],
+                            "shm / CUDA IPC; cross_host: inline / NCCL; store: prefill read the rows from the "
+                            "encoder cache store itself)", ["stage", "placement"],
                             lambda: self._handoffs.items())
+        self._store_misses = 0
+        counts.add("epd_router_store_read_misses", "Items sent to prefill to read from the encoder cache store that "
+                   "it could not read there (evicted, damaged, the store down): encoded and pushed instead",
+                   lambda: self._store_misses)
         r.register(counts)
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
@@ -92,8 +97,9 @@ class RouterMetrics:
     def refresh_moves(self, moves) -> None:
         self._moves = dict(moves)
 
-    def refresh_handoffs(self, handoffs) -> None:
+    def refresh_handoffs(self, handoffs, store_misses: int = 0) -> None:
         self._handoffs = dict(handoffs)
+        self._store_misses = store_misses
 
     def render(self) -> bytes:
         return render(self.registry)

@@ -48,6 +48,13 @@ class TierMetrics:
     def time_import(self, handle) -> contextlib.AbstractContextManager[None]:
         return self.time_transfer(handle.WhichOneof("body") or "none", "import", handle.nbytes)
 
+    def store_reads(self) -> Counter:
+        """Prefill: items whose rows it read from the cluster's encoder cache store (``store``
+        handles), by outcome; their bytes and times are ``epd_transfer_*{transport="store"}``."""
+        return Counter("epd_prefill_store_reads", "Items prefill read from the encoder cache store itself, by outcome: "
+                       "read, or missed (not there or not readable: encoded and pushed instead)", ["outcome"],
+                       registry=self.own)
+
     def watch_store(self, store) -> None:
         self.live("epd_open_leases", "Tensor leases this worker holds for consumers", lambda: store.num_open_leases)
         self.live("epd_open_lease_bytes", "Bytes held under open leases", lambda: store.open_bytes)

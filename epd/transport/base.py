@@ -79,3 +79,9 @@ class Transport(Protocol):
 
 
 TRANSPORTS: Registry[Transport] = Registry("transport")
+
+
+def exporting_transports() -> list[str]:
+    """The transports a producer can hand a tensor over by (what ``--transport`` may name); a
+    ``store`` handle is read where an encoder put the rows, nobody exports one."""
+    return [name for name in TRANSPORTS.names() if getattr(TRANSPORTS.get(name), "exports", True)]

@@ -5,7 +5,7 @@ import functools
 import socket
 from pathlib import Path
 
-from epd.transport.base import TRANSPORTS
+from epd.transport.base import TRANSPORTS, exporting_transports
 from epd.v1 import tensor_pb2
 
 # (tensor on CUDA?, consumer on the same host?) -> transport
@@ -22,8 +22,8 @@ def choose_transport(tensor_device: str, same_host: bool, override: str | None =
     """``tensor_device`` is a torch device string ("cpu", "cuda", "cuda:1"); ``override`` (a config
     value) wins when set, after checking it names a transport."""
     if override:
-        if override not in TRANSPORTS:
-            raise ValueError(f"unknown transport {override!r}; expected one of {TRANSPORTS.names()}")
+        if override not in exporting_transports():
+            raise ValueError(f"unknown transport {override!r}; expected one of {exporting_transports()}")
         return override
     device_type = tensor_device.split(":", 1)[0]
     if device_type not in ("cpu", "cuda"):

@@ -94,7 +94,7 @@ def check_header(handle: tensor_pb2.TensorHandle) -> tuple[torch.dtype, tuple[in
             f"lease {handle.lease_id}: handle says nbytes={handle.nbytes} but {handle.dtype}{list(shape)} "
             f"needs {expected_bytes} bytes")
     if handle.WhichOneof("body") is None:
-        raise TransportError(f"lease {handle.lease_id}: handle has no body (expected one of inline/shm/cuda_ipc/nccl)")
+        raise TransportError(f"lease {handle.lease_id}: handle has no body (expected one of inline/shm/cuda_ipc/nccl/store)")
     return dtype, shape
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from epd.transport.base import TRANSPORTS, Exported
+from epd.transport.base import TRANSPORTS, Exported, exporting_transports
 from epd.transport.handles import LeaseExpiredError, TransportError, dtype_to_str, lease_gone_message
 from epd.v1 import tensor_pb2
 
@@ -92,8 +92,8 @@ class TensorStore:
         ``tensor`` (readers wait for it). Small inline tensors carry their bytes and get no lease
         (empty lease_id).
         """
-        if transport not in TRANSPORTS:
-            raise ValueError(f"unknown transport {transport!r}; expected one of {TRANSPORTS.names()}")
+        if transport not in exporting_transports():
+            raise ValueError(f"unknown transport {transport!r}; expected one of {exporting_transports()}")
         if not ttl_s > 0:
             raise ValueError(f"ttl_s must be > 0 seconds, got {ttl_s}")
         if self._closed:

@@ -23,19 +23,20 @@ _sym_db = _symbol_database.Default()
 
 
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
+from epd.v1 import tensor_pb2 as epd_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"\x90\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05items\x18\x02 \x03(\x0b\x32\x16.epd.v1.MultimodalItem\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_host_id\x18\x05 \x01(\t\":\n\x0e\x45ncodeResponse\x12\x14\n\x0citem_indices\x18\x01 \x03(\r\x12\x12\n\ncache_hits\x18\x02 \x03(\x08\x32{\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/encoder.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\x1a\x13\x65pd/v1/tensor.proto\"\xa7\x01\n\rEncodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12%\n\x05items\x18\x02 \x03(\x0b\x32\x16.epd.v1.MultimodalItem\x12\x17\n\x0fprefill_address\x18\x03 \x01(\t\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x18\n\x10\x63onsumer_host_id\x18\x05 \x01(\t\x12\x15\n\rrefresh_store\x18\x06 \x01(\x08\"b\n\x0e\x45ncodeResponse\x12\x14\n\x0citem_indices\x18\x01 \x03(\r\x12\x12\n\ncache_hits\x18\x02 \x03(\x08\x12&\n\x08in_store\x18\x03 \x03(\x0b\x32\x14.epd.v1.TensorHandle2{\n\x07\x45ncoder\x12\x37\n\x06\x45ncode\x12\x15.epd.v1.EncodeRequest\x1a\x16.epd.v1.EncodeResponse\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'epd.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ENCODEREQUEST']._serialized_start=54
-  _globals['_ENCODEREQUEST']._serialized_end=198
-  _globals['_ENCODERESPONSE']._serialized_start=200
-  _globals['_ENCODERESPONSE']._serialized_end=258
-  _globals['_ENCODER']._serialized_start=260
-  _globals['_ENCODER']._serialized_end=383
+  _globals['_ENCODEREQUEST']._serialized_start=75
+  _globals['_ENCODEREQUEST']._serialized_end=242
+  _globals['_ENCODERESPONSE']._serialized_start=244
+  _globals['_ENCODERESPONSE']._serialized_end=342
+  _globals['_ENCODER']._serialized_start=344
+  _globals['_ENCODER']._serialized_end=467
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\">\n\x15PushEmbeddingsRequest\x12%\n\x06pushes\x18\x01 \x03(\x0b\x32\x15.epd.v1.EmbeddingPush\"I\n\x16PushEmbeddingsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x19\n\x11refused_lease_ids\x18\x02 \x03(\t\"\x85\x01\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12\x14\n\x0ckv_transport\x18\x02 \x01(\t\x12\x1b\n\x13kv_consumer_host_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_release_key\x18\x04 \x01(\t\"\x11\n\x0fPrefillAccepted\"m\n\x0cPrefillReply\x12+\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x17.epd.v1.PrefillAcceptedH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResultH\x00\x42\x07\n\x05reply2\xce\x01\n\x07Prefill\x12O\n\x0ePushEmbeddings\x12\x1d.epd.v1.PushEmbeddingsRequest\x1a\x1e.epd.v1.PushEmbeddingsResponse\x12\x39\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x14.epd.v1.PrefillReply0\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14\x65pd/v1/prefill.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\">\n\x15PushEmbeddingsRequest\x12%\n\x06pushes\x18\x01 \x03(\x0b\x32\x15.epd.v1.EmbeddingPush\"I\n\x16PushEmbeddingsResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x19\n\x11refused_lease_ids\x18\x02 \x03(\t\"\xac\x01\n\x0ePrefillRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12\x14\n\x0ckv_transport\x18\x02 \x01(\t\x12\x1b\n\x13kv_consumer_host_id\x18\x03 \x01(\t\x12\x16\n\x0ekv_release_key\x18\x04 \x01(\t\x12%\n\x06stored\x18\x05 \x03(\x0b\x32\x15.epd.v1.EmbeddingPush\"#\n\x0bStoreMisses\x12\x14\n\x0citem_indices\x18\x01 \x03(\r\"\x11\n\x0fPrefillAccepted\"\x9a\x01\n\x0cPrefillReply\x12+\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x17.epd.v1.PrefillAcceptedH\x00\x12\'\n\x06result\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResultH\x00\x12+\n\x0cstore_misses\x18\x03 \x01(\x0b\x32\x13.epd.v1.StoreMissesH\x00\x42\x07\n\x05reply2\xce\x01\n\x07Prefill\x12O\n\x0ePushEmbeddings\x12\x1d.epd.v1.PushEmbeddingsRequest\x1a\x1e.epd.v1.PushEmbeddingsResponse\x12\x39\n\x07Prefill\x12\x16.epd.v1.PrefillRequest\x1a\x14.epd.v1.PrefillReply0\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,11 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_start=117
   _globals['_PUSHEMBEDDINGSRESPONSE']._serialized_end=190
   _globals['_PREFILLREQUEST']._serialized_start=193
-  _globals['_PREFILLREQUEST']._serialized_end=326
-  _globals['_PREFILLACCEPTED']._serialized_start=328
-  _globals['_PREFILLACCEPTED']._serialized_end=345
-  _globals['_PREFILLREPLY']._serialized_start=347
-  _globals['_PREFILLREPLY']._serialized_end=456
-  _globals['_PREFILL']._serialized_start=459
-  _globals['_PREFILL']._serialized_end=665
+  _globals['_PREFILLREQUEST']._serialized_end=365
+  _globals['_STOREMISSES']._serialized_start=367
+  _globals['_STOREMISSES']._serialized_end=402
+  _globals['_PREFILLACCEPTED']._serialized_start=404
+  _globals['_PREFILLACCEPTED']._serialized_end=421
+  _globals['_PREFILLREPLY']._serialized_start=424
+  _globals['_PREFILLREPLY']._serialized_end=578
+  _globals['_PREFILL']._serialized_start=581
+  _globals['_PREFILL']._serialized_end=787
 # @@protoc_insertion_point(module_scope)

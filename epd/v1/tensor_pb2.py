@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/tensor.proto\x12\x06\x65pd.v1\";\n\nReadyEvent\x12\x1d\n\x15\x63uda_ipc_event_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"C\n\nInlineBody\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08streamed\x18\x02 \x01(\x08\x12\x15\n\rfetch_address\x18\x03 \x01(\t\"`\n\x07ShmBody\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\t\"\xe6\x01\n\x0b\x43udaIpcBody\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"N\n\x08NcclBody\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tpeer_rank\x18\x02 \x01(\x05\x12\x1a\n\x12rendezvous_address\x18\x03 \x01(\t\"\xc3\x02\n\x0cTensorHandle\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x18\n\x10producer_address\x18\x05 \x01(\t\x12\'\n\x0bready_event\x18\x06 \x01(\x0b\x32\x12.epd.v1.ReadyEvent\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x04\x12$\n\x06inline\x18\n \x01(\x0b\x32\x12.epd.v1.InlineBodyH\x00\x12\x1e\n\x03shm\x18\x0b \x01(\x0b\x32\x0f.epd.v1.ShmBodyH\x00\x12\'\n\x08\x63uda_ipc\x18\x0c \x01(\x0b\x32\x13.epd.v1.CudaIpcBodyH\x00\x12 \n\x04nccl\x18\r \x01(\x0b\x32\x10.epd.v1.NcclBodyH\x00\x42\x06\n\x04\x62ody\":\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x15\n\rconsumer_keys\x18\x02 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"1\n\x0cRenewRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"(\n\rRenewResponse\x12\x17\n\x0f\x65xpires_unix_ms\x18\x01 \x03(\x03\"5\n\x0c\x46\x65tchRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"1\n\x0bTensorChunk\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"X\n\x13NcclUniqueIdRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63ommunicator_id\x18\x03 \x01(\t\"B\n\x14NcclUniqueIdResponse\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63ommunicator_id\x18\x02 \x01(\t2\x80\x02\n\x0bTensorStore\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponse\x12\x34\n\x05Renew\x12\x14.epd.v1.RenewRequest\x1a\x15.epd.v1.RenewResponse\x12\x34\n\x05\x46\x65tch\x12\x14.epd.v1.FetchRequest\x1a\x13.epd.v1.TensorChunk0\x01\x12I\n\x0cNcclUniqueId\x12\x1b.epd.v1.NcclUniqueIdRequest\x1a\x1c.epd.v1.NcclUniqueIdResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/tensor.proto\x12\x06\x65pd.v1\";\n\nReadyEvent\x12\x1d\n\x15\x63uda_ipc_event_handle\x18\x01 \x01(\x0c\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\x05\"C\n\nInlineBody\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x10\n\x08streamed\x18\x02 \x01(\x08\x12\x15\n\rfetch_address\x18\x03 \x01(\t\"`\n\x07ShmBody\x12\x14\n\x0csegment_name\x18\x01 \x01(\t\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\x12\x15\n\rsegment_bytes\x18\x03 \x01(\x04\x12\x12\n\ngeneration\x18\x04 \x01(\t\"\xe6\x01\n\x0b\x43udaIpcBody\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x12\n\nmem_handle\x18\x02 \x01(\x0c\x12\x15\n\rstorage_bytes\x18\x03 \x01(\x04\x12\x1c\n\x14storage_offset_bytes\x18\x04 \x01(\x04\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x04\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\x12\x13\n\x0b\x64\x65vice_uuid\x18\t \x01(\t\"N\n\x08NcclBody\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tpeer_rank\x18\x02 \x01(\x05\x12\x1a\n\x12rendezvous_address\x18\x03 \x01(\t\"\x18\n\tStoreBody\x12\x0b\n\x03key\x18\x01 \x01(\t\"\xe7\x02\n\x0cTensorHandle\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x18\n\x10producer_address\x18\x05 \x01(\t\x12\'\n\x0bready_event\x18\x06 \x01(\x0b\x32\x12.epd.v1.ReadyEvent\x12\x17\n\x0f\x65xpires_unix_ms\x18\x07 \x01(\x04\x12$\n\x06inline\x18\n \x01(\x0b\x32\x12.epd.v1.InlineBodyH\x00\x12\x1e\n\x03shm\x18\x0b \x01(\x0b\x32\x0f.epd.v1.ShmBodyH\x00\x12\'\n\x08\x63uda_ipc\x18\x0c \x01(\x0b\x32\x13.epd.v1.CudaIpcBodyH\x00\x12 \n\x04nccl\x18\r \x01(\x0b\x32\x10.epd.v1.NcclBodyH\x00\x12\"\n\x05store\x18\x0e \x01(\x0b\x32\x11.epd.v1.StoreBodyH\x00\x42\x06\n\x04\x62ody\":\n\x0eReleaseRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x15\n\rconsumer_keys\x18\x02 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"1\n\x0cRenewRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r\"(\n\rRenewResponse\x12\x17\n\x0f\x65xpires_unix_ms\x18\x01 \x03(\x03\"5\n\x0c\x46\x65tchRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"1\n\x0bTensorChunk\x12\x14\n\x0coffset_bytes\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"X\n\x13NcclUniqueIdRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onsumer_id\x18\x02 \x01(\t\x12\x17\n\x0f\x63ommunicator_id\x18\x03 \x01(\t\"B\n\x14NcclUniqueIdResponse\x12\x11\n\tunique_id\x18\x01 \x01(\x0c\x12\x17\n\x0f\x63ommunicator_id\x18\x02 \x01(\t2\x80\x02\n\x0bTensorStore\x12:\n\x07Release\x12\x16.epd.v1.ReleaseRequest\x1a\x17.epd.v1.ReleaseResponse\x12\x34\n\x05Renew\x12\x14.epd.v1.RenewRequest\x1a\x15.epd.v1.RenewResponse\x12\x34\n\x05\x46\x65tch\x12\x14.epd.v1.FetchRequest\x1a\x13.epd.v1.TensorChunk0\x01\x12I\n\x0cNcclUniqueId\x12\x1b.epd.v1.NcclUniqueIdRequest\x1a\x1c.epd.v1.NcclUniqueIdResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,24 +41,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CUDAIPCBODY']._serialized_end=490
   _globals['_NCCLBODY']._serialized_start=492
   _globals['_NCCLBODY']._serialized_end=570
-  _globals['_TENSORHANDLE']._serialized_start=573
-  _globals['_TENSORHANDLE']._serialized_end=896
-  _globals['_RELEASEREQUEST']._serialized_start=898
-  _globals['_RELEASEREQUEST']._serialized_end=956
-  _globals['_RELEASERESPONSE']._serialized_start=958
-  _globals['_RELEASERESPONSE']._serialized_end=997
-  _globals['_RENEWREQUEST']._serialized_start=999
-  _globals['_RENEWREQUEST']._serialized_end=1048
-  _globals['_RENEWRESPONSE']._serialized_start=1050
-  _globals['_RENEWRESPONSE']._serialized_end=1090
-  _globals['_FETCHREQUEST']._serialized_start=1092
-  _globals['_FETCHREQUEST']._serialized_end=1145
-  _globals['_TENSORCHUNK']._serialized_start=1147
-  _globals['_TENSORCHUNK']._serialized_end=1196
-  _globals['_NCCLUNIQUEIDREQUEST']._serialized_start=1198
-  _globals['_NCCLUNIQUEIDREQUEST']._serialized_end=1286
-  _globals['_NCCLUNIQUEIDRESPONSE']._serialized_start=1288
-  _globals['_NCCLUNIQUEIDRESPONSE']._serialized_end=1354
-  _globals['_TENSORSTORE']._serialized_start=1357
-  _globals['_TENSORSTORE']._serialized_end=1613
+  _globals['_STOREBODY']._serialized_start=572
+  _globals['_STOREBODY']._serialized_end=596
+  _globals['_TENSORHANDLE']._serialized_start=599
+  _globals['_TENSORHANDLE']._serialized_end=958
+  _globals['_RELEASEREQUEST']._serialized_start=960
+  _globals['_RELEASEREQUEST']._serialized_end=1018
+  _globals['_RELEASERESPONSE']._serialized_start=1020
+  _globals['_RELEASERESPONSE']._serialized_end=1059
+  _globals['_RENEWREQUEST']._serialized_start=1061
+  _globals['_RENEWREQUEST']._serialized_end=1110
+  _globals['_RENEWRESPONSE']._serialized_start=1112
+  _globals['_RENEWRESPONSE']._serialized_end=1152
+  _globals['_FETCHREQUEST']._serialized_start=1154
+  _globals['_FETCHREQUEST']._serialized_end=1207
+  _globals['_TENSORCHUNK']._serialized_start=1209
+  _globals['_TENSORCHUNK']._serialized_end=1258
+  _globals['_NCCLUNIQUEIDREQUEST']._serialized_start=1260
+  _globals['_NCCLUNIQUEIDREQUEST']._serialized_end=1348
+  _globals['_NCCLUNIQUEIDRESPONSE']._serialized_start=1350
+  _globals['_NCCLUNIQUEIDRESPONSE']._serialized_end=1416
+  _globals['_TENSORSTORE']._serialized_start=1419
+  _globals['_TENSORSTORE']._serialized_end=1675
 # @@protoc_insertion_point(module_scope)

@@ -137,9 +137,9 @@ def test_an_image_encoded_once_is_fetched_by_encoders_restarted_since(serve, fir
 
 def test_a_corrupt_entry_is_encoded_again_and_replaced(serve, first_tokens):
     from epd.encoder.engine import media_item_from_bytes
-    from epd.encoder.mooncake_store import MooncakeBackend
     from epd.encoder.shared_store import store_key
     from epd.models.registry import family_for
+    from epd.transport.mooncake import MooncakeBackend
 
     model_dir = resolve_model(MODEL)
     item = media_item_from_bytes(IMAGE, family_for(model_dir).media_settings(model_dir), model_id=str(model_dir))

@@ -354,8 +354,11 @@ def test_processes_accept_the_rendered_configs(case, rendered, tmp_path, monkeyp
         assert wc.transport == rc.transport
         if tier == "encoder":
             assert wc.encoder.device.startswith("cuda") == gpu
-        else:
-            assert wc.encoder == EncoderConfig()  # no encoder settings for the other tiers
+        else:  # no encoder settings for the other tiers, but for prefill where the encoder cache store is
+            store_only = EncoderConfig().model_copy(update=dict(
+                encoder_cache_store="mooncake", mooncake_master=wc.encoder.mooncake_master))
+            with_store = tier == "prefill" and values.get("encoderCacheStore", {}).get("enabled")
+            assert wc.encoder == (store_only if with_store else EncoderConfig())
             assert (wc.engine.device == "cuda") == gpu
             if gpu:
                 assert wc.engine.dtype == values["gpu"].get("dtype", "bfloat16")
@@ -567,11 +570,11 @@ def test_schema_enums_follow_the_registries():
     from epd.models.null.checkpoint import NULL_PRESETS
     from epd.models.presets import PRESETS
     from epd.router.routing import ROUTING_POLICIES
-    from epd.transport import TRANSPORTS
+    from epd.transport.base import exporting_transports
 
     schema = _schema()
     props, defs = schema["properties"], schema["definitions"]
-    assert sorted(props["transport"]["enum"]) == sorted(TRANSPORTS.names())
+    assert sorted(props["transport"]["enum"]) == sorted(exporting_transports())
     assert sorted(props["model"]["properties"]["preset"]["enum"]) == sorted([*PRESETS, *NULL_PRESETS])
     assert sorted(defs["routerConfig"]["properties"]["encoder_policy"]["enum"]) == sorted(ROUTING_POLICIES.names())
     assert sorted(defs["engineConfig"]["properties"]["attention_backend"]["enum"]) == sorted(
@@ -713,14 +716,14 @@ def _exported_metric_names() -> set[str]:
 
 def test_the_encoder_cache_store_is_run_by_the_chart_or_pointed_at(rendered, tmp_path):
     """encoderCacheStore: the chart runs a master and a segment server (one pod, a Service, its own
-    NetworkPolicy) and points every encoder at it; with ``master`` given it runs nothing and points
-    the encoders there; off, encoders keep their own caches only."""
+    NetworkPolicy) and points every encoder and prefill worker at it; with ``master`` given it runs
+    nothing and points them there; off, encoders keep their own caches only."""
     from epd.server.tier import worker_config_from_args
 
-    def encoder_config(case: str):
-        (tmp_path / case).mkdir()
-        files = _config_files(rendered[case], tmp_path / case)
-        return worker_config_from_args("encoder", ["--config", str(files["encoder.yaml"])]).encoder
+    def encoder_config(case: str, tier: str = "encoder"):
+        (tmp_path / case / tier).mkdir(parents=True)
+        files = _config_files(rendered[case], tmp_path / case / tier)
+        return worker_config_from_args(tier, ["--config", str(files[f"{tier}.yaml"])]).encoder
 
     run = rendered["secured"]
     (store,) = [d for d in by_kind(run, "Deployment").values() if d["metadata"]["name"] == "epd-mooncake"]
@@ -735,6 +738,9 @@ def test_the_encoder_cache_store_is_run_by_the_chart_or_pointed_at(rendered, tmp
     config = encoder_config("secured")
     assert (config.encoder_cache_store, config.mooncake_master) == \
         ("mooncake", f"epd-mooncake.{NAMESPACE}.svc.cluster.local:50061")
+    # prefill reads rows from it too (store handles); decode has nothing to do with it
+    assert encoder_config("secured", "prefill").mooncake_master == config.mooncake_master
+    assert encoder_config("secured", "decode").encoder_cache_store == "local"
     pointed = rendered["nccl"]
     assert "epd-mooncake" not in by_kind(pointed, "Deployment")
     assert encoder_config("nccl").mooncake_master == "mooncake-master.stores.svc:50061"

@@ -13,9 +13,9 @@ import torch
 
 from epd.config import EncoderConfig
 from epd.encoder.engine import EncoderEngine
-from epd.encoder.mooncake_store import MooncakeBackend
 from epd.encoder.shared_store import SharedEncoderStore
 from epd.server.mooncake import MooncakeStore
+from epd.transport.mooncake import MooncakeBackend
 from tests.procs import gone
 
 from .fakes import BYTES_PER_ROW, FakeEncoder, expected_output, make_item

@@ -89,6 +89,36 @@ def test_fetch_put_and_a_corrupt_entry_is_removed_and_counted():
         store.close()
 
 
+def test_the_store_names_an_item_it_found_or_put_for_the_router_and_forgets_what_failed():
+    """``holds``: the hint an encoder's answer carries (a router may have prefill read the rows
+    from the store next time); never for an entry it found damaged or a put that failed."""
+    backend, other = MemoryBackend(), MemoryBackend()
+    store, reader = SharedEncoderStore(backend), SharedEncoderStore(backend)
+    try:
+        name = store_key(KEY, torch.float32)
+        assert store.holds(KEY, torch.float32) is None
+        store.put(KEY, torch.randn(3, 5))
+        assert store.holds(KEY, torch.float32) == name  # queued: in the store within milliseconds
+        assert store.flush() and reader.holds(KEY, torch.float32) is None
+        assert reader.fetch(KEY, (3, 5), torch.float32) is not None and reader.holds(KEY, torch.float32) == name
+        backend.entries[name] = backend.entries[name][:-4]
+        assert reader.fetch(KEY, (3, 5), torch.float32) is None and reader.holds(KEY, torch.float32) is None
+        store.put(KEY, torch.randn(3, 5))
+        backend.fail = True  # the put fails: not named, nor anything while the store is down
+        assert store.flush() and store.holds(KEY, torch.float32) is None
+        failing = SharedEncoderStore(other)
+        failing.put(KEY, torch.randn(3, 5))
+        assert failing.flush()
+        other.fail = True
+        assert failing.holds(KEY, torch.float32) == name
+        failing.fetch(KEY.__class__("other", "kw", "model", 3), (3, 5), torch.float32)  # the outage
+        assert failing.holds(KEY, torch.float32) is None
+        failing.close()
+    finally:
+        store.close()
+        reader.close()
+
+
 def test_an_outage_is_counted_once_per_call_and_the_store_left_alone_until_retry():
     backend, now = MemoryBackend(), [0.0]
     store = SharedEncoderStore(backend, retry_after_s=5.0, clock=lambda: now[0])

@@ -56,6 +56,7 @@ from epd.router.backends.moves import (
     lost_message,
     unless_lost,
 )
+from epd.router.backends.store_reads import StoreReads
 from epd.router.discovery import DnsDiscovery, Resolver, resolve_service
 from epd.router.routing import ROUTING_POLICIES
 from epd.router.workers import TIERS, WorkerRegistry, WorkerState
@@ -98,6 +99,7 @@ class DisaggregatedBackend:
         self.handoffs: collections.Counter[tuple[str, str]] = collections.Counter()
         self._background: set[asyncio.Task] = set()  # calls sent on behalf of requests that are gone
         self.suspects = Suspects()  # encoders whose rows prefill could not import: every request passes them over
+        self.store_reads = StoreReads(config.prefill_store_reads)  # items prefill reads from the encoders' store
         self.decode_links: dict[str, DecodeLink] = {}  # decode address -> the one stream its requests share
 
     async def start(self) -> None:
@@ -143,7 +145,7 @@ class DisaggregatedBackend:
     def refresh_metrics(self, metrics) -> None:
         metrics.refresh_cluster(self.workers.workers)
         metrics.refresh_moves(self.moves)
-        metrics.refresh_handoffs(self.handoffs)
+        metrics.refresh_handoffs(self.handoffs, self.store_reads.num_missed)
 
     # ---- one request ----------------------------------------------------------------------------
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
@@ -218,9 +220,12 @@ class DisaggregatedBackend:
         meta = request_metadata(job.request_id, job.prompt, job.sampling, job.eos_token_ids,
                                 output_token_ids=job.output_token_ids)
         release_key = secrets.token_hex(16)  # names this call's KV export at prefill (see the finally)
+        stored = self.store_reads.pick(job.request_id, [item.mm_hash for item in job.prompt.items], prefill,
+                                       self._encoder_hosts) if job.prompt.items else []
         request = prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport,
                                              kv_consumer_host_id=self._kv_consumer_host(prefill),
-                                             kv_release_key=release_key)
+                                             kv_release_key=release_key, stored=stored)
+        self.handoffs["embeddings", "store"] += len(stored)
         call = prefill.stub.Prefill(request, timeout=job.remaining_s())
         encodes, result, reader = _Encodes(), None, None
         encoded_on: dict[int, str] = {}  # item index -> the encoder its rows come from
@@ -228,11 +233,17 @@ class DisaggregatedBackend:
             accepted = await unless_lost(prefill, call.read())
             if accepted is grpc.aio.EOF or not accepted.HasField("accepted"):
                 raise UpstreamError(f"prefill {prefill.address} did not accept request {job.request_id}")
-            # registered there: from now on the encoders may push its rows
-            for address, indices in self._encoder_groups(job.prompt, avoid).items():
-                encodes.add(self._encode_on(address, job, indices, prefill.address, backoff, encoded_on, avoid),
-                            self._producing(address, [job.prompt.items[i].mm_hash for i in indices]))
-            reply = await encodes.race(reader := asyncio.ensure_future(call.read()), prefill)
+            # registered there: from now on the encoders may push its rows (prefill reads the stored ones)
+            pushed = sorted(set(range(len(job.prompt.items))) - {push.item_index for push in stored})
+            refresh_store = False
+            while True:
+                self._encode_items(job, pushed, prefill, backoff, encodes, encoded_on, avoid, refresh_store)
+                reply = await encodes.race(reader := asyncio.ensure_future(call.read()), prefill)
+                if reply is grpc.aio.EOF or not reply.HasField("store_misses"):
+                    break
+                pushed, refresh_store = list(reply.store_misses.item_indices), True  # not in the store after all
+                for index in pushed:
+                    self.store_reads.forget(job.prompt.items[index].mm_hash)
             if reply is grpc.aio.EOF or not reply.HasField("result"):
                 raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
             result = reply.result
@@ -253,12 +264,23 @@ class DisaggregatedBackend:
                     self._in_background(_release(prefill, tensor_pb2.ReleaseRequest(consumer_keys=[release_key]),
                                                  "the KV of a given-up call"))
 
-    def _encoder_groups(self, prompt: ProcessedPrompt, avoid: set[str] = frozenset()) -> dict[str, list[int]]:
-        """Items by the encoder their content hash routes to: a repeated image finds its cache.
-        Encoders in ``avoid`` are passed over while another one is in rotation."""
+    def _encode_items(self, job: Job, indices: list[int], prefill: WorkerState, backoff: Backoff,
+                      encodes: _Encodes, encoded_on: dict[int, str], avoid: set[str], refresh_store: bool) -> None:
+        """Start the encode calls of the request's items ``indices`` (pushed to ``prefill``);
+        ``refresh_store``: prefill could not read them from the store, the encoders put them again."""
+        for address, group in self._encoder_groups(job.prompt, avoid, indices).items():
+            encodes.add(self._encode_on(address, job, group, prefill.address, backoff, encoded_on, avoid,
+                                        refresh_store),
+                        self._producing(address, [job.prompt.items[i].mm_hash for i in group]))
+
+    def _encoder_groups(self, prompt: ProcessedPrompt, avoid: set[str] = frozenset(),
+                        indices: list[int] | None = None) -> dict[str, list[int]]:
+        """Items (``indices``, default all) by the encoder their content hash routes to: a repeated
+        image finds its cache. Encoders in ``avoid`` are passed over while another one is in rotation."""
         groups: dict[str, list[int]] = {}
         healthy = {c.address for c in self._encoders(avoid)}
-        for index, item in enumerate(prompt.items):
+        for index in range(len(prompt.items)) if indices is None else indices:
+            item = prompt.items[index]
             producing = self._encoding.get(item.mm_hash, ("", 0))[0]
             address = producing if producing in healthy else self._pick("encoder", item.mm_hash, is_started=True,
                                                                          avoid=avoid)
@@ -278,18 +300,21 @@ class DisaggregatedBackend:
         return done
 
     async def _encode_on(self, address: str, job: Job, indices: list[int], prefill_address: str,
-                         backoff: Backoff, encoded_on: dict[int, str], avoid: set[str]) -> None:
+                         backoff: Backoff, encoded_on: dict[int, str], avoid: set[str], refresh_store: bool) -> None:
         items = [multimodal_item(i, job.prompt.items[i], with_media=True) for i in indices]
         prefill_host = self.workers.get("prefill", prefill_address).host_id
         request = encoder_pb2.EncodeRequest(request_id=job.request_id, items=items, prefill_address=prefill_address,
-                                            transport=self.config.transport, consumer_host_id=prefill_host)
+                                            transport=self.config.transport, consumer_host_id=prefill_host,
+                                            refresh_store=refresh_store)
         unavailable = 0
         while True:
             encoded_on.update(dict.fromkeys(indices, address))
             with self._holding("encoder", address=address) as encoder:
                 self.handoffs["embeddings", _placement(encoder.host_id, prefill_host)] += len(indices)
                 try:
-                    await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
+                    reply = await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
+                    self.store_reads.learn((job.prompt.items[i].mm_hash for i in reply.item_indices), reply.in_store,
+                                           address)
                     return
                 except grpc.aio.AioRpcError as err:
                     error = self._rpc_error("encoder", address, err)
@@ -358,6 +383,10 @@ class DisaggregatedBackend:
             yield worker
         finally:
             worker.in_flight -= 1
+
+    def _encoder_hosts(self) -> dict[str, str]:
+        """The encoders in rotation: address -> host id."""
+        return {c.address: self.workers.get("encoder", c.address).host_id for c in self.workers.candidates("encoder")}
 
     def _encoders(self, avoid: set[str]) -> list:
         return _passing_over(self.workers.candidates("encoder"), avoid)

@@ -151,12 +151,13 @@ own config (deep-merged), with CUDA devices filled in when gpu.enabled and the t
 {{- $_ := set $cfg "engine" $eng -}}
 {{- end -}}
 {{- end -}}
-{{- if and (eq $tier "encoder") $root.Values.encoderCacheStore.enabled -}}
-{{- $store := dict "encoder_cache_store" "mooncake" "mooncake_master" (include "epd.mooncakeMaster" $root) -}}
-{{- $_ := set $cfg "encoder" (mustMergeOverwrite (get $cfg "encoder" | default dict) $store) -}}
-{{- end -}}
 {{- if and (hasKey $cfg "encoder") (ne $tier "encoder") -}}
 {{- $_ := unset $cfg "encoder" -}}
+{{- end -}}
+{{- /* encoders read and write the encoder cache store; prefill reads rows from it (store handles) */ -}}
+{{- if and (has $tier (list "encoder" "prefill")) $root.Values.encoderCacheStore.enabled -}}
+{{- $store := dict "encoder_cache_store" "mooncake" "mooncake_master" (include "epd.mooncakeMaster" $root) -}}
+{{- $_ := set $cfg "encoder" (mustMergeOverwrite (get $cfg "encoder" | default dict) $store) -}}
 {{- end -}}
 {{- if and (hasKey $cfg "engine") (empty (get $cfg "engine")) -}}
 {{- $_ := unset $cfg "engine" -}}

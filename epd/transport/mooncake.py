@@ -1,8 +1,9 @@
 """The encoder cache store on Mooncake Store (``encoder_cache_store: mooncake``).
 
-An encoder is a client of the store only: it contributes no memory (the store's segments are held
-by segment servers, ``mooncake_client``, which outlive any encoder: an encoder that restarts finds
-the cluster's work still there). Mooncake's transfer engine moves the bytes (TCP here, RDMA where
+Encoders (which read and write it) and prefill workers (which read rows from it, ``store``
+handles) are clients of the store only: they contribute no memory (the store's segments are held by
+segment servers, ``mooncake_client``, which outlive any worker: an encoder that restarts finds the
+cluster's work still there). Mooncake's transfer engine moves the bytes (TCP here, RDMA where
 the hosts have it) and its master keeps the keys.
 
 A put replaces what the key held (Mooncake's upsert): two encoders that put the same item leave one
@@ -15,7 +16,7 @@ import logging
 import os
 import threading
 
-log = logging.getLogger("epd.encoder")
+log = logging.getLogger("epd.transport")
 
 _LOCAL_BUFFER_BYTES = 64 * 1024 * 1024  # the client's staging buffer for gets and puts
 
@@ -74,6 +75,9 @@ class MooncakeBackend:
                 return
             log.debug("encoder cache store: joining the Mooncake master at %s: %s", self.master, code)
             self._closed.wait(retry_s)
+
+    def joined(self) -> bool:
+        return self._store is not None
 
     def wait_joined(self, timeout_s: float) -> bool:
         self._joiner.join(timeout_s)

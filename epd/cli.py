@@ -86,14 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _PROCESS_MAINS = {"router": "epd.server.router", "serve": "epd.server.serve", "bench": "epd.bench.cli",
-                  "profile": "epd.bench.profile"}
+                  "profile": "epd.bench.profile", "plan": "epd.plan.planner"}
 _TIERS = ("encoder", "prefill", "decode")
 _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + decode processes on loopback",
                  "router": "run the router (OpenAI HTTP + public gRPC) over running workers",
                  "encoder": "run one encoder worker", "prefill": "run one prefill worker",
                  "decode": "run one decode worker",
                  "bench": "load generator against a running server: latency percentiles, goodput, plots",
-                 "profile": "what each stage costs here for one model (encoder, prefill, decode, transfer) as JSON"}
+                 "profile": "what each stage costs here for one model (encoder, prefill, decode, transfer) as JSON",
+                 "plan": "rank E:P:D splits of a device budget by simulated goodput for a profile, workload and SLO"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,11 +7,12 @@ Measured in this process, each point a median of ``--repeats`` runs after a warm
 - prefill: ms per chunk by prompt length, cold and with the prompt's prefix cached (a second request
   sharing all but its last block);
 - decode: ms per step by batch and context length;
-- transfer: ms per MB of handing a tensor over by each transport this host has (export + import).
+- transfer: ms per MB of handing a tensor over by each transport this host has (export + import);
+- router: ms per request before dispatch (body, image, chat template, hash) by image size.
 
     epd profile [--model tiny-qwen2-vl] [--out profile.json] [--device auto]
         [--image-sizes 224,448] [--encoder-batches 1,4] [--prefill-lengths 256,1024]
-        [--decode-batches 1,8,32] [--contexts 256,1024] [--transfer-mb 1,16] [--repeats 3]
+        [--decode-batches 1,8,32] [--contexts 256,1024] [--transfer-mb 1,16] [--repeats 3] [--threads N]
 """
 from __future__ import annotations
 
@@ -50,9 +51,12 @@ def profile_encoder(model_dir, device: str, sizes: list[int], batches: list[int]
     try:
         for size in sizes:
             for batch in batches:
+                # rendered before the clock starts: a client makes its images, the encoder decodes them
+                images = iter([render_image(ImageSpec(size, size, next(seed), "noise"))
+                               for _ in range(batch * (repeats + 1))])
+
                 def run() -> None:
-                    items = [engine.make_item(render_image(ImageSpec(size, size, next(seed), "noise")))
-                             for _ in range(batch)]
+                    items = [engine.make_item(next(images)) for _ in range(batch)]
                     name = f"p{next(seed)}"
                     engine.submit(name, items, hold_until_release=False).result(timeout=600)
 
@@ -134,6 +138,35 @@ def profile_decode(model_dir, device: str, batches: list[int], contexts: list[in
     return points
 
 
+def profile_router(model_dir, sizes: list[int], repeats: int) -> list[dict]:
+    """What the router spends on one chat request with one image before it dispatches it: the JSON
+    body parsed, the image's data URL decoded, the chat template, ids, geometry and content hash."""
+    import base64
+
+    import orjson
+
+    from epd.bench.workload import ImageSpec, render_image
+    from epd.models.registry import family_for
+    from epd.models.tokenizer_loading import load_tokenizer
+    from epd.multimodal.messages import extract_media
+
+    processor = family_for(model_dir).input_processor(model_dir, load_tokenizer(model_dir))
+    points = []
+    for size in sizes:
+        bodies = iter([orjson.dumps({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+                render_image(ImageSpec(size, size, seed))).decode()}},
+            {"type": "text", "text": "Describe the picture in a few words, please."}]}]})
+            for seed in range(repeats + 1)])
+
+        def run() -> None:
+            conversation, media = extract_media(orjson.loads(next(bodies))["messages"])
+            processor.process_messages(conversation, media)
+
+        points.append({"image_px": size, "ms_per_request": round(1000 * _median_s(run, repeats), 3)})
+    return points
+
+
 def profile_transfer(sizes_mb: list[int], repeats: int) -> list[dict]:
     """A tensor exported and imported (read once) by each transport, its lease released over the
     store's own gRPC server, as between two processes of one host (inline: as between hosts)."""
@@ -176,7 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--transfer-mb", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (default: torch's); give what each worker gets to simulate a cluster "
+                             "(epd serve on N cores: its banner's threads each)")
     args = parser.parse_args(argv)
+    import torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from epd.config import resolve_device
     from epd.models.locate import resolve_model
 
@@ -188,13 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     device = resolve_device(args.device)
     started = time.perf_counter()
     result = {"model": args.model, "device": device, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
-                                                               "python": platform.python_version()}}
+                                                               "python": platform.python_version(),
+                                                               "threads": torch.get_num_threads()}}
     result["encoder"] = profile_encoder(model_dir, device, _ints(args.image_sizes), _ints(args.encoder_batches),
                                         args.repeats)
     result["prefill"] = profile_prefill(model_dir, device, _ints(args.prefill_lengths), args.repeats)
     result["decode"] = profile_decode(model_dir, device, _ints(args.decode_batches), _ints(args.contexts),
                                       args.decode_steps)
     result["transfer"] = profile_transfer(_ints(args.transfer_mb), args.repeats)
+    result["router"] = profile_router(model_dir, _ints(args.image_sizes), args.repeats)
     result["seconds"] = round(time.perf_counter() - started, 1)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"epd profile: {args.model} on {device}, {result['seconds']} s -> {args.out}")

@@ -17,9 +17,9 @@ def test_a_small_profile_measures_every_stage(tmp_path):
     assert main(["profile", "--model", "tiny-qwen2-vl", "--out", str(out), "--device", "cpu",
                  "--image-sizes", "112,448", "--encoder-batches", "1,2", "--prefill-lengths", "64,1536",
                  "--decode-batches", "1,4", "--contexts", "128", "--decode-steps", "5", "--transfer-mb", "1",
-                 "--repeats", "2"]) == 0
+                 "--repeats", "2", "--threads", "1"]) == 0
     profile = json.loads(out.read_text())
-    assert profile["device"] == "cpu" and profile["host"]["cpus"] >= 1
+    assert profile["device"] == "cpu" and profile["host"]["cpus"] >= 1 and profile["host"]["threads"] == 1
     encoder = {(p["image_px"], p["batch"]): p["ms_per_item"] for p in profile["encoder"]}
     assert set(encoder) == {(112, 1), (112, 2), (448, 1), (448, 2)} and min(encoder.values()) > 0
     assert encoder[(448, 1)] > encoder[(112, 1)]  # 16x the patches
@@ -31,6 +31,12 @@ def test_a_small_profile_measures_every_stage(tmp_path):
     assert set(decode) == {(1, 128), (4, 128)} and min(decode.values()) > 0
     transfer = {(p["transport"], p["mb"]): p["ms_per_mb"] for p in profile["transfer"]}
     assert set(transfer) == {("shm", 1), ("inline", 1)} and min(transfer.values()) > 0
+    router = {p["image_px"]: p["ms_per_request"] for p in profile["router"]}
+    assert set(router) == {112, 448} and min(router.values()) > 0
+    from epd.plan.costs import StageCosts  # what the simulator reads of it
+
+    costs = StageCosts.from_profile(out)
+    assert costs.threads == 1 and costs.router_ms(448 * 448, 99.0) == router[448]
 
 
 def test_a_model_that_is_not_there_is_one_line(capsys):

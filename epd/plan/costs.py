@@ -1,0 +1,99 @@
+"""What each stage costs, read from an ``epd profile`` JSON: the cluster simulator's only source of
+time. Between the points measured, costs are interpolated linearly; past them, extrapolated along the
+last two points (never below zero), so a profile of a few points covers a workload's range.
+
+Every cost is milliseconds of one worker's own time at the profile's thread count (``threads``):
+what the worker spends when it has that many cores to itself.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def interpolate(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (x, y), extended along the outer segments; >= 0."""
+    pts = sorted(points)
+    if not pts:
+        raise ValueError("no points to interpolate")
+    if len(pts) == 1:
+        return max(0.0, pts[0][1])
+    xs = [p[0] for p in pts]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(pts) - 1)
+    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+    if x1 == x0:
+        return max(0.0, y1)
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def _grid(points: list[tuple[float, float, float]], x: float, y: float) -> float:
+    """Bilinear-ish: along y at each measured x, then along x."""
+    by_x: dict[float, list[tuple[float, float]]] = {}
+    for px, py, value in points:
+        by_x.setdefault(px, []).append((py, value))
+    return interpolate([(px, interpolate(col, y)) for px, col in by_x.items()], x)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    model: str
+    device: str
+    threads: int
+    encoder: tuple[tuple[float, float, float], ...]  # (image pixels, batch, ms per item)
+    prefill_cold: tuple[tuple[float, float], ...]  # (prompt tokens, ms)
+    prefill_cached: tuple[tuple[float, float], ...]  # (prompt tokens, ms) with all but the last block cached
+    decode: tuple[tuple[float, float, float], ...]  # (batch, context tokens, ms per step)
+    transfer: dict  # transport -> ((MB, ms per MB), ...)
+    chunk_tokens: int = 2048
+    router: tuple[tuple[float, float], ...] = ()  # (image pixels, ms per request before dispatch)
+
+    @classmethod
+    def from_profile(cls, profile: dict | str | Path) -> StageCosts:
+        if not isinstance(profile, dict):
+            profile = json.loads(Path(profile).read_text())
+        try:
+            prefill = profile["prefill"]
+            return cls(
+                model=profile.get("model", "?"), device=profile.get("device", "?"),
+                threads=int(profile.get("host", {}).get("threads", 1)),
+                encoder=tuple((p["image_px"] ** 2, p["batch"], p["ms_per_item"]) for p in profile["encoder"]),
+                prefill_cold=tuple((p["prompt_tokens"], p["ms_total"]) for p in prefill if not p["prefix_cached"]),
+                prefill_cached=tuple((p["prompt_tokens"], p["ms_total"]) for p in prefill if p["prefix_cached"]),
+                decode=tuple((p["batch"], p["context_tokens"], p["ms_per_step"]) for p in profile["decode"]),
+                transfer={t: tuple((p["mb"], p["ms_per_mb"]) for p in profile["transfer"] if p["transport"] == t)
+                          for t in {p["transport"] for p in profile["transfer"]}},
+                chunk_tokens=max((p.get("chunk_tokens", 2048) for p in prefill), default=2048),
+                router=tuple((p["image_px"] ** 2, p["ms_per_request"]) for p in profile.get("router", ())))
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"not an epd profile (missing or malformed {err})") from None
+
+    def encoder_ms(self, pixels: float, batch: int) -> float:
+        """One item of ``pixels`` (width x height) in a batch of ``batch``: ms of the encoder."""
+        return _grid([(px, b, ms) for px, b, ms in self.encoder], pixels, batch)
+
+    def prefill_ms(self, tokens: int, cached_tokens: int = 0) -> float:
+        """A prompt of ``tokens`` to its first token, ``cached_tokens`` of them from the prefix cache."""
+        cold = interpolate(list(self.prefill_cold), tokens)
+        if not cached_tokens or not self.prefill_cached:
+            return cold
+        floor = interpolate(list(self.prefill_cached), tokens)  # the last block's compute and the step
+        return max(floor, cold * (tokens - cached_tokens) / max(tokens, 1))
+
+    def decode_ms(self, batch: int, context_tokens: float) -> float:
+        """One decode step of ``batch`` sequences of ``context_tokens`` (mean) each."""
+        return _grid([(b, c, ms) for b, c, ms in self.decode], batch, context_tokens)
+
+    def router_ms(self, pixels: float, default_ms: float) -> float:
+        """The router's work on a request with ``pixels`` of images before dispatch (the profile's,
+        or ``default_ms`` for a profile without router points)."""
+        return interpolate(list(self.router), pixels) if self.router else default_ms
+
+    def transfer_ms(self, transport: str, nbytes: float) -> float:
+        """Handing ``nbytes`` over by ``transport`` (export and import)."""
+        points = self.transfer.get(transport)
+        if not points:
+            raise ValueError(f"the profile has no {transport} transfers (it has {sorted(self.transfer)})")
+        mb = nbytes / 2**20
+        return mb * interpolate(list(points), mb)

@@ -1,0 +1,316 @@
+"""The simulated router and workers: what each does with a request, in the order EPD does it.
+
+- Router: one event loop; each request costs it ``ms_per_request`` (parsing, image headers, hashing)
+  before dispatch and each streamed token ``ms_per_token``; a token reaches the client when the
+  router has handled it, so a busy router delays every stream.
+- Encoder: items queue; an idle encoder takes every waiting item (up to ``encoder_batch_size``) as
+  one batch. Its cache keeps every output (by image identity): a repeat costs nothing, an item
+  already being encoded is waited for, not encoded again. Rows reach prefill after a transfer.
+- Prefill: a request is computable once all its items' rows arrived; an idle prefill engine takes
+  computable prompts in order into one step of at most ``max_num_batched_tokens`` (chunked prefill:
+  a long prompt takes several steps). Its first token goes to the router, its KV to decode.
+- Decode: continuous batching; every step gives each running request one token; a request joins at
+  the next step after its KV arrived, up to ``max_num_seqs``.
+- Aggregated: one engine does all of it on one thread: images are encoded between steps, and a step
+  runs the decodes and a prefill chunk in the token budget left.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from epd.plan.costs import StageCosts
+from epd.plan.engine import Clock, Device
+
+
+@dataclass
+class SimRequest:
+    index: int
+    arrival_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    images: tuple[tuple[int, float, int], ...] = ()  # (identity, pixels, embedding rows)
+    # filled in as it runs
+    rows_waiting: int = 0
+    prefill_left: int = 0
+    context: int = 0
+    produced: int = 0
+    token_ms: list[float] = field(default_factory=list)  # when the client got each token
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_ms[0] - self.arrival_ms
+
+    @property
+    def e2e_ms(self) -> float:
+        return self.token_ms[-1] - self.arrival_ms
+
+    @property
+    def tpot_ms(self) -> float | None:
+        n = len(self.token_ms)
+        return (self.token_ms[-1] - self.token_ms[0]) / (n - 1) if n > 1 else None
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    encoder_batch_size: int = 32
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    router_ms_per_request: float = 1.0  # without router points in the profile
+    router_ms_per_token: float = 0.07  # the tiny preset's, docs/benchmarks.md (control plane)
+    row_bytes: int = 4 * 1536  # one embedding row (float32)
+    kv_bytes_per_token: int = 4 * 2 * 28 * 512
+    transport: str = "shm"
+    tp_efficiency: float = 0.8  # a TP-N worker's step: cost / (N x this), an assumption until measured
+
+
+class Router:
+    def __init__(self, clock: Clock, device: Device, settings: SimSettings, threads: float = 1.0) -> None:
+        self.clock, self.device, self.settings, self.threads = clock, device, settings, threads
+        self._jobs: deque = deque()
+        self._busy = False
+
+    def handle(self, work_ms: float, then) -> None:
+        """Run ``then`` once the router's loop did ``work_ms`` of work (after what it had queued)."""
+        self._jobs.append((work_ms, then))
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._busy or not self._jobs:
+            return
+        work_ms, then = self._jobs.popleft()
+        self._busy = True
+
+        def done() -> None:
+            self._busy = False
+            then()
+            self._kick()
+        self.device.start(work_ms, self.threads, "router", done)
+
+    def tokens(self, requests: list[SimRequest]) -> None:
+        """One step's tokens for ``requests`` reached the router: each client gets its token once handled."""
+        def emit() -> None:
+            for request in requests:
+                request.token_ms.append(self.clock.now_ms)
+        self.handle(self.settings.router_ms_per_token * len(requests), emit)
+
+
+class Worker:
+    """A worker with one engine loop on ``device``, using ``threads`` of it while it computes."""
+
+    tier = "worker"
+
+    def __init__(self, name: str, clock: Clock, device: Device, costs: StageCosts, settings: SimSettings,
+                 threads: float = 1.0, speedup: float = 1.0) -> None:
+        self.name, self.clock, self.device, self.costs, self.settings = name, clock, device, costs, settings
+        self.threads, self.speedup = threads, speedup
+        self.busy = False
+        self.load = 0  # requests it holds (what the router balances)
+
+    def _compute(self, work_ms: float, then) -> None:
+        self.busy = True
+
+        def done() -> None:
+            self.busy = False
+            then()
+            self.kick()
+        self.device.start(work_ms / self.speedup, self.threads, self.name, done)
+
+    def kick(self) -> None:
+        raise NotImplementedError
+
+
+class Encoder(Worker):
+    tier = "encoder"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.queue: deque = deque()
+        self.done: set[int] = set()
+        self.pending: dict[int, list] = {}  # identity -> deliveries waiting for it
+
+    def submit(self, identity: int, pixels: float, rows: int, deliver) -> None:
+        if identity in self.done:
+            self.clock.after(0.0, lambda: deliver(rows))
+        elif identity in self.pending:
+            self.pending[identity].append(deliver)
+        else:
+            self.pending[identity] = [deliver]
+            self.queue.append((identity, pixels, rows))
+            self.kick()
+
+    def kick(self) -> None:
+        if self.busy or not self.queue:
+            return
+        batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.settings.encoder_batch_size))]
+        work_ms = sum(self.costs.encoder_ms(pixels, len(batch)) for _, pixels, _ in batch)
+
+        def done() -> None:
+            for identity, _, rows in batch:
+                self.done.add(identity)
+                for deliver in self.pending.pop(identity):
+                    deliver(rows)
+        self._compute(work_ms, done)
+
+
+class Prefill(Worker):
+    tier = "prefill"
+
+    def __init__(self, *args, on_first_token, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_first_token = on_first_token
+        self.ready: deque[SimRequest] = deque()
+
+    def register(self, request: SimRequest) -> None:
+        request.rows_waiting = len(request.images)
+        request.prefill_left = request.prompt_tokens
+        self.load += 1
+        if not request.images:
+            self.arrived(request)
+
+    def rows_arrived(self, request: SimRequest, rows: int) -> None:
+        delay_ms = self.costs.transfer_ms(self.settings.transport, rows * self.settings.row_bytes)
+
+        def landed() -> None:
+            request.rows_waiting -= 1
+            if request.rows_waiting == 0:
+                self.arrived(request)
+        self.clock.after(delay_ms, landed)
+
+    def arrived(self, request: SimRequest) -> None:
+        self.ready.append(request)
+        self.kick()
+
+    def kick(self) -> None:
+        if self.busy or not self.ready:
+            return
+        budget, step = self.settings.max_num_batched_tokens, []
+        for request in self.ready:
+            if budget <= 0:
+                break
+            take = min(request.prefill_left, budget)
+            step.append((request, take))
+            budget -= take
+        tokens = sum(take for _, take in step)
+
+        def done() -> None:
+            for request, take in step:
+                request.prefill_left -= take
+                if request.prefill_left == 0:
+                    self.ready.remove(request)
+                    self.load -= 1
+                    self.on_first_token(self, request)
+        self._compute(self.costs.prefill_ms(tokens), done)
+
+
+class Decode(Worker):
+    tier = "decode"
+
+    def __init__(self, *args, router: Router, on_finished, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.router, self.on_finished = router, on_finished
+        self.joining: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+
+    def add(self, request: SimRequest) -> None:
+        self.load += 1
+        self.joining.append(request)
+        self.kick()
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        while self.joining and len(self.running) < self.settings.max_num_seqs:
+            self.running.append(self.joining.popleft())
+        if not self.running:
+            return
+        batch = list(self.running)
+        context = sum(r.context for r in batch) / len(batch)
+
+        def done() -> None:
+            for request in batch:
+                request.context += 1
+                request.produced += 1
+            self.router.tokens(batch)
+            for request in [r for r in batch if r.produced >= r.output_tokens]:
+                self.running.remove(request)
+                self.load -= 1
+                self.on_finished(request)
+        self._compute(self.costs.decode_ms(len(batch), context), done)
+
+
+class Aggregated(Worker):
+    """One engine on one thread: encodes between steps; a step is the decodes plus a prefill chunk."""
+
+    tier = "aggregated"
+
+    def __init__(self, *args, router: Router, on_finished, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.router, self.on_finished = router, on_finished
+        self.encoder_cache: set[int] = set()
+        self.to_encode: deque = deque()
+        self.prefilling: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+
+    def add(self, request: SimRequest) -> None:
+        self.load += 1
+        request.prefill_left = request.prompt_tokens
+        request.rows_waiting = 0
+        for identity, pixels, _ in request.images:
+            if identity not in self.encoder_cache:
+                request.rows_waiting += 1
+                self.to_encode.append((identity, pixels, request))
+        self.prefilling.append(request)
+        self.kick()
+
+    def kick(self) -> None:
+        if self.busy:
+            return
+        if self.to_encode:
+            batch = [self.to_encode.popleft() for _ in range(min(len(self.to_encode), self.settings.encoder_batch_size))]
+            fresh = {identity: pixels for identity, pixels, _ in batch if identity not in self.encoder_cache}
+            work_ms = sum(self.costs.encoder_ms(pixels, len(fresh)) for pixels in fresh.values())
+
+            def encoded() -> None:
+                self.encoder_cache.update(fresh)
+                for _, _, request in batch:
+                    request.rows_waiting -= 1
+            self._compute(work_ms, encoded)
+            return
+        decodes = [r for r in self.running][: self.settings.max_num_seqs]
+        budget = self.settings.max_num_batched_tokens - len(decodes)
+        chunk = []
+        for request in self.prefilling:
+            if budget <= 0 or request.rows_waiting:
+                break  # in order: a prompt waits for its images
+            take = min(request.prefill_left, budget)
+            chunk.append((request, take))
+            budget -= take
+        if not decodes and not chunk:
+            return
+        work_ms = self.costs.prefill_ms(sum(t for _, t in chunk)) if chunk else 0.0
+        if decodes:
+            work_ms += self.costs.decode_ms(len(decodes), sum(r.context for r in decodes) / len(decodes))
+
+        def stepped() -> None:
+            for request in decodes:
+                request.context += 1
+                request.produced += 1
+            first = []
+            for request, take in chunk:
+                request.prefill_left -= take
+                if request.prefill_left == 0:
+                    self.prefilling.remove(request)
+                    request.context, request.produced = request.prompt_tokens, 1
+                    first.append(request)
+            self.router.tokens(decodes + first)
+            for request in decodes + first:
+                if request.produced < request.output_tokens:
+                    if request in first:
+                        self.running.append(request)
+                    continue
+                if request in self.running:
+                    self.running.remove(request)
+                self.load -= 1
+                self.on_finished(request)
+        self._compute(work_ms, stepped)

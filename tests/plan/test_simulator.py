@@ -1,0 +1,112 @@
+"""The cluster simulator (``epd.plan``) against what queueing theory and EPD's own rules say, on
+made-up stage costs: a single encoder under Poisson load waits as an M/D/1 queue does (the test
+fails when the simulator's queueing is taken out); workers sharing cores slow each other down and
+devices of their own do not; a repeated image is encoded once; continuous batching costs a step
+more as the batch grows; prefill is chunked; the figures a planner ranks by come out."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from epd.plan.costs import StageCosts, interpolate
+from epd.plan.simulate import Topology, simulate
+from epd.plan.tiers import SimRequest, SimSettings
+
+FREE = SimSettings(router_ms_per_request=0.0, router_ms_per_token=0.0)
+
+
+def costs(encoder_ms: float = 10.0, prefill_ms_per_token: float = 0.0, decode_ms: float = 0.0,
+          decode_ms_per_seq: float = 0.0) -> StageCosts:
+    return StageCosts(
+        model="made-up", device="cpu", threads=1,
+        encoder=((100.0, 1, encoder_ms), (100.0, 8, encoder_ms)),
+        prefill_cold=((0.0, 0.0), (1000.0, 1000 * prefill_ms_per_token)), prefill_cached=(),
+        decode=((1, 100, decode_ms + decode_ms_per_seq), (64, 100, decode_ms + 64 * decode_ms_per_seq)),
+        transfer={"shm": ((1.0, 0.0), (2.0, 0.0))})
+
+
+def poisson(n: int, rate_per_s: float, seed: int = 0, images: int = 1, output: int = 1) -> list[SimRequest]:
+    rng, t, out = random.Random(seed), 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate_per_s) * 1000.0
+        out.append(SimRequest(i, t, 16, output, tuple((i * 10 + k, 100.0, 4) for k in range(images))))
+    return out
+
+
+def test_one_encoder_under_poisson_load_waits_as_an_m_d_1_queue():
+    """Service 10 ms, arrivals at 70/s (load 0.7): the mean wait is rho / (2 mu (1 - rho)) = 11.7 ms,
+    so the mean TTFT is 21.7 ms; without queueing it would be the 10 ms service alone."""
+    service_ms, rate, n = 10.0, 70.0, 4000
+    one_at_a_time = SimSettings(router_ms_per_request=0.0, router_ms_per_token=0.0, encoder_batch_size=1)
+    result = simulate(costs(encoder_ms=service_ms), Topology(cores=None), poisson(n, rate), one_at_a_time)
+    rho = rate * service_ms / 1000.0
+    expected_ms = service_ms + rho * service_ms / (2 * (1 - rho))
+    mean_ttft = sum(r.ttft_ms for r in result.requests) / n
+    assert expected_ms * 0.92 < mean_ttft < expected_ms * 1.08, (mean_ttft, expected_ms)
+    assert result.utilization["encoder"] == pytest.approx(rho, rel=0.1)
+
+
+def test_workers_sharing_cores_slow_each_other_and_devices_of_their_own_do_not():
+    """Two requests at once with 10 ms of encoder and 10 ms of prefill each: on 1 core the tiers'
+    work overlaps and shares it; with a device each, the second request's encode overlaps the first
+    one's prefill at full speed."""
+    c = costs(encoder_ms=10.0, prefill_ms_per_token=10.0 / 16)
+    requests = lambda: [SimRequest(0, 0.0, 16, 1, ((1, 100.0, 4),)), SimRequest(1, 0.0, 16, 1, ((2, 100.0, 4),))]
+    own = simulate(c, Topology(cores=None), requests(), FREE)
+    shared = simulate(c, Topology(cores=1), requests(), FREE)
+    assert [round(r.ttft_ms, 3) for r in own.requests] == [20.0, 30.0]  # encoded as one batch of two
+    assert max(r.ttft_ms for r in shared.requests) == pytest.approx(40.0)  # 40 ms of work on one core
+    gpu_sharing = simulate(c, Topology(cores=None, workers_per_device=3), requests(), FREE)
+    assert max(r.ttft_ms for r in gpu_sharing.requests) == pytest.approx(40.0)  # one device for all three
+
+
+def test_a_repeated_image_is_encoded_once_and_waited_for_while_it_is_being_encoded():
+    same = ((7, 100.0, 4),)
+    requests = [SimRequest(i, float(i), 16, 1, same) for i in range(5)]
+    result = simulate(costs(encoder_ms=10.0), Topology(cores=None), requests, FREE)
+    assert [round(r.ttft_ms) for r in result.requests] == [10, 9, 8, 7, 6]  # all wait for the one encode
+    assert result.utilization["encoder"] * result.duration_ms == pytest.approx(10.0)
+
+
+def test_a_decode_step_costs_more_as_the_batch_grows_and_each_request_gets_one_token_a_step():
+    c = costs(encoder_ms=0.0, decode_ms=2.0, decode_ms_per_seq=0.5)
+    alone = simulate(c, Topology(cores=None), [SimRequest(0, 0.0, 16, 11)], FREE)
+    crowd = simulate(c, Topology(cores=None), [SimRequest(i, 0.0, 16, 11) for i in range(16)], FREE)
+    assert alone.requests[0].tpot_ms == pytest.approx(2.5)
+    # the first request's step was running when the others' KV came: they join the next one; the
+    # last step is one short (the first request finished a step earlier)
+    assert all(r.token_ms[4] - r.token_ms[3] == pytest.approx(2.0 + 16 * 0.5) for r in crowd.requests)
+    assert crowd.requests[1].token_ms[-1] - crowd.requests[1].token_ms[-2] == pytest.approx(2.0 + 15 * 0.5)
+    assert all(len(r.token_ms) == 11 for r in crowd.requests)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_and_a_short_one_behind_it_shares_the_last():
+    c = costs(encoder_ms=0.0, prefill_ms_per_token=0.01)
+    settings = SimSettings(router_ms_per_request=0.0, router_ms_per_token=0.0, max_num_batched_tokens=1000)
+    result = simulate(c, Topology(cores=None), [SimRequest(0, 0.0, 2500, 1), SimRequest(1, 0.0, 400, 1)], settings)
+    assert result.requests[0].ttft_ms == pytest.approx(10 + 10 + 5 + 4)  # 1000, 1000, then 500 + the short 400
+    assert result.requests[1].ttft_ms == pytest.approx(29.0)
+
+
+def test_the_aggregated_engine_encodes_on_its_one_thread_and_epd_overlaps_the_tiers():
+    c = costs(encoder_ms=10.0, prefill_ms_per_token=10.0 / 16, decode_ms=5.0)
+    load = poisson(200, 40.0, seed=1, output=8)
+    aggregated = simulate(c, Topology(aggregated=True, cores=None), load, FREE)
+    epd = simulate(c, Topology(cores=None), poisson(200, 40.0, seed=1, output=8), FREE)
+    assert epd.percentile_ms("ttft", 90) < aggregated.percentile_ms("ttft", 90)
+    assert set(aggregated.utilization) == {"aggregated"} and set(epd.utilization) == {"encoder", "prefill", "decode"}
+    assert epd.goodput(slo_ttft_ms=1e9) == pytest.approx(1000 * 200 / epd.duration_ms)
+    assert 0 < epd.attainment(slo_ttft_ms=epd.percentile_ms("ttft", 50)) < 1
+
+
+def test_costs_interpolate_between_points_and_extend_along_the_outer_ones():
+    assert interpolate([(0, 0), (10, 20)], 5) == 10
+    assert interpolate([(0, 0), (10, 20)], 20) == 40  # extended
+    assert interpolate([(1, 10), (2, 5)], 10) == 0  # never below zero
+    c = costs(encoder_ms=10.0)
+    assert c.encoder_ms(100.0, 4) == 10.0
+    with pytest.raises(ValueError, match="the profile has no nccl transfers"):
+        c.transfer_ms("nccl", 1.0)
+    with pytest.raises(ValueError, match="not an epd profile"):
+        StageCosts.from_profile({"encoder": []})

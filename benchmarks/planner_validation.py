@@ -31,7 +31,7 @@ def profile(model: str, out: Path, threads: int) -> Path:
     subprocess.run([sys.executable, "-m", "epd", "profile", "--model", model, "--out", str(out), "--threads",
                     str(threads), "--image-sizes", "224,448,672", "--encoder-batches", "1,2,4",
                     "--prefill-lengths", "128,512,1024", "--decode-batches", "1,4,16,32",
-                    "--contexts", "256,512"], check=True, timeout=1200, stdout=subprocess.DEVNULL)
+                    "--contexts", "256,512", "--pipeline"], check=True, timeout=1200, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -69,6 +69,7 @@ def main() -> int:
     ap.add_argument("--repeat-ratio", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="what epd serve gives each worker here")
+    ap.add_argument("--keep-profile", help="also write the profile measured here to this path")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))
     rows = []
@@ -82,6 +83,8 @@ def main() -> int:
                 measured = {f"{what}_{q}": run["client"][f"{what}_ms"][q] for what, q in _FIGURES}
                 rows.append((name, rate, predicted, measured))
         profile_json = json.loads(profile_path.read_text())
+        if args.keep_profile:
+            Path(args.keep_profile).write_text(profile_path.read_text())
     print(f"model={args.model} cores={cores} threads/worker={profile_json['host']['threads']} "
           f"prompts={args.num_prompts} image={args.image_size} input={args.input_len} output={args.output_len}")
     print("| topology | rate/s | " + " | ".join(f"{w.upper()} {q} ms predicted / measured (error)"

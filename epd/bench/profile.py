@@ -8,7 +8,10 @@ Measured in this process, each point a median of ``--repeats`` runs after a warm
   sharing all but its last block);
 - decode: ms per step by batch and context length;
 - transfer: ms per MB of handing a tensor over by each transport this host has (export + import);
-- router: ms per request before dispatch (body, image, chat template, hash) by image size.
+- router: ms per request before dispatch (body, image, chat template, hash) by image size;
+- wake: the extra ms of the first work after idling, by how long (a virtual host's cold start);
+- with ``--pipeline``: the serving path's own costs per request, per image and per decode step, on a
+  real ``epd serve`` here (``epd.bench.pipeline_costs``).
 
     epd profile [--model tiny-qwen2-vl] [--out profile.json] [--device auto]
         [--image-sizes 224,448] [--encoder-batches 1,4] [--prefill-lengths 256,1024]
@@ -138,6 +141,61 @@ def profile_decode(model_dir, device: str, batches: list[int], contexts: list[in
     return points
 
 
+def model_shapes(model_dir, device: str) -> dict:
+    """The bytes a hand-off moves: one embedding row (float32, as encoders send them) and one
+    token's KV over every layer (in the engine's dtype: bfloat16 on CUDA, float32 on the CPU)."""
+    from epd.models.checkpoint import read_config
+    from epd.models.registry import family_for
+
+    hf = read_config(model_dir)
+    text = {**hf, **hf.get("text_config", {})}
+    head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    kv_itemsize = 2 if device.startswith("cuda") else 4
+    return {"row_bytes": 4 * family_for(model_dir).mm_spec(model_dir).embedding_dim,
+            "kv_bytes_per_token": 2 * text["num_hidden_layers"] * text["num_key_value_heads"] * head_dim * kv_itemsize}
+
+
+def profile_wake(model_dir, device: str, gaps_s: list[float], repeats: int) -> list[dict]:
+    """What a process pays to start working again after idling: the extra ms of one engine step (and
+    of a few hundred µs of plain Python, the router's kind of work) run right after sleeping each gap,
+    over the same work warm. Near zero on a dedicated host; on a shared or virtual one (this
+    project's CI machine) tens of ms after a second of idling, which a simulator must add where a
+    worker wakes up."""
+    import json as json_module
+
+    from epd.types import SamplingParams
+
+    engine = _llm_engine(model_dir, device, 1, 64 + 64 * len(gaps_s) * (repeats + 2) + 64)
+    engine.add_request([1000 + i for i in range(64)], SamplingParams(
+        max_tokens=64 * len(gaps_s) * (repeats + 2), ignore_eos=True, temperature=0.0), request_id="wake")
+
+    def step_ms() -> float:
+        start = time.perf_counter()
+        engine.step()
+        return 1000 * (time.perf_counter() - start)
+
+    def python_ms() -> float:
+        start = time.perf_counter()
+        json_module.loads(json_module.dumps({"tokens": list(range(2000))}))
+        return 1000 * (time.perf_counter() - start)
+
+    for _ in range(20):
+        step_ms(), python_ms()
+    warm_step = statistics.median(step_ms() for _ in range(20))
+    warm_python = statistics.median(python_ms() for _ in range(20))
+    points = []
+    for gap in gaps_s:
+        steps, pythons = [], []
+        for _ in range(repeats):
+            time.sleep(gap)
+            steps.append(step_ms())
+            time.sleep(gap)
+            pythons.append(python_ms())
+        points.append({"idle_s": gap, "step_extra_ms": round(max(0.0, statistics.median(steps) - warm_step), 3),
+                       "python_extra_ms": round(max(0.0, statistics.median(pythons) - warm_python), 3)})
+    return points
+
+
 def profile_router(model_dir, sizes: list[int], repeats: int) -> list[dict]:
     """What the router spends on one chat request with one image before it dispatches it: the JSON
     body parsed, the image's data URL decoded, the chat template, ids, geometry and content hash."""
@@ -209,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--transfer-mb", default="1,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle-gaps", default="0.02,0.1,0.5,2",
+                        help="seconds of idling after which the cost of waking up is measured")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also measure the serving path's own costs on a real epd serve here (tiers and "
+                             "--aggregated, one request at a time): what a simulator adds to the stages")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads (default: torch's); give what each worker gets to simulate a cluster "
                              "(epd serve on N cores: its banner's threads each)")
@@ -230,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "device": device, "host": {"cpus": os.cpu_count(), "machine": platform.machine(),
                                                                "python": platform.python_version(),
                                                                "threads": torch.get_num_threads()}}
+    result["shapes"] = model_shapes(model_dir, device)
     result["encoder"] = profile_encoder(model_dir, device, _ints(args.image_sizes), _ints(args.encoder_batches),
                                         args.repeats)
     result["prefill"] = profile_prefill(model_dir, device, _ints(args.prefill_lengths), args.repeats)
@@ -237,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
                                       args.decode_steps)
     result["transfer"] = profile_transfer(_ints(args.transfer_mb), args.repeats)
     result["router"] = profile_router(model_dir, _ints(args.image_sizes), args.repeats)
+    result["wake"] = profile_wake(model_dir, device, [float(g) for g in args.idle_gaps.split(",")], args.repeats)
+    if args.pipeline:
+        from epd.bench.pipeline_costs import measure
+        from epd.plan.costs import StageCosts
+
+        result["pipeline"] = measure(args.model, StageCosts.from_profile(result))
     result["seconds"] = round(time.perf_counter() - started, 1)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"epd profile: {args.model} on {device}, {result['seconds']} s -> {args.out}")

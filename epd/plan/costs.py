@@ -48,6 +48,10 @@ class StageCosts:
     transfer: dict  # transport -> ((MB, ms per MB), ...)
     chunk_tokens: int = 2048
     router: tuple[tuple[float, float], ...] = ()  # (image pixels, ms per request before dispatch)
+    wake_step: tuple[tuple[float, float], ...] = ()  # (idle ms, extra ms of an engine's first step after it)
+    wake_python: tuple[tuple[float, float], ...] = ()  # (idle ms, extra ms of the router's first work)
+    pipeline: dict | None = None  # "epd" / "aggregated" -> request_ms, image_ms, step_ms (the serving path's own)
+    shapes: dict | None = None  # row_bytes (one embedding row), kv_bytes_per_token
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path) -> StageCosts:
@@ -65,7 +69,10 @@ class StageCosts:
                 transfer={t: tuple((p["mb"], p["ms_per_mb"]) for p in profile["transfer"] if p["transport"] == t)
                           for t in {p["transport"] for p in profile["transfer"]}},
                 chunk_tokens=max((p.get("chunk_tokens", 2048) for p in prefill), default=2048),
-                router=tuple((p["image_px"] ** 2, p["ms_per_request"]) for p in profile.get("router", ())))
+                router=tuple((p["image_px"] ** 2, p["ms_per_request"]) for p in profile.get("router", ())),
+                wake_step=tuple((1000 * p["idle_s"], p["step_extra_ms"]) for p in profile.get("wake", ())),
+                wake_python=tuple((1000 * p["idle_s"], p["python_extra_ms"]) for p in profile.get("wake", ())),
+                pipeline=profile.get("pipeline"), shapes=profile.get("shapes"))
         except (KeyError, TypeError) as err:
             raise ValueError(f"not an epd profile (missing or malformed {err})") from None
 
@@ -89,6 +96,37 @@ class StageCosts:
         """The router's work on a request with ``pixels`` of images before dispatch (the profile's,
         or ``default_ms`` for a profile without router points)."""
         return interpolate(list(self.router), pixels) if self.router else default_ms
+
+    def wake_ms(self, idle_ms: float, engine: bool = True) -> float:
+        """The extra ms a worker's (``engine``) or the router's first work costs after idling
+        ``idle_ms``: none without the profile's points, none for no idling, never more than the
+        longest idle measured did."""
+        points = self.wake_step if engine else self.wake_python
+        if not points or idle_ms <= 0:
+            return 0.0
+        longest = max(points)
+        return interpolate([(0.0, 0.0), *points], min(idle_ms, longest[0]))
+
+    def path_wake_ms(self, aggregated: bool, idle_ms: float, with_images: bool) -> float | None:
+        """How much longer a request's first token takes when it finds the cluster idle ``idle_ms``
+        (measured end to end by ``epd profile --pipeline``); None when the profile has no such points."""
+        points = (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get("wake")
+        if not points:
+            return None
+        curve = [(1000 * p["idle_s"], p["image_ms" if with_images else "text_ms"]) for p in points]
+        return interpolate([(0.0, 0.0), *curve], min(max(idle_ms, 0.0), max(curve)[0]))
+
+    def path_ms(self, aggregated: bool, what: str) -> float:
+        """The serving path's own ``request_ms``, ``image_ms`` or ``step_ms`` (0 without them)."""
+        return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get(what, 0.0)
+
+    @property
+    def local_transport(self) -> str:
+        """How tiers on one host hand tensors over here: CUDA IPC where measured, else shared memory."""
+        for name in ("cuda_ipc", "shm"):
+            if name in self.transfer:
+                return name
+        return sorted(self.transfer)[0]
 
     def transfer_ms(self, transport: str, nbytes: float) -> float:
         """Handing ``nbytes`` over by ``transport`` (export and import)."""

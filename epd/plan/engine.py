@@ -28,6 +28,10 @@ class Device:
     def start(self, work_ms: float, demand: float, owner: str, on_done: Callable[[], None]) -> None:
         self._jobs[next(self._ids)] = [max(work_ms, 0.0), demand, on_done, owner]
 
+    @property
+    def running(self) -> bool:
+        return bool(self._jobs)
+
     def _rate(self) -> float:
         demand = sum(job[1] for job in self._jobs.values())
         return 1.0 if self.capacity is None or demand <= self.capacity else self.capacity / demand
@@ -56,12 +60,19 @@ class Clock:
 
     def __init__(self, devices: list[Device]) -> None:
         self.now_ms = 0.0
+        self.last_work_ms = 0.0  # when a device last finished a job
         self.devices = devices
         self._events: list = []
         self._seq = itertools.count()
 
     def at(self, time_ms: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (max(time_ms, self.now_ms), next(self._seq), fn))
+
+    def idle_ms(self) -> float:
+        """How long no device has had work (0 while one has)."""
+        if any(device.running for device in self.devices):
+            return 0.0
+        return self.now_ms - self.last_work_ms
 
     def after(self, delay_ms: float, fn: Callable[[], None]) -> None:
         self.at(self.now_ms + delay_ms, fn)
@@ -77,7 +88,9 @@ class Clock:
                 device.advance(t - self.now_ms)
             self.now_ms = t
             callbacks = [fn for device in self.devices for fn in device.finished()]
-            if not callbacks:
+            if callbacks:
+                self.last_work_ms = t
+            else:
                 callbacks = [heapq.heappop(self._events)[2]]
             for fn in callbacks:
                 fn()

@@ -23,8 +23,9 @@ from pathlib import Path
 
 from epd.plan.costs import StageCosts
 from epd.plan.simulate import SimResult, Topology, requests_from_workload, simulate
+from epd.plan.tiers import SimSettings
 
-_SEARCH_STEPS = 10
+_SEARCH_STEPS = 8
 _MAX_RATE = 10_000.0
 
 
@@ -59,15 +60,42 @@ def _run(costs: StageCosts, topology: Topology, workload, rate: float, replicas:
     return simulate(costs, topology, requests_from_workload(workload, rate / replicas))
 
 
+def capacity(costs: StageCosts, topology: Topology, workload, settings: SimSettings = SimSettings()) -> float:
+    """Requests/s the busiest tier could serve flat out, from the stage costs alone: where the
+    search for the SLO's rate starts (the simulator then adds queues, batching and contention)."""
+    from epd.plan.simulate import IMAGE_MARK_TOKENS, TEMPLATE_TOKENS, image_rows
+
+    sizes = workload.image_sizes
+    pixels = sum(s.width * s.height * s.weight for s in sizes) / sum(s.weight for s in sizes)
+    rows = sum(image_rows(s.width, s.height) * s.weight for s in sizes) / sum(s.weight for s in sizes)
+    images = workload.images_per_request * (1 - workload.repeat_ratio)
+    tokens = workload.input_len + TEMPLATE_TOKENS + workload.images_per_request * (rows + IMAGE_MARK_TOKENS)
+    batch, context = settings.max_num_seqs, tokens + workload.output_len / 2
+    encode_ms = images * costs.encoder_ms(pixels, 8)
+    prefill_ms = costs.prefill_ms(int(tokens))
+    decode_ms = workload.output_len * costs.decode_ms(batch, context) / batch
+    speed = lambda tp: 1.0 if tp == 1 else tp * settings.tp_efficiency  # noqa: E731
+    if topology.aggregated:
+        return 1000.0 / max(encode_ms + prefill_ms + decode_ms, 1e-3)
+    limits = [topology.prefills * speed(topology.prefill_tp) * 1000.0 / max(prefill_ms, 1e-3),
+              topology.decodes * speed(topology.decode_tp) * 1000.0 / max(decode_ms, 1e-3)]
+    if encode_ms > 0:
+        limits.append(topology.encoders * 1000.0 / encode_ms)
+    rate = min(limits)
+    return rate / (topology.cores / (topology.encoders + topology.prefills + topology.decodes)) \
+        if topology.cores and topology.cores < topology.encoders + topology.prefills + topology.decodes else rate
+
+
 def best_rate(costs: StageCosts, topology: Topology, workload, slo: dict, attainment: float,
               replicas: int = 1) -> tuple[float, SimResult | None]:
-    """The highest rate (requests/s over all ``replicas``) meeting the SLO, and the run there."""
+    """The highest rate (requests/s over all ``replicas``) meeting the SLO, and the run there:
+    bisection between nothing and a little past the busiest tier's capacity."""
     def meets(rate: float) -> SimResult | None:
         result = _run(costs, topology, workload, rate, replicas)
         return result if result.attainment(slo.get("ttft"), slo.get("tpot")) >= attainment else None
 
-    low, low_result, high = 0.0, None, 0.5
-    while (found := meets(high)) is not None and high < _MAX_RATE:
+    low, low_result, high = 0.0, None, 1.5 * replicas * capacity(costs, topology, workload)
+    while (found := meets(high)) is not None and high < _MAX_RATE:  # the estimate was short: look further
         low, low_result, high = high, found, high * 2
     for _ in range(_SEARCH_STEPS):
         mid = (low + high) / 2
@@ -87,7 +115,7 @@ def rank(costs: StageCosts, workload, slo: dict, devices: int, tp_sizes: list[in
         rate, result = best_rate(costs, topology, workload, slo, attainment, replicas)
         if result is None:
             continue
-        goodput = result.goodput(slo.get("ttft"), slo.get("tpot")) * replicas
+        goodput = rate * result.attainment(slo.get("ttft"), slo.get("tpot"))  # good requests/s at that load
         ranked.append(Ranked(topology, used, rate, goodput, result.summary()))
     return sorted(ranked, key=lambda r: (-r.per_device, r.devices))
 

@@ -12,6 +12,7 @@ repeat finds its cache there).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import zlib
@@ -84,6 +85,11 @@ class SimResult:
 def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
              settings: SimSettings = SimSettings()) -> SimResult:
     """Run ``requests`` (fresh ones: they are filled in) through ``topology``; -> what each got."""
+    shapes = costs.shapes or {}
+    settings = dataclasses.replace(
+        settings, transport=settings.transport or costs.local_transport,
+        row_bytes=settings.row_bytes or shapes.get("row_bytes", 4 * 1536),
+        kv_bytes_per_token=settings.kv_bytes_per_token or shapes.get("kv_bytes_per_token", 4 * 2 * 28 * 512))
     host = Device("host", topology.cores)  # the router's, and on a CPU host every worker's
     devices = [host]
 
@@ -96,7 +102,7 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
         return devices[-1]
 
     clock = Clock(devices)
-    router = Router(clock, host, settings)
+    router = Router(clock, host, costs, settings)
     finished: list[SimRequest] = []
     demand = topology.threads if topology.cores is not None else 1.0
 
@@ -137,9 +143,21 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
                 encoder.submit(identity, pixels, rows, lambda rows, p=prefill, r=request: p.rows_arrived(r, rows))
         workers = [*encoders, *prefills, *decodes]
 
+    cold = costs.path_wake_ms(topology.aggregated, 0.0, False) is not None  # measured end to end: per request
+
+    def arrive(request: SimRequest, work_ms: float) -> None:
+        # the hops' own time (no one's CPU), longer when the request finds the cluster cold
+        path_ms = costs.path_ms(topology.aggregated, "request_ms")
+        if cold:
+            path_ms += costs.path_wake_ms(topology.aggregated, clock.idle_ms(), bool(request.images))
+        router.handle(work_ms, lambda: clock.after(path_ms, lambda: dispatch(request)))
+
+    for worker_ in workers:
+        worker_.wakes = not cold  # without end-to-end wake figures, each process's own (the profile's "wake")
+    router.wakes = not cold
     for request in requests:
         work_ms = costs.router_ms(sum(pixels for _, pixels, _ in request.images), settings.router_ms_per_request)
-        clock.at(request.arrival_ms, lambda r=request, w=work_ms: router.handle(w, lambda: dispatch(r)))
+        clock.at(request.arrival_ms, lambda r=request, w=work_ms: arrive(r, w))
     clock.run()
     if len(finished) != len(requests):
         raise RuntimeError(f"{len(requests) - len(finished)} simulated requests never finished")

@@ -3,6 +3,11 @@
 - Router: one event loop; each request costs it ``ms_per_request`` (parsing, image headers, hashing)
   before dispatch and each streamed token ``ms_per_token``; a token reaches the client when the
   router has handled it, so a busy router delays every stream.
+- The serving path's own costs (``epd profile --pipeline``: hops, HTTP, streaming) are added where
+  they fall: per request before dispatch (on the way to its first token), per image on its way to
+  prefill, per decode step on the decode worker.
+- Every process that starts working after idling pays the profile's wake-up cost for that long an
+  idle (``StageCosts.wake_ms``: near zero on a dedicated host, tens of ms on a virtual one).
 - Encoder: items queue; an idle encoder takes every waiting item (up to ``encoder_batch_size``) as
   one batch. Its cache keeps every output (by image identity): a repeat costs nothing, an item
   already being encoded is waited for, not encoded again. Rows reach prefill after a transfer.
@@ -58,17 +63,20 @@ class SimSettings:
     max_num_seqs: int = 256
     router_ms_per_request: float = 1.0  # without router points in the profile
     router_ms_per_token: float = 0.07  # the tiny preset's, docs/benchmarks.md (control plane)
-    row_bytes: int = 4 * 1536  # one embedding row (float32)
-    kv_bytes_per_token: int = 4 * 2 * 28 * 512
-    transport: str = "shm"
+    row_bytes: int | None = None  # one embedding row; None: the profile's shapes (else 4 x 1,536)
+    kv_bytes_per_token: int | None = None  # None: the profile's shapes (else 114,688)
+    transport: str | None = None  # None: the profile's local transport (CUDA IPC, else shm)
     tp_efficiency: float = 0.8  # a TP-N worker's step: cost / (N x this), an assumption until measured
 
 
 class Router:
-    def __init__(self, clock: Clock, device: Device, settings: SimSettings, threads: float = 1.0) -> None:
-        self.clock, self.device, self.settings, self.threads = clock, device, settings, threads
+    def __init__(self, clock: Clock, device: Device, costs: StageCosts, settings: SimSettings,
+                 threads: float = 1.0) -> None:
+        self.clock, self.device, self.costs, self.settings, self.threads = clock, device, costs, settings, threads
         self._jobs: deque = deque()
         self._busy = False
+        self._idle_since_ms = 0.0
+        self.wakes = True  # pays the profile's wake-up cost after idling
 
     def handle(self, work_ms: float, then) -> None:
         """Run ``then`` once the router's loop did ``work_ms`` of work (after what it had queued)."""
@@ -80,9 +88,12 @@ class Router:
             return
         work_ms, then = self._jobs.popleft()
         self._busy = True
+        if self.wakes:
+            work_ms += self.costs.wake_ms(self.clock.now_ms - self._idle_since_ms, engine=False)
 
         def done() -> None:
             self._busy = False
+            self._idle_since_ms = self.clock.now_ms
             then()
             self._kick()
         self.device.start(work_ms, self.threads, "router", done)
@@ -105,19 +116,27 @@ class Worker:
         self.name, self.clock, self.device, self.costs, self.settings = name, clock, device, costs, settings
         self.threads, self.speedup = threads, speedup
         self.busy = False
+        self.idle_since_ms = 0.0  # when its last work ended (a worker idle a while starts cold)
+        self.wakes = True  # pays the profile's wake-up cost after idling
         self.load = 0  # requests it holds (what the router balances)
 
     def _compute(self, work_ms: float, then) -> None:
         self.busy = True
+        wake_ms = self.costs.wake_ms(self.clock.now_ms - self.idle_since_ms) if self.wakes else 0.0
 
         def done() -> None:
             self.busy = False
+            self.idle_since_ms = self.clock.now_ms
             then()
             self.kick()
-        self.device.start(work_ms / self.speedup, self.threads, self.name, done)
+        self.device.start(work_ms / self.speedup + wake_ms, self.threads, self.name, done)
 
     def kick(self) -> None:
         raise NotImplementedError
+
+    def _path_step_ms(self, aggregated: bool) -> float:
+        """The serving path's own work per decode step (the profile's, less the router's share)."""
+        return max(0.0, self.costs.path_ms(aggregated, "step_ms") - self.settings.router_ms_per_token)
 
 
 class Encoder(Worker):
@@ -169,7 +188,8 @@ class Prefill(Worker):
             self.arrived(request)
 
     def rows_arrived(self, request: SimRequest, rows: int) -> None:
-        delay_ms = self.costs.transfer_ms(self.settings.transport, rows * self.settings.row_bytes)
+        delay_ms = (self.costs.transfer_ms(self.settings.transport, rows * self.settings.row_bytes)
+                    + self.costs.path_ms(False, "image_ms"))
 
         def landed() -> None:
             request.rows_waiting -= 1
@@ -236,7 +256,7 @@ class Decode(Worker):
                 self.running.remove(request)
                 self.load -= 1
                 self.on_finished(request)
-        self._compute(self.costs.decode_ms(len(batch), context), done)
+        self._compute(self.costs.decode_ms(len(batch), context) + self._path_step_ms(False), done)
 
 
 class Aggregated(Worker):
@@ -269,7 +289,8 @@ class Aggregated(Worker):
         if self.to_encode:
             batch = [self.to_encode.popleft() for _ in range(min(len(self.to_encode), self.settings.encoder_batch_size))]
             fresh = {identity: pixels for identity, pixels, _ in batch if identity not in self.encoder_cache}
-            work_ms = sum(self.costs.encoder_ms(pixels, len(fresh)) for pixels in fresh.values())
+            work_ms = sum(self.costs.encoder_ms(pixels, len(fresh)) + self.costs.path_ms(True, "image_ms")
+                          for pixels in fresh.values())
 
             def encoded() -> None:
                 self.encoder_cache.update(fresh)
@@ -290,7 +311,8 @@ class Aggregated(Worker):
             return
         work_ms = self.costs.prefill_ms(sum(t for _, t in chunk)) if chunk else 0.0
         if decodes:
-            work_ms += self.costs.decode_ms(len(decodes), sum(r.context for r in decodes) / len(decodes))
+            work_ms += (self.costs.decode_ms(len(decodes), sum(r.context for r in decodes) / len(decodes))
+                        + self._path_step_ms(True))
 
         def stepped() -> None:
             for request in decodes:

@@ -110,3 +110,58 @@ def test_costs_interpolate_between_points_and_extend_along_the_outer_ones():
         c.transfer_ms("nccl", 1.0)
     with pytest.raises(ValueError, match="not an epd profile"):
         StageCosts.from_profile({"encoder": []})
+
+
+def test_the_serving_paths_own_costs_and_a_cold_cluster_are_added_where_they_fall():
+    """``epd profile --pipeline`` figures: per request before dispatch, per image on its way to
+    prefill, per decode step on the decode worker (less the router's share), and a request that
+    finds the whole cluster idle pays the wake-up measured for that long an idle."""
+    base = costs(encoder_ms=10.0, decode_ms=2.0)
+    wake = [{"idle_s": 1.0, "text_ms": 40.0, "image_ms": 80.0}]
+    path = {"epd": {"request_ms": 5.0, "image_ms": 3.0, "step_ms": 1.0, "wake": wake}}
+    measured = StageCosts(**{**base.__dict__, "pipeline": path})
+    first = [SimRequest(0, 0.0, 16, 3, ((1, 100.0, 4),))]
+    plain = simulate(base, Topology(cores=None), first, FREE).requests[0]
+    with_path = simulate(measured, Topology(cores=None), [SimRequest(0, 0.0, 16, 3, ((1, 100.0, 4),))],
+                         FREE).requests[0]
+    assert with_path.ttft_ms == pytest.approx(plain.ttft_ms + 5.0 + 3.0)  # a cluster just started is warm
+    assert with_path.tpot_ms == pytest.approx(plain.tpot_ms + 1.0)
+    late = [SimRequest(0, 0.0, 16, 1), SimRequest(1, 500.0, 16, 1), SimRequest(2, 2000.0, 16, 1, ((2, 100.0, 4),))]
+    got = simulate(measured, Topology(cores=None), late, FREE).requests
+    idle_s = (500.0 - got[0].token_ms[-1]) / 1000  # since the first request's last work
+    assert got[1].ttft_ms == pytest.approx(got[0].ttft_ms + 40.0 * idle_s, abs=0.01)  # of 1 s measured: pro rata
+    assert got[2].ttft_ms == pytest.approx(got[0].ttft_ms + 80.0 + 3.0 + 10.0, abs=0.1)  # idle past 1 s: all of it
+
+
+def test_epd_plan_ranks_the_splits_of_a_device_budget_and_names_bad_input(tmp_path, capsys):
+    import json
+
+    from epd.cli import main
+
+    profile = {"model": "made-up", "device": "cuda", "host": {"threads": 1},
+               "encoder": [{"image_px": 448, "batch": 1, "ms_per_item": 40.0}, {"image_px": 448, "batch": 8,
+                                                                                "ms_per_item": 40.0}],
+               "prefill": [{"prompt_tokens": 256, "prefix_cached": False, "ms_total": 5.0},
+                           {"prompt_tokens": 2048, "prefix_cached": False, "ms_total": 40.0}],
+               "decode": [{"batch": 1, "context_tokens": 512, "ms_per_step": 5.0},
+                          {"batch": 64, "context_tokens": 512, "ms_per_step": 8.0}],
+               "transfer": [{"transport": "shm", "mb": 1, "ms_per_mb": 0.1}]}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    plot = tmp_path / "goodput.png"
+    argv = ["plan", "--profile", str(path), "--devices", "4", "--slo", "ttft=500,tpot=50", "--num-prompts", "60",
+            "--output-len", "16", "--plot", str(plot)]
+    assert main([*argv, "--json"]) == 0
+    ranked = json.loads(capsys.readouterr().out)
+    labels = [r["label"] for r in ranked]
+    assert "aggregated" in labels and "2E1P1D" in labels and all(r["devices"] <= 4 for r in ranked)
+    per_device = [r["per_device"] for r in ranked]
+    assert per_device == sorted(per_device, reverse=True) and per_device[0] > 0
+    # the encoder is this workload's bottleneck (40 ms an image against 5 ms of prefill): the best
+    # split gives it more than one device
+    assert ranked[0]["topology"]["encoders"] >= 2 or ranked[0]["label"] == "aggregated"
+    assert plot.stat().st_size > 0
+    assert main(argv[:-2]) == 0 and "best: " in capsys.readouterr().out
+    assert main(["plan", "--profile", str(path), "--slo", "latency=5"]) == 2
+    assert "--slo: expected ttft=MS,tpot=MS, got 'latency=5'" in capsys.readouterr().err
+    assert main(["plan", "--profile", str(tmp_path / "none.json")]) == 2

@@ -1,0 +1,128 @@
+"""``epd profile --pipeline``: what the serving path costs beyond the stages themselves, measured on
+a real ``epd serve`` here (the tiers, then ``--aggregated``) with one request at a time: the hops
+between processes, HTTP and streaming. For each: the TTFT of a text request and of one with an image,
+and the time per output token, minus what the profile's stage costs account for (a prefill of that
+prompt, the encoder's forward, a decode step), as three figures a simulator adds:
+
+- ``request_ms``: on every request's way to its first token;
+- ``image_ms``: per image, on its way from the router to prefill (the encode call and the push);
+- ``step_ms``: per decode step, on the decode worker (its output path, the router's, the stream's);
+- ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
+  a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+_URL = re.compile(r"OpenAI API\s+(http://\S+)/v1")
+_REQUESTS = 12
+_OUTPUT_TOKENS = 16
+_IDLE_GAPS_S = (0.1, 0.5, 2.0)
+_WAKE_REQUESTS = 4
+
+
+class _Serve:
+    """``epd serve`` on loopback for the measurement; always stopped."""
+
+    def __init__(self, model: str, *flags: str, timeout_s: float = 300.0) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0",
+                                      "--grpc-port", "0", "--no-standby", *flags], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
+                                     start_new_session=True)
+        self.url, ready = None, threading.Event()
+
+        def drain() -> None:
+            for line in self.proc.stdout:
+                if self.url is None and (m := _URL.search(line)):
+                    self.url = m.group(1)
+                    ready.set()
+            ready.set()
+        threading.Thread(target=drain, daemon=True).start()
+        if not ready.wait(timeout_s) or self.url is None:
+            self.stop()
+            raise RuntimeError(f"epd serve {' '.join(flags)} did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def _one(url: str, model: str, image: bytes | None) -> tuple[float, float, int]:
+    """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
+    content = [{"type": "text", "text": "Describe what you see in a few words, please, and be brief."}]
+    if image is not None:
+        content.insert(0, {"type": "image_url",
+                           "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}})
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
+                       "max_tokens": _OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0,
+                       "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
+    start, times, prompt_tokens = time.perf_counter(), [], 0
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                prompt_tokens = chunk["usage"]["prompt_tokens"]
+            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    ttft_ms = 1000 * (times[0] - start)
+    return ttft_ms, 1000 * (times[-1] - times[0]) / max(len(times) - 1, 1), prompt_tokens
+
+
+def _after_idle(url: str, model: str, gap_s: float, picture) -> tuple[float, float]:
+    """Median TTFT (text, image) of requests each sent after the cluster idled ``gap_s``."""
+    text, image = [], []
+    for _ in range(_WAKE_REQUESTS):
+        time.sleep(gap_s)
+        text.append(_one(url, model, None)[0])
+        time.sleep(gap_s)
+        image.append(_one(url, model, next(picture))[0])
+    return statistics.median(text), statistics.median(image)
+
+
+def measure(model: str, costs, image_px: int = 448) -> dict:
+    """{"epd": {...}, "aggregated": {...}}: each path's ``request_ms``, ``image_ms``, ``step_ms``;
+    ``costs``: this profile's ``epd.plan.costs.StageCosts`` (what the stages account for)."""
+    from epd.bench.workload import ImageSpec, render_image
+
+    out = {}
+    for name, flags in (("epd", ()), ("aggregated", ("--aggregated",))):
+        serve = _Serve(model, *flags)
+        picture = iter(render_image(ImageSpec(image_px, image_px, seed)) for seed in range(1 << 20))
+        try:
+            text = [_one(serve.url, model, None) for _ in range(_REQUESTS)][2:]
+            image = [_one(serve.url, model, next(picture)) for _ in range(_REQUESTS)][2:]
+            after_idle = {gap: _after_idle(serve.url, model, gap, picture) for gap in _IDLE_GAPS_S}
+        finally:
+            serve.stop()
+        ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
+        tokens_text, tokens_image = text[-1][2], image[-1][2]
+        step_ms = statistics.median(s for _, s, _ in text + image)
+        request_ms = ttft_text - costs.prefill_ms(tokens_text) - costs.router_ms(0, 0.0)
+        image_ms = (ttft_image - ttft_text - costs.encoder_ms(image_px ** 2, 1)
+                    - (costs.prefill_ms(tokens_image) - costs.prefill_ms(tokens_text)))
+        out[name] = {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3),
+                     "step_ms": round(max(step_ms - costs.decode_ms(1, tokens_text + _OUTPUT_TOKENS / 2), 0.0), 3),
+                     "wake": [{"idle_s": gap, "text_ms": round(max(t - ttft_text, 0.0), 3),
+                               "image_ms": round(max(i - ttft_image, 0.0), 3)} for gap, (t, i) in after_idle.items()],
+                     "measured": {"ttft_text_ms": round(ttft_text, 2), "ttft_image_ms": round(ttft_image, 2),
+                                  "ms_per_token": round(step_ms, 3), "prompt_tokens": [tokens_text, tokens_image]}}
+    return out

@@ -6,7 +6,9 @@ prompt, the encoder's forward, a decode step), as three figures a simulator adds
 
 - ``request_ms``: on every request's way to its first token;
 - ``image_ms``: per image, on its way from the router to prefill (the encode call and the push);
-- ``step_ms``: per decode step, on the decode worker (its output path, the router's, the stream's);
+- ``step_ms``: per decode step, on the decode worker (its output path);
+- ``token_ms``: per streamed token, on the host beside the tiers (the router's work, the stream's),
+  told from ``step_ms`` by the time per token of one stream against that of ``_STREAMS`` at once;
 - ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
   a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs).
 """
@@ -29,6 +31,7 @@ _REQUESTS = 12
 _OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
+_STREAMS = 4
 
 
 class _Serve:
@@ -98,6 +101,17 @@ def _after_idle(url: str, model: str, gap_s: float, picture) -> tuple[float, flo
     return statistics.median(text), statistics.median(image)
 
 
+def _concurrent_ms_per_token(url: str, model: str) -> float:
+    """The median time per output token of ``_STREAMS`` text requests sent at once (three rounds)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    per_token = []
+    with ThreadPoolExecutor(_STREAMS) as pool:
+        for _ in range(3):
+            per_token += [s for _, s, _ in pool.map(lambda _: _one(url, model, None), range(_STREAMS))]
+    return statistics.median(per_token)
+
+
 def measure(model: str, costs, image_px: int = 448) -> dict:
     """{"epd": {...}, "aggregated": {...}}: each path's ``request_ms``, ``image_ms``, ``step_ms``;
     ``costs``: this profile's ``epd.plan.costs.StageCosts`` (what the stages account for)."""
@@ -111,6 +125,7 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
             text = [_one(serve.url, model, None) for _ in range(_REQUESTS)][2:]
             image = [_one(serve.url, model, next(picture)) for _ in range(_REQUESTS)][2:]
             after_idle = {gap: _after_idle(serve.url, model, gap, picture) for gap in _IDLE_GAPS_S}
+            crowded_ms = _concurrent_ms_per_token(serve.url, model)
         finally:
             serve.stop()
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
@@ -119,10 +134,15 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
         request_ms = ttft_text - costs.prefill_ms(tokens_text) - costs.router_ms(0, 0.0)
         image_ms = (ttft_image - ttft_text - costs.encoder_ms(image_px ** 2, 1)
                     - (costs.prefill_ms(tokens_image) - costs.prefill_ms(tokens_text)))
+        context = tokens_text + _OUTPUT_TOKENS / 2
+        alone = step_ms - costs.decode_ms(1, context)  # one step, one token: the path's own per step and per token
+        crowded = crowded_ms - costs.decode_ms(_STREAMS, context)  # one step, _STREAMS tokens
+        token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
         out[name] = {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3),
-                     "step_ms": round(max(step_ms - costs.decode_ms(1, tokens_text + _OUTPUT_TOKENS / 2), 0.0), 3),
+                     "step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3),
                      "wake": [{"idle_s": gap, "text_ms": round(max(t - ttft_text, 0.0), 3),
                                "image_ms": round(max(i - ttft_image, 0.0), 3)} for gap, (t, i) in after_idle.items()],
                      "measured": {"ttft_text_ms": round(ttft_text, 2), "ttft_image_ms": round(ttft_image, 2),
-                                  "ms_per_token": round(step_ms, 3), "prompt_tokens": [tokens_text, tokens_image]}}
+                                  "ms_per_token": round(step_ms, 3),
+                                  f"ms_per_token_{_STREAMS}_streams": round(crowded_ms, 3), "prompt_tokens": [tokens_text, tokens_image]}}
     return out

@@ -102,7 +102,7 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
         return devices[-1]
 
     clock = Clock(devices)
-    router = Router(clock, host, costs, settings)
+    router = Router(clock, host, costs, settings, aggregated=topology.aggregated)
     finished: list[SimRequest] = []
     demand = topology.threads if topology.cores is not None else 1.0
 

@@ -5,7 +5,7 @@
   router has handled it, so a busy router delays every stream.
 - The serving path's own costs (``epd profile --pipeline``: hops, HTTP, streaming) are added where
   they fall: per request before dispatch (on the way to its first token), per image on its way to
-  prefill, per decode step on the decode worker.
+  prefill, per decode step on the decode worker, per streamed token on the router.
 - Every process that starts working after idling pays the profile's wake-up cost for that long an
   idle (``StageCosts.wake_ms``: near zero on a dedicated host, tens of ms on a virtual one).
 - Encoder: items queue; an idle encoder takes every waiting item (up to ``encoder_batch_size``) as
@@ -71,8 +71,10 @@ class SimSettings:
 
 class Router:
     def __init__(self, clock: Clock, device: Device, costs: StageCosts, settings: SimSettings,
-                 threads: float = 1.0) -> None:
+                 threads: float = 1.0, aggregated: bool = False) -> None:
         self.clock, self.device, self.costs, self.settings, self.threads = clock, device, costs, settings, threads
+        # a streamed token's work beside the tiers: the profile's measured figure, else the setting
+        self.ms_per_token = costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token
         self._jobs: deque = deque()
         self._busy = False
         self._idle_since_ms = 0.0
@@ -103,7 +105,7 @@ class Router:
         def emit() -> None:
             for request in requests:
                 request.token_ms.append(self.clock.now_ms)
-        self.handle(self.settings.router_ms_per_token * len(requests), emit)
+        self.handle(self.ms_per_token * len(requests), emit)
 
 
 class Worker:
@@ -135,7 +137,10 @@ class Worker:
         raise NotImplementedError
 
     def _path_step_ms(self, aggregated: bool) -> float:
-        """The serving path's own work per decode step (the profile's, less the router's share)."""
+        """The serving path's own work per decode step (the profile's; without a measured per-token
+        share, less the router's per token)."""
+        if self.costs.path_ms(aggregated, "token_ms"):
+            return self.costs.path_ms(aggregated, "step_ms")
         return max(0.0, self.costs.path_ms(aggregated, "step_ms") - self.settings.router_ms_per_token)
 
 

@@ -430,7 +430,8 @@ def profile(run: Run) -> dict:
         return {"skipped": "the dry run (tests/bench/test_profile.py profiles the CPU)", "main": profile_main.__name__}
     out = run.out.parent / "profile.json"
     grid = ["--image-sizes", "224,448,896", "--encoder-batches", "1,4,16", "--prefill-lengths", "512,2048,8192",
-            "--decode-batches", "1,16,64,256", "--contexts", "512,4096", "--transfer-mb", "1,16,256"]
+            "--decode-batches", "1,16,64,256", "--contexts", "512,4096", "--transfer-mb", "1,16,256",
+            "--idle-gaps", "0.1,1"]  # a dedicated GPU host should show little wake-up cost: two points
     code = profile_main(["--model", "tiny-qwen2-vl", "--device", run.device, "--out", str(out), *grid])
     profile_json = json.loads(out.read_text()) if code == 0 else {}
     return {"exit_code": code, "file": str(out), "profile": profile_json}

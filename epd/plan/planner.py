@@ -3,7 +3,7 @@ device, for one profile (``epd profile``), one workload and one SLO.
 
     epd plan --profile profile.json --devices 8 --slo ttft=300,tpot=40 \\
         [--image-size 448x448] [--images-per-request 1] [--input-len 128] [--output-len 64] \\
-        [--repeat-ratio 0] [--tp 1,2] [--cores N] [--plot goodput.png] [--json]
+        [--repeat-ratio 0] [--tp 1,2] [--cores N] [--plot goodput.png] [--json] [--jobs N]
 
 Splits: the aggregated engine (one per device, the load spread evenly), and every E:P:D that fits
 the budget (an encoder per device, prefill and decode workers of each ``--tp`` size), encoders only
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -106,18 +107,34 @@ def best_rate(costs: StageCosts, topology: Topology, workload, slo: dict, attain
     return low, low_result
 
 
+def _rank_one(args: tuple) -> Ranked | None:
+    """One split's search (a pool's task: everything it needs comes in ``args``)."""
+    costs, topology, workload, slo, attainment, devices, cores = args
+    replicas = devices if topology.aggregated and cores is None else 1
+    used = replicas if topology.aggregated else topology.devices
+    rate, result = best_rate(costs, topology, workload, slo, attainment, replicas)
+    if result is None:
+        return None
+    goodput = rate * result.attainment(slo.get("ttft"), slo.get("tpot"))  # good requests/s at that load
+    return Ranked(topology, used, rate, goodput, result.summary())
+
+
 def rank(costs: StageCosts, workload, slo: dict, devices: int, tp_sizes: list[int], cores: float | None,
-         attainment: float = 0.9) -> list[Ranked]:
-    ranked = []
-    for topology in splits(devices, tp_sizes, workload.images_per_request > 0, cores):
-        replicas = devices if topology.aggregated and cores is None else 1
-        used = replicas if topology.aggregated else topology.devices
-        rate, result = best_rate(costs, topology, workload, slo, attainment, replicas)
-        if result is None:
-            continue
-        goodput = rate * result.attainment(slo.get("ttft"), slo.get("tpot"))  # good requests/s at that load
-        ranked.append(Ranked(topology, used, rate, goodput, result.summary()))
-    return sorted(ranked, key=lambda r: (-r.per_device, r.devices))
+         attainment: float = 0.9, workers: int = 1) -> list[Ranked]:
+    """Every split's best, ranked; ``workers`` > 1 searches them in that many processes."""
+    tasks = [(costs, topology, workload, slo, attainment, devices, cores)
+             for topology in splits(devices, tp_sizes, workload.images_per_request > 0, cores)]
+    if workers > 1 and len(tasks) > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawned, not forked: a caller may hold threads (torch's, gRPC's) a fork would copy mid-flight;
+        # the planner imports no torch, so a worker starts in a fraction of a second
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            found = list(pool.map(_rank_one, tasks, chunksize=max(1, len(tasks) // (4 * workers))))
+    else:
+        found = [_rank_one(task) for task in tasks]
+    return sorted((r for r in found if r is not None), key=lambda r: (-r.per_device, r.devices))
 
 
 def parse_slo(text: str) -> dict:
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat-ratio", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--top", type=int, default=10, help="rows to print")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes searching the splits (default: the cores this process may use)")
     p.add_argument("--plot", help="draw goodput per device by split into this PNG")
     p.add_argument("--json", action="store_true", help="print the ranking as JSON")
     args = p.parse_args(argv)
@@ -171,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         costs = StageCosts.from_profile(Path(args.profile))
         slo = parse_slo(args.slo)
         tp_sizes = sorted({int(t) for t in args.tp.split(",")})
-        if args.devices < 1 or any(t < 1 for t in tp_sizes) or not 0 < args.attainment <= 1:
-            raise ValueError("--devices and --tp must be >= 1, --attainment in (0, 1]")
+        if args.devices < 1 or any(t < 1 for t in tp_sizes) or not 0 < args.attainment <= 1 or \
+                (args.jobs is not None and args.jobs < 1):
+            raise ValueError("--devices, --tp and --jobs must be >= 1, --attainment in (0, 1]")
         workload = WorkloadConfig(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                                   images_per_request=args.images_per_request,
                                   image_sizes=tuple(parse_image_sizes(args.image_size)),
@@ -180,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"epd plan: error: {err}", file=sys.stderr)
         return 2
-    ranked = rank(costs, workload, slo, args.devices, tp_sizes, args.cores, args.attainment)
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    ranked = rank(costs, workload, slo, args.devices, tp_sizes, args.cores, args.attainment, workers=jobs)
     if args.json:
         print(json.dumps([{**asdict(r), "per_device": r.per_device, "label": r.topology.label()} for r in ranked],
                          indent=2))

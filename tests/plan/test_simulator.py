@@ -151,7 +151,7 @@ def test_epd_plan_ranks_the_splits_of_a_device_budget_and_names_bad_input(tmp_pa
     plot = tmp_path / "goodput.png"
     argv = ["plan", "--profile", str(path), "--devices", "4", "--slo", "ttft=500,tpot=50", "--num-prompts", "60",
             "--output-len", "16", "--plot", str(plot)]
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--json", "--jobs", "1"]) == 0
     ranked = json.loads(capsys.readouterr().out)
     labels = [r["label"] for r in ranked]
     assert "aggregated" in labels and "2E1P1D" in labels and all(r["devices"] <= 4 for r in ranked)
@@ -161,7 +161,9 @@ def test_epd_plan_ranks_the_splits_of_a_device_budget_and_names_bad_input(tmp_pa
     # split gives it more than one device
     assert ranked[0]["topology"]["encoders"] >= 2 or ranked[0]["label"] == "aggregated"
     assert plot.stat().st_size > 0
-    assert main(argv[:-2]) == 0 and "best: " in capsys.readouterr().out
+    assert main([*argv[:-2], "--jobs", "2"]) == 0  # the same ranking searched in two processes
+    table = capsys.readouterr().out
+    assert "best: " in table and f"| 1 | {ranked[0]['label']} |" in table
     assert main(["plan", "--profile", str(path), "--slo", "latency=5"]) == 2
     assert "--slo: expected ttft=MS,tpot=MS, got 'latency=5'" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "none.json")]) == 2

@@ -282,7 +282,7 @@ def test_a_result_in_flight_when_the_router_gives_the_call_up_is_freed_at_once(r
         monkeypatch.undo()
         raise InvalidRequest("an encode failed as the result came")
 
-    monkeypatch.setattr(disaggregated._Encodes, "race", race)
+    monkeypatch.setattr(disaggregated.Encodes, "race", race)
     expired_before = _expired_leases(cluster)
     with pytest.raises(InvalidRequest, match="an encode failed"):
         router.run(_complete(router, _request(901, 3)))

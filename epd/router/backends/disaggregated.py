@@ -26,7 +26,7 @@ import collections
 import contextlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -46,6 +46,7 @@ from epd.models.registry import family_for
 from epd.models.spec import ProcessedPrompt
 from epd.router.backends.base import BackendOutput, Job
 from epd.router.backends.decode_link import DecodeLink, StepError
+from epd.router.backends.encodes import Encodes
 from epd.router.backends.moves import (
     Backoff,
     Moves,
@@ -53,7 +54,6 @@ from epd.router.backends.moves import (
     Suspects,
     WorkerLost,
     blaming_producer,
-    lost_message,
     unless_lost,
 )
 from epd.router.backends.store_reads import StoreReads
@@ -227,7 +227,7 @@ class DisaggregatedBackend:
                                              kv_release_key=release_key, stored=stored)
         self.handoffs["embeddings", "store"] += len(stored)
         call = prefill.stub.Prefill(request, timeout=job.remaining_s())
-        encodes, result, reader = _Encodes(), None, None
+        encodes, result, reader = Encodes(), None, None
         encoded_on: dict[int, str] = {}  # item index -> the encoder its rows come from
         try:
             accepted = await unless_lost(prefill, call.read())
@@ -265,7 +265,7 @@ class DisaggregatedBackend:
                                                  "the KV of a given-up call"))
 
     def _encode_items(self, job: Job, indices: list[int], prefill: WorkerState, backoff: Backoff,
-                      encodes: _Encodes, encoded_on: dict[int, str], avoid: set[str], refresh_store: bool) -> None:
+                      encodes: Encodes, encoded_on: dict[int, str], avoid: set[str], refresh_store: bool) -> None:
         """Start the encode calls of the request's items ``indices`` (pushed to ``prefill``);
         ``refresh_store``: prefill could not read them from the store, the encoders put them again."""
         for address, group in self._encoder_groups(job.prompt, avoid, indices).items():
@@ -440,41 +440,6 @@ def _passing_over(candidates: list, avoid: set[str]) -> list:
 
 def _placement(producer_host_id: str, consumer_host_id: str) -> str:
     return "same_host" if producer_host_id == consumer_host_id else "cross_host"
-
-
-class _Encodes:
-    """A request's encode calls: the first failure wins a race against prefill's result (prefill
-    would otherwise wait for rows that will never come)."""
-
-    def __init__(self) -> None:
-        self._tasks: list[asyncio.Task] = []
-        self._failed: asyncio.Future = asyncio.get_running_loop().create_future()
-
-    def add(self, call: Awaitable[None], on_done) -> None:
-        task = asyncio.ensure_future(call)
-        task.add_done_callback(self._on_done)
-        task.add_done_callback(on_done)  # runs even when the task is cancelled before it starts
-        self._tasks.append(task)
-
-    def _on_done(self, task: asyncio.Task) -> None:
-        if not task.cancelled() and task.exception() is not None and not self._failed.done():
-            self._failed.set_result(task.exception())
-
-    async def race(self, reader: asyncio.Future, prefill: WorkerState):
-        """``reader``'s result, or the first encode failure, or ``WorkerLost`` when prefill leaves
-        rotation; a reader still running is left to the caller (its result may carry a lease that
-        must not be dropped)."""
-        outage = prefill.outage()
-        await asyncio.wait({reader, self._failed, outage}, return_when=asyncio.FIRST_COMPLETED)
-        if reader.done():
-            return reader.result()
-        if self._failed.done():
-            raise self._failed.result()
-        raise WorkerLost(lost_message(prefill))
-
-    def cancel(self) -> None:
-        for task in self._tasks:
-            task.cancel()
 
 
 async def _release(worker: WorkerState, request: tensor_pb2.ReleaseRequest, what: str) -> None:

@@ -3,18 +3,16 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from epd.bench.local_server import LocalServer  # noqa: E402 - after the checkout is on the path
 
 
 def noise_png(size_px: int, seed: int) -> bytes:
@@ -27,11 +25,10 @@ def noise_png(size_px: int, seed: int) -> bytes:
 
 # ---- servers and epd bench, for the sweeps ----------------------------------------------------
 
-_URL_LINE = re.compile(r"OpenAI API\s+(http://\S+)/v1|EPD_READY router (http://\S+)")
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-class Server:
+class Server(LocalServer):
     """``epd serve`` (EPD tiers or ``--aggregated``) or ``hf_server.py`` as a process tree on
     loopback; ``with Server("epd", model) as s: s.url``. Always stopped, bounded waits."""
 
@@ -39,36 +36,8 @@ class Server:
         serve = [sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0"]
         commands = {"epd": serve, "aggregated": [*serve, "--aggregated"],
                     "transformers": [sys.executable, str(BENCH_DIR / "hf_server.py"), "--model", model]}
-        self.system, self.timeout_s, self.url = system, timeout_s, None
-        self.command = [*commands[system], *extra]
-        self.lines: list[str] = []
-
-    def __enter__(self) -> "Server":
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        ready = threading.Event()
-        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
-        if not ready.wait(self.timeout_s) or self.url is None:
-            self.__exit__()
-            raise RuntimeError(f"{self.system} server did not start:\n" + "\n".join(self.lines[-30:]))
-        return self
-
-    def _drain(self, ready: threading.Event) -> None:
-        for line in self.proc.stdout:
-            self.lines.append(line.rstrip())
-            if self.url is None and (m := _URL_LINE.search(line)):
-                self.url = m.group(1) or m.group(2)
-                ready.set()
-        ready.set()
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        super().__init__([*commands[system], *extra], name=f"{system} server", timeout_s=timeout_s)
+        self.system = system
 
 
 def run_bench(url: str, out_dir: Path, *args: str, timeout_s: float = 1800.0) -> list[dict]:

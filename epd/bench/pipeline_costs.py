@@ -16,53 +16,18 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import re
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
-_URL = re.compile(r"OpenAI API\s+(http://\S+)/v1")
+from epd.bench.local_server import LocalServer
+
 _REQUESTS = 12
 _OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = 4
-
-
-class _Serve:
-    """``epd serve`` on loopback for the measurement; always stopped."""
-
-    def __init__(self, model: str, *flags: str, timeout_s: float = 300.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0",
-                                      "--grpc-port", "0", "--no-standby", *flags], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                     start_new_session=True)
-        self.url, ready = None, threading.Event()
-
-        def drain() -> None:
-            for line in self.proc.stdout:
-                if self.url is None and (m := _URL.search(line)):
-                    self.url = m.group(1)
-                    ready.set()
-            ready.set()
-        threading.Thread(target=drain, daemon=True).start()
-        if not ready.wait(timeout_s) or self.url is None:
-            self.stop()
-            raise RuntimeError(f"epd serve {' '.join(flags)} did not start")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
 
 
 def _one(url: str, model: str, image: bytes | None) -> tuple[float, float, int]:
@@ -119,15 +84,14 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
 
     out = {}
     for name, flags in (("epd", ()), ("aggregated", ("--aggregated",))):
-        serve = _Serve(model, *flags)
         picture = iter(render_image(ImageSpec(image_px, image_px, seed)) for seed in range(1 << 20))
-        try:
+        command = [sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0",
+                   "--no-standby", *flags]
+        with LocalServer(command, name=f"epd serve {' '.join(flags)}") as serve:
             text = [_one(serve.url, model, None) for _ in range(_REQUESTS)][2:]
             image = [_one(serve.url, model, next(picture)) for _ in range(_REQUESTS)][2:]
             after_idle = {gap: _after_idle(serve.url, model, gap, picture) for gap in _IDLE_GAPS_S}
             crowded_ms = _concurrent_ms_per_token(serve.url, model)
-        finally:
-            serve.stop()
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
         tokens_text, tokens_image = text[-1][2], image[-1][2]
         step_ms = statistics.median(s for _, s, _ in text + image)

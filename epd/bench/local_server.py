@@ -1,0 +1,49 @@
+"""A serving process on loopback for a measurement (``epd profile --pipeline``, the benchmark
+scripts): started in a session of its own, its output kept, ready once a line names its URL, always
+stopped (SIGTERM, then the whole group killed). Bounded waits throughout."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import threading
+
+SERVE_URL = re.compile(r"OpenAI API\s+(http://\S+)/v1|EPD_READY router (http://\S+)")
+
+
+class LocalServer:
+    """``with LocalServer([...command...]) as s: s.url``; ``s.lines``: its output so far."""
+
+    def __init__(self, command: list[str], *, name: str = "server", timeout_s: float = 300.0,
+                 url_line: re.Pattern = SERVE_URL) -> None:
+        self.command, self.name, self.timeout_s, self.url_line = command, name, timeout_s, url_line
+        self.url: str | None = None
+        self.lines: list[str] = []
+
+    def __enter__(self) -> LocalServer:
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        ready = threading.Event()
+        threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
+        if not ready.wait(self.timeout_s) or self.url is None:
+            self.__exit__()
+            raise RuntimeError(f"{self.name} did not start:\n" + "\n".join(self.lines[-30:]))
+        return self
+
+    def _drain(self, ready: threading.Event) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            if self.url is None and (m := self.url_line.search(line)):
+                self.url = next(g for g in m.groups() if g)
+                ready.set()
+        ready.set()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)

@@ -31,6 +31,10 @@ def serve():
                           "--prefill-store-reads", "always", "--no-standby")
     started = descendants(server.proc.pid)
     try:
+        # prefill joins the store on a thread of its own; the router sends it store handles once
+        # its health says it reads the store (shown on /health)
+        assert wait_until(lambda: all(w.get("reads_encoder_store") for w in httpx.get(
+            f"{server.base_url}/health", timeout=10).json()["workers"]["prefill"]), 60), "prefill never joined"
         yield server
     finally:
         started |= descendants(server.proc.pid)

@@ -166,7 +166,7 @@ def test_an_encoder_lost_mid_call_has_its_items_encoded_by_the_other_one(driver,
     (one request, two calls there): both are encoded and the answer is unchanged."""
     if len(encoders(driver)) < 2:
         pytest.skip("needs two encoders")
-    from epd.router.backends import disaggregated
+    from epd.router.backends import disaggregated, moves
 
     images = _images_for_every_encoder(driver, llm, seed=300)
     lost_address, real_unless_lost, lost = encoders(driver)[0], disaggregated.unless_lost, []
@@ -175,7 +175,7 @@ def test_an_encoder_lost_mid_call_has_its_items_encoded_by_the_other_one(driver,
         if worker.tier == "encoder" and worker.address == lost_address and not lost:
             lost.append(worker.address)
             awaitable.cancel()  # the call never reaches it: as if it died as the call went out
-            raise disaggregated.WorkerLost(disaggregated.lost_message(worker))
+            raise moves.WorkerLost(moves.lost_message(worker))
         return await real_unless_lost(worker, awaitable)
 
     monkeypatch.setattr(disaggregated, "unless_lost", lose_the_first_encode_there)

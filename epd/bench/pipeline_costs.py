@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 from epd.bench.local_server import LocalServer
 
@@ -77,6 +78,38 @@ def _concurrent_ms_per_token(url: str, model: str) -> float:
     return statistics.median(per_token)
 
 
+@dataclass
+class Measured:
+    """What one serving path showed, one request at a time (ms)."""
+
+    ttft_text: float
+    ttft_image: float
+    tokens_text: int  # prompt tokens of the text request
+    tokens_image: int  # and of the one with an image
+    per_token: float  # time per output token of one stream
+    per_token_crowded: float  # of each of _STREAMS streams at once
+    after_idle: dict  # idle seconds -> (TTFT text, TTFT image) after idling that long
+
+
+def derive(costs, m: Measured, image_px: int) -> dict:
+    """The path's own costs: what was measured less what the profile's stages account for."""
+    request_ms = m.ttft_text - costs.prefill_ms(m.tokens_text) - costs.router_ms(0, 0.0)
+    image_ms = (m.ttft_image - m.ttft_text - costs.encoder_ms(image_px ** 2, 1)
+                - (costs.prefill_ms(m.tokens_image) - costs.prefill_ms(m.tokens_text)))
+    context = m.tokens_text + _OUTPUT_TOKENS / 2
+    alone = m.per_token - costs.decode_ms(1, context)  # one step, one token: the path's per step and per token
+    crowded = m.per_token_crowded - costs.decode_ms(_STREAMS, context)  # one step, _STREAMS tokens
+    token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
+    return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3),
+            "step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3),
+            "wake": [{"idle_s": gap, "text_ms": round(max(t - m.ttft_text, 0.0), 3),
+                      "image_ms": round(max(i - m.ttft_image, 0.0), 3)} for gap, (t, i) in m.after_idle.items()],
+            "measured": {"ttft_text_ms": round(m.ttft_text, 2), "ttft_image_ms": round(m.ttft_image, 2),
+                         "ms_per_token": round(m.per_token, 3),
+                         f"ms_per_token_{_STREAMS}_streams": round(m.per_token_crowded, 3),
+                         "prompt_tokens": [m.tokens_text, m.tokens_image]}}
+
+
 def measure(model: str, costs, image_px: int = 448) -> dict:
     """{"epd": {...}, "aggregated": {...}}: each path's ``request_ms``, ``image_ms``, ``step_ms``;
     ``costs``: this profile's ``epd.plan.costs.StageCosts`` (what the stages account for)."""
@@ -93,20 +126,7 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
             after_idle = {gap: _after_idle(serve.url, model, gap, picture) for gap in _IDLE_GAPS_S}
             crowded_ms = _concurrent_ms_per_token(serve.url, model)
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
-        tokens_text, tokens_image = text[-1][2], image[-1][2]
-        step_ms = statistics.median(s for _, s, _ in text + image)
-        request_ms = ttft_text - costs.prefill_ms(tokens_text) - costs.router_ms(0, 0.0)
-        image_ms = (ttft_image - ttft_text - costs.encoder_ms(image_px ** 2, 1)
-                    - (costs.prefill_ms(tokens_image) - costs.prefill_ms(tokens_text)))
-        context = tokens_text + _OUTPUT_TOKENS / 2
-        alone = step_ms - costs.decode_ms(1, context)  # one step, one token: the path's own per step and per token
-        crowded = crowded_ms - costs.decode_ms(_STREAMS, context)  # one step, _STREAMS tokens
-        token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
-        out[name] = {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3),
-                     "step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3),
-                     "wake": [{"idle_s": gap, "text_ms": round(max(t - ttft_text, 0.0), 3),
-                               "image_ms": round(max(i - ttft_image, 0.0), 3)} for gap, (t, i) in after_idle.items()],
-                     "measured": {"ttft_text_ms": round(ttft_text, 2), "ttft_image_ms": round(ttft_image, 2),
-                                  "ms_per_token": round(step_ms, 3),
-                                  f"ms_per_token_{_STREAMS}_streams": round(crowded_ms, 3), "prompt_tokens": [tokens_text, tokens_image]}}
+        out[name] = derive(costs, Measured(ttft_text, ttft_image, text[-1][2], image[-1][2],
+                                           statistics.median(s for _, s, _ in text + image), crowded_ms,
+                                           after_idle), image_px)
     return out

@@ -167,3 +167,24 @@ def test_epd_plan_ranks_the_splits_of_a_device_budget_and_names_bad_input(tmp_pa
     assert main(["plan", "--profile", str(path), "--slo", "latency=5"]) == 2
     assert "--slo: expected ttft=MS,tpot=MS, got 'latency=5'" in capsys.readouterr().err
     assert main(["plan", "--profile", str(tmp_path / "none.json")]) == 2
+
+
+def test_the_serving_paths_own_costs_are_what_was_measured_less_what_the_stages_account_for():
+    """``epd profile --pipeline``'s arithmetic: a text request's TTFT less its prefill and the
+    router's work; an image's extra TTFT less the encoder and its rows' prefill; a stream's time per
+    token less a decode step, split into per step and per token by 4 streams at once."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    # text: 40 tokens (4 ms of prefill), image: 140 tokens (14 ms); 1 stream: 5 ms a token, 4: 11 ms
+    got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                             per_token_crowded=11.0, after_idle={2.0: (45.0, 60.0), 0.1: (14.0, 51.0)}), 448)
+    assert got["request_ms"] == pytest.approx(15.0 - 4.0 - 1.0)
+    assert got["image_ms"] == pytest.approx(50.0 - 15.0 - 20.0 - (14.0 - 4.0))
+    # alone: 5 - 3 = 2 = step + token; 4 streams: 11 - 6 = 5 = step + 4 x token -> token 1, step 1
+    assert (got["step_ms"], got["token_ms"]) == (pytest.approx(1.0), pytest.approx(1.0))
+    assert got["wake"] == [{"idle_s": 2.0, "text_ms": 30.0, "image_ms": 10.0},
+                           {"idle_s": 0.1, "text_ms": 0.0, "image_ms": 1.0}]  # never below zero

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import grpc
 
 from epd.config import ConfigError
-from epd.encoder.cache import EncoderCacheKey
 from epd.encoder.engine import EncoderEngine
 from epd.encoder.item_scheduler import EncoderItem
 from epd.encoder.shared_store import SharedEncoderStore
@@ -101,8 +100,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         handles = []
         events = result.ready_events or [None] * len(result.embeddings)
         for item, rows, ready in zip(items, result.embeddings, events):
-            key = EncoderCacheKey(item.content_hash, item.processor_kwargs_hash, self.engine.model_id,
-                                  item.expected_rows)
+            key = self.engine.scheduler.cache_key(item)
             if refresh:  # cache rows are never written again: the put thread may read them later
                 wait_for_producer(rows, ready)  # CUDA: after the batch that wrote them
                 shared.put(key, rows.to("cpu") if rows.is_cuda else rows)

@@ -82,9 +82,9 @@ def capacity(costs: StageCosts, topology: Topology, workload, settings: SimSetti
               topology.decodes * speed(topology.decode_tp) * 1000.0 / max(decode_ms, 1e-3)]
     if encode_ms > 0:
         limits.append(topology.encoders * 1000.0 / encode_ms)
-    rate = min(limits)
-    return rate / (topology.cores / (topology.encoders + topology.prefills + topology.decodes)) \
-        if topology.cores and topology.cores < topology.encoders + topology.prefills + topology.decodes else rate
+    workers = topology.encoders + topology.prefills + topology.decodes
+    # on a host of fewer cores than workers, every worker runs at most at its share of them
+    return min(limits) * (min(1.0, topology.cores / workers) if topology.cores else 1.0)
 
 
 def best_rate(costs: StageCosts, topology: Topology, workload, slo: dict, attainment: float,

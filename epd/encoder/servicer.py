@@ -85,28 +85,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
                                 f"{why}") from None
         self.metrics.encoded_tokens.inc(sum(m.encoder_tokens for m, hit in zip(request.items, result.cache_hits)
                                             if not hit))
+        in_store = [] if self.engine.shared_store is None else await self.ctx.blocking(
+            lambda: store_hints(self.engine, items, result, request.refresh_store))
         return encoder_pb2.EncodeResponse(item_indices=[m.item_index for m in request.items],
-                                          cache_hits=result.cache_hits,
-                                          in_store=self._in_store(items, result, request.refresh_store))
-
-    def _in_store(self, items: list[EncoderItem], result, refresh: bool) -> list:
-        """Per item, a ``store`` handle of its rows where the cluster's store has them (the router
-        may have prefill read them there next time), else an empty handle; nothing without a store.
-        ``refresh``: prefill could not read them there: put them again (a hit in this encoder's own
-        cache never looks at the store, so a damaged entry would stay and fail every read)."""
-        shared = self.engine.shared_store
-        if shared is None:
-            return []
-        handles = []
-        events = result.ready_events or [None] * len(result.embeddings)
-        for item, rows, ready in zip(items, result.embeddings, events):
-            key = self.engine.scheduler.cache_key(item)
-            if refresh:  # cache rows are never written again: the put thread may read them later
-                wait_for_producer(rows, ready)  # CUDA: after the batch that wrote them
-                shared.put(key, rows.to("cpu") if rows.is_cuda else rows)
-            name = shared.holds(key, rows.dtype)
-            handles.append(store_handle(name, rows) if name else tensor_pb2.TensorHandle())
-        return handles
+                                          cache_hits=result.cache_hits, in_store=in_store)
 
     @staticmethod
     async def _result(request_id: str, future, timeout_s: float):
@@ -143,7 +125,36 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         stats = self.engine.stats()
         return self.ctx.health(num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
                                num_encoder_forwards=stats.num_forwards, num_encoded_items=stats.num_encoded_items,
-                               num_steps=stats.num_forwards)
+                               num_steps=stats.num_forwards, uses_encoder_store=self._uses_store())
+
+    def _uses_store(self) -> bool:
+        shared = self.engine.shared_store
+        return shared is not None and shared.ready()
+
+
+def store_hints(engine: EncoderEngine, items: list[EncoderItem], result, refresh: bool) -> list:
+    """Per item, a ``store`` handle of its rows where the cluster's store has them (the router
+    may have prefill read them there next time), else an empty handle; nothing without a store.
+    ``refresh``: prefill could not read them there: put them again (a hit in this encoder's own
+    cache never looks at the store, so a damaged entry would stay and fail every read). An item
+    whose rows this encoder holds and the store is not known to (encoded while the store was
+    down or not joined yet, or forgotten since) is put too, once the store is up: else it would
+    never reach the store while this encoder's own cache keeps hitting it."""
+    shared = engine.shared_store
+    if shared is None:
+        return []
+    handles = []
+    events = result.ready_events or [None] * len(result.embeddings)
+    for item, rows, ready in zip(items, result.embeddings, events):
+        key = engine.scheduler.cache_key(item)
+        name = shared.holds(key, rows.dtype)
+        if refresh or (name is None and shared.ready()):
+            # cache rows are never written again: the put thread may read them later
+            wait_for_producer(rows, ready)  # CUDA: after the batch that wrote them
+            shared.put(key, rows.to("cpu") if rows.is_cuda else rows)
+            name = shared.holds(key, rows.dtype)
+        handles.append(store_handle(name, rows) if name else tensor_pb2.TensorHandle())
+    return handles
 
 
 _MAX_BATCH_BYTES = MAX_MESSAGE_BYTES // 2  # one call's pushes; handles are small unless inline

@@ -146,6 +146,14 @@ class SharedEncoderStore:
         with self._lock:
             return name if self.stats.up and name in self._known else None
 
+    def ready(self) -> bool:
+        """Whether the store may be asked now: joined (a backend that joins on a thread of its own
+        says so) and not left alone after a failure (``retry_after_s``)."""
+        joined = getattr(self.backend, "joined", None)
+        with self._lock:
+            resting = self._clock() < self._down_until
+        return not resting and (joined is None or joined())
+
     def _remember(self, name: str) -> None:
         with self._lock:
             self._known[name] = None

@@ -60,7 +60,8 @@ class WorkerState:
         return {"address": self.address, "healthy": self.healthy, "draining": self.draining or self.stopping,
                 "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
                 "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps,
-                "host_id": h.host_id, **({"reads_encoder_store": True} if h.reads_encoder_store else {})}
+                "host_id": h.host_id, **({"reads_encoder_store": True} if h.reads_encoder_store else {}),
+                **({"uses_encoder_store": True} if h.uses_encoder_store else {})}
 
     def set_healthy(self, healthy: bool) -> None:
         # a worker that said it was stopping went away after finishing what it held: the calls the

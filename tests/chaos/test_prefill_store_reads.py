@@ -31,16 +31,21 @@ def serve():
                           "--prefill-store-reads", "always", "--no-standby")
     started = descendants(server.proc.pid)
     try:
-        # prefill joins the store on a thread of its own; the router sends it store handles once
-        # its health says it reads the store (shown on /health)
-        assert wait_until(lambda: all(w.get("reads_encoder_store") for w in httpx.get(
-            f"{server.base_url}/health", timeout=10).json()["workers"]["prefill"]), 60), "prefill never joined"
+        # workers join the store on a thread of their own; the router sends prefill store handles
+        # once its health says it reads the store, and encoders put what they encode once joined
+        assert wait_until(lambda: _joined(httpx.get(f"{server.base_url}/health", timeout=10).json()["workers"]),
+                          60), "a worker never joined the store"
         yield server
     finally:
         started |= descendants(server.proc.pid)
         assert server.stop() == 0, "\n".join(server.lines[-30:])
         assert wait_until(lambda: all(gone(p) for p in started), 20), [p for p in started if not gone(p)]
         assert not [name for p in started for name in segments_of(p)]
+
+
+def _joined(workers: dict) -> bool:
+    return (all(w.get("reads_encoder_store") for w in workers["prefill"])
+            and all(w.get("uses_encoder_store") for w in workers["encoder"]))
 
 
 def _image(data: bytes) -> dict:

@@ -25,7 +25,7 @@ from epd.encoder.shared_store import (
     store_key,
 )
 
-from .fakes import BYTES_PER_ROW, FakeEncoder, expected_output, make_item
+from .fakes import BYTES_PER_ROW, HIDDEN, FakeEncoder, expected_output, make_item
 
 KEY = EncoderCacheKey("c0ffee", "kw", "model", 3)
 
@@ -139,12 +139,46 @@ def test_an_outage_is_counted_once_per_call_and_the_store_left_alone_until_retry
         store.close()
 
 
-def _engine(backend: MemoryBackend):
+def _engine(backend: MemoryBackend, **store_options):
     model = FakeEncoder()
     engine = EncoderEngine(model, EncoderConfig(encoder_max_num_tokens=64), model_id="m",
                            model_max_atomic_item_tokens=64, bytes_per_embedding=BYTES_PER_ROW,
-                           encoder_tokens_per_row=4, shared_store=SharedEncoderStore(backend))
+                           encoder_tokens_per_row=4, shared_store=SharedEncoderStore(backend, **store_options))
     return engine, model
+
+
+def test_an_item_encoded_while_the_store_was_down_is_put_on_its_next_use_once_the_store_is_back():
+    """The hints an encoder's answer carries (``store_hints``): an item whose rows it made while
+    the store was away reaches the store on its next use (its own cache hits it, so nothing else
+    would put it), once; ``refresh`` puts it again."""
+    from epd.encoder.servicer import store_hints
+
+    backend, now = MemoryBackend(), [0.0]
+    engine, model = _engine(backend, retry_after_s=5.0, clock=lambda: now[0])
+    items = [make_item("x"), make_item("y", 3)]
+    try:
+        backend.fail = True
+        result = engine.submit("a", items).result(timeout=10)
+        assert [h.WhichOneof("body") for h in store_hints(engine, items, result, False)] == [None, None]
+        assert not engine.shared_store.ready()
+        backend.fail = False  # back, but left alone until retry_after_s has passed
+        assert [h.WhichOneof("body") for h in store_hints(engine, items, result, False)] == [None, None]
+        assert backend.calls["put"] == 0 and not backend.entries
+        now[0] = 6.0
+        result = engine.submit("b", items).result(timeout=10)
+        assert result.cache_hits == [True, True] and model.batches == [["x", "y"]]  # the store never asked
+        store_hints(engine, items, result, False)
+        assert engine.shared_store.flush() and backend.calls["put"] == 2
+        hints = store_hints(engine, items, result, False)
+        assert [h.store.key for h in hints] == [store_key(engine.scheduler.cache_key(i), torch.float32) for i in items]
+        for item, hint in zip(items, hints):
+            assert torch.equal(decode_entry(backend.entries[hint.store.key], (item.expected_rows, HIDDEN), torch.float32),
+                               expected_output(item.content_hash, item.expected_rows))
+        assert engine.shared_store.flush() and backend.calls["put"] == 2  # known now: not put again
+        store_hints(engine, items[:1], result, True)
+        assert engine.shared_store.flush() and backend.calls["put"] == 3
+    finally:
+        engine.close()
 
 
 def test_what_one_engine_encodes_another_fetches_instead_of_encoding():

@@ -69,6 +69,7 @@ from epd.wire.tls import MutualTls
 log = logging.getLogger("epd.router")
 _PREFIX_KEY_TOKENS = 64  # how much of the prompt decides prefill affinity
 _ENCODE_ATTEMPTS = 2
+_ENCODE_REPLY_GRACE_S = 2.0  # after prefill's result: an encoder's reply, already on its way
 _ROTATION_POLL_S = 0.2  # how often a request waiting to move looks for a worker back in rotation
 _RELEASE_TIMEOUT_S = 5.0
 # what a tier said about the request itself keeps its meaning; anything else is that tier failing it
@@ -247,14 +248,15 @@ class DisaggregatedBackend:
             if reply is grpc.aio.EOF or not reply.HasField("result"):
                 raise UpstreamError(f"prefill {prefill.address} ended request {job.request_id} without a result")
             result = reply.result
+            # every row prefill needed has arrived: an encode call still running waits only for its
+            # reply (what the store has, for the next request), and holds its encoder meanwhile
+            encodes.settle(_ENCODE_REPLY_GRACE_S)
             return result
         except grpc.aio.AioRpcError as err:
             raise blaming_producer(self._rpc_error("prefill", prefill.address, err), encoded_on) from None
         finally:
-            # with a result every row prefill needed has arrived: an encode call still running (its
-            # reply not back yet) only holds the encoder
-            encodes.cancel()
             if result is None:  # prefill aborts the request when its call is cancelled
+                encodes.cancel()
                 call.cancel()
                 if reader is not None:  # a call prefill never accepted exported nothing
                     reader.cancel()

@@ -42,3 +42,11 @@ class Encodes:
     def cancel(self) -> None:
         for task in self._tasks:
             task.cancel()
+
+    def settle(self, grace_s: float) -> None:
+        """Prefill answered: every row it needed was pushed, so a call still running only waits for
+        its encoder's reply, which says which items the cluster's store has (the next request may
+        have prefill read them there). Those replies get ``grace_s`` to come, then the calls end."""
+        running = [task for task in self._tasks if not task.done()]
+        if running:
+            asyncio.get_running_loop().call_later(grace_s, lambda: [task.cancel() for task in running])

@@ -4,9 +4,10 @@ forward does no arithmetic) at a full decode batch, in this process.
 
 For each batch size: B text requests admitted and prefilled, then S decode steps timed. Printed:
 CPU ms per step (process time, all threads), wall ms per step, and where the wall time went
-(scheduler.schedule, runner.prepare, the forward and logits, the sampler, scheduler.update; the
-rest is the step's own glue). The same numbers for the tiny preset, whose forward is real, put
-them beside a model that computes.
+(scheduler.schedule, runner.prepare, the forward and logits, the sampler, the scheduler's advance
+and complete; the rest is the step's own glue). The same numbers for the tiny preset, whose forward
+is real, put them beside a model that computes. ``--modes in_order,async``: each point also with
+async scheduling (on the CPU nothing runs beside the host, so this shows its bookkeeping's cost).
 
     python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
 """
@@ -28,7 +29,7 @@ from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
 from epd.types import SamplingParams  # noqa: E402
 
 PARTS = (("schedule", "scheduler", "schedule"), ("prepare", "runner", "prepare"), ("forward", "runner", "forward"),
-         ("sample", "sampler", "__call__"), ("update", "scheduler", "update"))
+         ("sample", "sampler", "__call__"), ("advance", "scheduler", "advance"), ("complete", "scheduler", "complete"))
 
 
 class Timed:
@@ -62,22 +63,30 @@ class Timed:
 
 
 class _CallTimer:
+    """The sampler, timed: drawn on the host (``__call__``) or left on the device (``on_device``)."""
+
     def __init__(self, inner, seconds, name) -> None:
         self.inner, self.seconds, self.name = inner, seconds, name
 
     def __call__(self, *args, **kwargs):
+        return self._timed(self.inner, *args, **kwargs)
+
+    def on_device(self, *args, **kwargs):
+        return self._timed(self.inner.on_device, *args, **kwargs)
+
+    def _timed(self, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
-            return self.inner(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self.seconds[self.name] += time.perf_counter() - start
 
 
-def measure(model: str, batch: int, steps: int) -> dict:
+def measure(model: str, batch: int, steps: int, overlap: bool = False) -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
-                          kv_cache_bytes=1 << 30, max_model_len=4096)
+                          kv_cache_bytes=1 << 30, max_model_len=4096, async_scheduling=overlap)
     engine = LLMEngine(load_llm_for(model_dir, config), config,
                        eos_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
@@ -96,7 +105,7 @@ def measure(model: str, batch: int, steps: int) -> dict:
     running = len(engine.scheduler.running)
     parts = {name: 1000 * s / steps for name, s in timed.seconds.items()}
     parts["other"] = 1000 * wall / steps - sum(parts.values())
-    return {"model": model, "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
+    return {"model": model, "mode": "async" if overlap else "in_order", "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
             "parts": parts}
 
 
@@ -105,17 +114,23 @@ def main() -> int:
     parser.add_argument("--models", default="null-qwen2-vl,tiny-qwen2-vl")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--modes", default="in_order", help="in_order, async, or both (comma list)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (a tier on a small host gets 1; the step's own work is serial)")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)
-    print(f"{'model':<15}{'batch':>6}{'CPU ms/step':>13}{'wall ms/step':>14}  wall ms by part", flush=True)
+    modes = args.modes.split(",")
+    if set(modes) - {"in_order", "async"}:
+        parser.error(f"--modes: in_order and/or async, got {args.modes!r}")
+    print(f"{'model':<15}{'mode':<10}{'batch':>6}{'CPU ms/step':>13}{'wall ms/step':>14}  wall ms by part", flush=True)
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
-            r = measure(model, batch, args.steps)
-            parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
-            print(f"{r['model']:<15}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  {parts}", flush=True)
+            for mode in modes:
+                r = measure(model, batch, args.steps, overlap=mode == "async")
+                parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
+                print(f"{r['model']:<15}{r['mode']:<10}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  "
+                      f"{parts}", flush=True)
     return 0
 
 

@@ -123,6 +123,11 @@ class EngineConfig(_Config):
                                                          "checkpoint's max_position_embeddings, as vLLM)")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(False, description="never replay decode steps from CUDA graphs (vLLM's flag)")
+    async_scheduling: bool = Field(
+        False, description="schedule and launch each engine step before the last one's tokens reach the host: on "
+                           "a GPU the host's work of a step (scheduling, inputs, output bookkeeping) then overlaps "
+                           "the device's (vLLM's flag). Decode workers and the in-process engine; a prefill worker "
+                           "samples one token a request and hands its KV over at once, so it steps in order")
     tensor_parallel_size: PositiveInt = Field(
         1, description="ranks the LLM is cut into, one process each, each with a KV cache of the same pages "
                        "(its heads); gloo on the CPU, NCCL between CUDA devices (one device per rank)",
@@ -170,6 +175,9 @@ class EngineConfig(_Config):
         if devices and self.device.startswith("cuda:") and self.device != f"cuda:{devices[0]}":
             raise ValueError(f"device {self.device} but tensor_parallel_devices {','.join(map(str, devices))}: rank "
                              f"0 runs on the first of them; give device cuda:{devices[0]} or leave it out")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError(f"async_scheduling with tensor_parallel_size {self.tensor_parallel_size}: not supported "
+                             "yet (the ranks take each step's inputs from the host); leave one of them out")
         if devices and self.device in ("auto", "cuda"):  # rank 0 is this process: its device is the first
             object.__setattr__(self, "device", f"cuda:{devices[0]}")
         return self

@@ -200,7 +200,9 @@ def _decode_rate(run: Run, shape: tuple, batch: int, prompt_len: int, steps: int
         _free_device_memory(run)
 
 
-def _timed_decode(run: Run, model, batch: int, prompt_len: int, steps: int, backend: str, eager: bool) -> dict:
+def _timed_decode(run: Run, model, batch: int, prompt_len: int, steps: int, backend: str, eager: bool,
+                  overlap: bool = False, outputs: list | None = None) -> dict:
+    """``overlap``: async scheduling; ``outputs``: gets each sequence's tokens so far."""
     from epd.config import EngineConfig
     from epd.engine.llm_engine import LLMEngine
     from epd.types import SamplingParams
@@ -218,12 +220,13 @@ def _timed_decode(run: Run, model, batch: int, prompt_len: int, steps: int, back
                                            max_num_seqs=batch, max_model_len=context + 16,
                                            max_num_batched_tokens=budget_tokens,
                                            kv_cache_bytes=int(kv_per_token * batch * (context + 32) * 1.1),
-                                           attention_backend=backend, enforce_eager=eager),
+                                           attention_backend=backend, enforce_eager=eager,
+                                           async_scheduling=overlap),
                        eos_token_ids=())
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(0)
-    for _ in range(batch):
-        engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=generator).tolist(), params)
+    seqs = [engine.add_request(torch.randint(0, cfg.vocab_size, (prompt_len,), generator=generator).tolist(), params)
+            for _ in range(batch)]
     while engine.scheduler.waiting or any(s.is_prefilling for s in engine.scheduler.running):
         engine.step()
     for _ in range(2):  # warm-up steps
@@ -240,7 +243,10 @@ def _timed_decode(run: Run, model, batch: int, prompt_len: int, steps: int, back
     kv_bytes = batch * (prompt_len + steps // 2) * kv_per_token
     bandwidth = run.results.get("bandwidth_gb_s", 4300.0) * 1e9
     floor_s = (weight_bytes + kv_bytes) / bandwidth
+    if outputs is not None:
+        outputs.extend(seq.output_token_ids for seq in seqs)
     out = {"batch": batch, "backend": engine.runner.attention_backend, "graphs": engine.runner.graphs is not None,
+           "overlapped_steps": engine.num_overlapped_steps,
            "running_min": min(running), "ms_per_step": round(step_s * 1e3, 2),
            "tok_s": round(sum(running) / elapsed_s, 1),
            "floor_ms": round(floor_s * 1e3, 2), "fraction_of_floor": round(floor_s / step_s, 3)}
@@ -276,6 +282,33 @@ def decode(run: Run) -> dict:
                 except Exception as err:  # noqa: BLE001 - one backend failing must not hide the others
                     rows.append({"batch": b, "backend": backend, "eager": eager, "error": f"{type(err).__name__}: {err}"})
                 run.partial("decode", out)
+    return out
+
+
+def overlap(run: Run) -> dict:
+    """Async scheduling against steps in order, the same model and batch, one after the other: ms
+    per decode step, and whether the greedy tokens are the same (compared as far as both got)."""
+    shape = next(iter((DRY_SHAPES if run.dry_run else SHAPES).values()))
+    batches, prompt_len, steps = ((4,), 32, 6) if run.dry_run else ((32, 128), 512, 40)
+    out = {}
+    for b in batches:
+        if run.past_deadline:
+            out[str(b)] = {"skipped": "past the deadline"}
+            continue
+        _free_device_memory(run)
+        model = _random_llm(shape, run.device, torch.float32 if run.dry_run else torch.bfloat16)
+        rows, tokens = {}, {}
+        for name, on in (("in_order", False), ("async", True)):
+            tokens[name] = []
+            rows[name] = _timed_decode(run, model, b, prompt_len, steps, "auto", False, overlap=on,
+                                       outputs=tokens[name])
+            _free_device_memory(run)
+        del model
+        same = all(a[:min(len(a), len(c))] == c[:min(len(a), len(c))] for a, c in zip(tokens["in_order"],
+                                                                                     tokens["async"]))
+        out[str(b)] = {**rows, "same_tokens": same,
+                       "async_over_in_order": round(rows["async"]["ms_per_step"] / rows["in_order"]["ms_per_step"], 3)}
+        run.partial("overlap", out)
     return out
 
 
@@ -437,7 +470,7 @@ def profile(run: Run) -> dict:
     return {"exit_code": code, "file": str(out), "profile": profile_json}
 
 
-PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode,
+PHASES = {"env": env, "fidelity": fidelity, "ipc": ipc, "encoder": encoder, "decode": decode, "overlap": overlap,
           "tensor_parallel": tensor_parallel, "profile": profile}
 
 

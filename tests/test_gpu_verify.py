@@ -33,7 +33,8 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert sorted(results) == ["bandwidth_gb_s", "dry_run", "phases"] and results["dry_run"] is True
     assert results["bandwidth_gb_s"] > 0
     phases = results["phases"]
-    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc", "profile", "tensor_parallel"] and \
+    assert sorted(phases) == ["decode", "encoder", "env", "fidelity", "ipc", "overlap", "profile",
+                              "tensor_parallel"] and \
         all(p["ok"] for p in phases.values()), phases
     for name, phase in phases.items():  # every phase says how it went and how long it took
         assert phase["ok"] is True and isinstance(phase["seconds"], float) and "partial" not in phase, (name, phase)
@@ -43,6 +44,8 @@ def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path)
     assert phases["fidelity"]["device_vs_cpu_fp32_greedy_identical"] is True
     assert phases["fidelity"]["bf16_vs_fp32_first_token_cosine"] >= 0.99
     assert phases["decode"]["tiny"][0]["tok_s"] > 0 and phases["ipc"]["shm"][0]["ms"] > 0
+    # async scheduling against steps in order: the same tokens, and it did overlap
+    assert phases["overlap"]["4"]["same_tokens"] is True and phases["overlap"]["4"]["async"]["overlapped_steps"] > 0
     assert [r["tokens"] for r in phases["encoder"]["rows"]] == [64, 128]  # 112 px images: 8 x 8 patches each
     # no GPUs here: the TP phase says so, and still checks the gloo ranks (TP 2 == TP 1)
     assert phases["profile"]["skipped"].startswith("the dry run")  # on a GPU it writes profile.json

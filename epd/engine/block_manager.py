@@ -79,7 +79,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits = []
-        for block_hash in self._full_block_hashes(seq, len(seq) - 1):
+        for block_hash in self._full_block_hashes(seq, len(seq.token_ids) - 1):
             block_id = self._hash_to_block.get(block_hash)
             if block_id is None:
                 break
@@ -130,7 +130,7 @@ class BlockManager:
         at every block again made each decode step cost in proportion to the sequence's length."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, len(seq)) // self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size  # tokens known here
         first = seq.num_hashed_blocks
         if num_full <= first:
             return

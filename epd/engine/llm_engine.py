@@ -11,6 +11,7 @@ from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
 from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.grammar import GrammarCompiler
+from epd.engine.inflight import InflightTokens
 from epd.engine.memory_profile import check_holds_one_sequence, kv_blocks_for_device_memory
 from epd.engine.mm_inputs import SequenceMultimodal
 from epd.engine.model_runner import ModelRunner, local_heads
@@ -61,6 +62,9 @@ class LLMEngine:
                                   decode_graph_sizes=graph_sizes, max_model_len=config.max_model_len)
         self.sampler = Sampler()
         self.num_steps = 0
+        self.async_scheduling = config.async_scheduling
+        self._inflight: InflightTokens | None = None  # the last step's tokens, still on the device
+        self.num_overlapped_steps = 0  # steps launched while the one before had its tokens in flight
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
                     mm: SequenceMultimodal | None = None,
@@ -97,7 +101,7 @@ class LLMEngine:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     def add_imported(self, prompt_token_ids: list[int], params: SamplingParams, *, first_token_id: int,
                      first_logprobs, kv, mm: SequenceMultimodal, eos_token_ids: tuple[int, ...],
@@ -129,19 +133,32 @@ class LLMEngine:
             self.runner.ranks.close()
 
     def step(self) -> list[Sequence]:
-        """One engine iteration; returns the sequences that finished in it."""
+        """One engine iteration; returns the sequences that finished in it. With async scheduling a
+        step's tokens are known (appended, checked for stops) during the step after it."""
         out = self.scheduler.schedule()
         for seq in out.imported:
             self.runner.write_kv(seq.block_table, seq.imported_kv)
             seq.imported_kv = None
+        inflight, self._inflight = self._inflight, None
         if out.is_empty:
+            if inflight is not None:  # the last step's tokens, then whatever they let run
+                finished = self.scheduler.complete(inflight.seqs, inflight.known())
+                return finished + (self.step() if self.scheduler.has_unfinished else [])
             if self.scheduler.has_unfinished and out.num_waiting_on_inputs == 0:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
             return []
-        logits, chunks = self.runner.execute(out)
+        logits, chunks = self.runner.execute(out, fill=inflight.fill if inflight is not None else None)
         seqs = [c.seq for c in chunks]
-        sampled = dict(zip((s.seq_id for s in seqs), self.sampler(logits, seqs)))
-        finished = self.scheduler.update(out, sampled)
+        self.scheduler.advance(out)
+        finished = []
+        if inflight is not None:  # this step runs on the device meanwhile
+            self.num_overlapped_steps += 1
+            finished = self.scheduler.complete(inflight.seqs, inflight.known())
+        tokens = self.sampler.on_device(logits, seqs) if self.async_scheduling and seqs else None
+        if tokens is not None:
+            self._inflight = InflightTokens(seqs, tokens)
+        else:  # a row needs the host (grammar, penalties, logprobs, a seed), or no async scheduling
+            finished += self.scheduler.complete(seqs, self.sampler(logits, seqs))
         _strip_finished_prompts(out)
         self.num_steps += 1
         return finished
@@ -149,6 +166,8 @@ class LLMEngine:
     def run_until_done(self, seqs: list[Sequence], max_steps: int = 1_000_000) -> list[Sequence]:
         for _ in range(max_steps):
             if all(s.is_finished for s in seqs):
+                if self._inflight is not None and all(s.is_finished for s in self._inflight.seqs):
+                    self.step()  # the last step launched served only these: take its tokens, leave nothing
                 return seqs
             self.step()
         raise RuntimeError(f"requests did not finish within {max_steps} engine steps")

@@ -36,6 +36,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
     sampling_chunks: list[ScheduledChunk]
     every_row_samples: bool = False  # a decode step: logits of every row, no gather of the hidden states
+    # async scheduling: (flat index, sequence) of inputs that are the previous step's tokens, still on
+    # the device: ``input_ids`` has 0 there until the engine fills them in (``execute``'s ``fill``)
+    pending: list = None
 
 
 def local_heads(model: torch.nn.Module) -> tuple[int, int]:
@@ -77,9 +80,15 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(self, graphs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step; returns logits [B, V] for the chunks that sample, and those chunks."""
+    def execute(self, out: SchedulerOutput, fill=None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """Run one step; returns logits [B, V] for the chunks that sample, and those chunks.
+        ``fill(step)``: writes the inputs that are still on the device (``StepInputs.pending``)."""
         step = self.prepare(out)
+        if step.pending:
+            if fill is None:
+                raise RuntimeError(f"{len(step.pending)} input tokens of this step are not known, and nothing "
+                                   "holds them")
+            fill(step)
         if self.ranks is None:
             return self.forward(step), step.sampling_chunks
         # tensor parallel: the other ranks run the same step with their part
@@ -201,14 +210,18 @@ class ModelRunner:
         chunks, num_decodes = decodes + others, len(decodes)
         # one pass over the chunks for what Python must read of each sequence (a pass per field was
         # a visible share of a large decode batch's step)
-        seqs, starts, deltas, ids, in_prompt, samples = [], [], [], [], [], []
+        seqs, starts, deltas, ids, in_prompt, samples, pending = [], [], [], [], [], [], []
         for n, c in enumerate(chunks):
             seq = c.seq
             seqs.append(seq)
             starts.append(c.start)
             deltas.append(seq.mm.mrope_delta if seq.mm is not None else 0)
             if c.num_tokens == 1:
-                ids.append(seq.token_ids[c.start])
+                if c.start < len(seq.token_ids):
+                    ids.append(seq.token_ids[c.start])
+                else:  # sampled by the step before, not known here yet: filled in on the device
+                    pending.append((len(ids), seq))
+                    ids.append(0)
             else:
                 ids.extend(seq.token_ids[c.start:c.end])
             if c.start < seq.num_prompt_tokens:  # only these can need embedding rows or positions of their own
@@ -242,6 +255,7 @@ class ModelRunner:
             logits_indices=self._to_device(torch.from_numpy(logits_idx)),
             sampling_chunks=[c for c, sampled in zip(chunks, samples.tolist()) if sampled],
             every_row_samples=len(logits_idx) == total,
+            pending=pending,
         )
 
     def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, deltas: np.ndarray,

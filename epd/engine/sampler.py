@@ -37,30 +37,56 @@ class Sampler:
             out[i] = (tokens[i], self._logprobs(logits[i], tokens[i], seqs[i]))
         return out
 
+    def on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The step's tokens as one int64 tensor on the logits' device, with no host sync (async
+        scheduling keeps them there while the next step is launched) -> None where a row needs the
+        host: a grammar, logits processors, logprobs or a seeded draw (``__call__`` samples those)."""
+        if logits.shape[0] != len(seqs):
+            raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
+        rows = _Rows(seqs)
+        if rows.processed or rows.grammars or rows.logprobs or rows.num_batched != len(seqs):
+            return None
+        picks = self._picks(logits.float(), seqs, rows)
+        if sum(len(indices) for indices, _ in picks) != len(seqs):  # min-p rows beside FlashInfer's kernel
+            return None
+        if len(picks) == 1:  # every row alike (all greedy, the common batch): already in order
+            return picks[0][1].to(logits.device)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        for indices, picked in picks:
+            tokens[torch.tensor(indices, device=logits.device)] = picked.to(logits.device)
+        return tokens
+
+    @classmethod
+    def _sample_batched(cls, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None],
+                        rows: _Rows) -> None:
+        for indices, picked in cls._picks(logits, seqs, rows):
+            for i, token in zip(indices, picked.tolist()):
+                tokens[i] = token
+
     @staticmethod
-    def _sample_batched(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None], rows: _Rows) -> None:
+    def _picks(logits: torch.Tensor, seqs: list[Sequence], rows: _Rows) -> list[tuple[list[int], torch.Tensor]]:
         """Greedy rows in one argmax, unseeded plain-temperature rows in one softmax and one draw,
         unseeded top-k / top-p rows in one top-k (or sort) and one draw: row by row, sampling a large
         batch over a large vocabulary costs more than the model's decode step itself, and on a GPU
-        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token)."""
+        each row's draw would be a sync. Seeded rows stay per row (their draws are fixed per token).
+        -> (row indices, their tokens as a tensor) per group."""
         greedy, plain, filtered = rows.greedy, rows.plain, rows.filtered
+        picks = []
         if greedy:
-            for i, token in zip(greedy, greedy_tokens(_rows(logits, greedy)).tolist()):
-                tokens[i] = token
+            picks.append((greedy, greedy_tokens(_rows(logits, greedy))))
         if logits.is_cuda and (kernels := flashinfer_sampling()) is not None:
-            _sample_with_flashinfer(kernels, logits, seqs, tokens)
-            return
+            sampled = _sample_with_flashinfer(kernels, logits, seqs)
+            return picks + ([sampled] if sampled is not None else [])
         if plain:
             temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
                                         device=logits.device).unsqueeze(1)
             cdf = torch.softmax(_rows(logits, plain) / temperatures, dim=-1).cumsum_(dim=-1)
-            for i, token in zip(plain, _draw_from_cdf(cdf).tolist()):
-                tokens[i] = token
+            picks.append((plain, _draw_from_cdf(cdf)))
         if filtered:  # unseeded top-k / top-p rows: one sort (or top-k) and one draw for all of them
             probs, candidates = filtered_probs([seqs[i].sampling_params for i in filtered], _rows(logits, filtered))
             picked = _draw_from_cdf(probs.cumsum(dim=-1))
-            for i, token in zip(filtered, candidates.gather(1, picked[:, None]).squeeze(1).tolist()):
-                tokens[i] = token
+            picks.append((filtered, candidates.gather(1, picked[:, None]).squeeze(1)))
+        return picks
 
     def _sample_one(self, row: torch.Tensor, seq: Sequence) -> int:
         """A seeded row: its draw comes from its own (seed, token index) generator."""
@@ -112,14 +138,15 @@ def flashinfer_sampling():
     return sampling
 
 
-def _sample_with_flashinfer(kernels, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None]) -> None:
+def _sample_with_flashinfer(kernels, logits: torch.Tensor, seqs: list[Sequence]
+                            ) -> tuple[list[int], torch.Tensor] | None:
     """Unseeded sampled rows on CUDA in one FlashInfer kernel: temperature, then top-k, then top-p
     (``top_k_first``: the order the row-by-row filters apply them), sampled by rejection on the
-    device with no sort of the vocabulary and no host sync per row."""
+    device with no sort of the vocabulary and no host sync per row -> (rows, tokens), or None."""
     rows = [i for i, seq in enumerate(seqs) if not seq.sampling_params.is_greedy and seq.sampling_params.seed is None
             and not seq.sampling_params.min_p]  # min-p rows: the torch path (no single kernel does all four)
     if not rows:
-        return
+        return None
     params = [seqs[i].sampling_params for i in rows]
     vocab, device = logits.shape[1], logits.device
     temperatures = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
@@ -127,8 +154,7 @@ def _sample_with_flashinfer(kernels, logits: torch.Tensor, seqs: list[Sequence],
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
     picked = kernels.top_k_top_p_sampling_from_logits(_rows(logits, rows) / temperatures, top_k, top_p,
                                                        filter_apply_order="top_k_first")
-    for i, token in zip(rows, picked.tolist()):
-        tokens[i] = token
+    return rows, picked
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -177,9 +203,8 @@ def filtered_probs(params: list, logits: torch.Tensor) -> tuple[torch.Tensor, to
     # drop a candidate when the mass before it already reaches p; the best one always stays
     before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(before >= top_p[:, None], 0.0)
-    min_p = torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype)
-    if bool((min_p > 0).any()):
-        probs = keep_min_p(probs, min_p)
+    if any(p.min_p > 0 for p in params):  # asked of the parameters: asking the tensor would sync a GPU
+        probs = keep_min_p(probs, torch.tensor([p.min_p for p in params], device=device, dtype=logits.dtype))
     return probs / probs.sum(dim=-1, keepdim=True), candidates
 
 
@@ -210,6 +235,11 @@ class _Rows:
                     self.logprobs.append(i)
             if seq.grammar is not None:
                 self.grammars.append(i)
+
+    @property
+    def num_batched(self) -> int:
+        """Rows drawn for the whole batch at once (the rest are seeded: drawn one by one)."""
+        return len(self.greedy) + len(self.plain) + len(self.filtered)
 
 
 def _needs(seq: Sequence) -> tuple[str, bool, bool]:

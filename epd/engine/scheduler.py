@@ -41,7 +41,7 @@ class ScheduledChunk:
     def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
         self.seq, self.start, self.num_tokens = seq, start, num_tokens
         self.end = start + num_tokens
-        self.samples = self.end == len(seq.token_ids)
+        self.samples = self.end == len(seq)
 
     def __repr__(self) -> str:
         return f"ScheduledChunk({self.seq.request_id}, start={self.start}, num_tokens={self.num_tokens})"
@@ -141,7 +141,7 @@ class Scheduler:
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         chunks = out.chunks
         for seq in tuple(self.running):
-            length = len(seq.token_ids)
+            length = len(seq)  # a token still on the device (async scheduling) is this step's input
             if length - seq.num_computed_tokens > 1:
                 prefills.append(seq)
                 continue
@@ -215,22 +215,50 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput,
                sampled: dict[int, tuple[int, TokenLogprobs | None]]) -> list[Sequence]:
-        """Advance computed counts; append sampled tokens (seq_id -> (token id, logprobs));
-        return the sequences that finished."""
-        finished = []
+        """The step ran and its tokens are known (seq_id -> (token id, logprobs)): ``advance`` then
+        ``complete``; returns the sequences that finished."""
+        seqs = self.advance(out)
+        return self.complete(seqs, [sampled.get(seq.seq_id) for seq in seqs])
+
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step ran: computed counts move on, and each sequence that sampled has a token pending
+        (known once ``complete`` gets it; with async scheduling, after the next step is launched).
+        Returns the sampling sequences, in the step's order."""
+        samplers = []
         mark_computed, block_size = self.block_manager.mark_computed, self.block_manager.block_size
         for chunk in out.chunks:
             seq = chunk.seq
             seq.num_computed_tokens = chunk.end
             if chunk.num_tokens > 1 or chunk.end % block_size == 0:  # a one-token chunk fills a block only here
-                mark_computed(seq)
-            if chunk.samples and (token := sampled.get(seq.seq_id)) is not None:
-                seq.append_token(*token)
-                if seq.check_stop():
-                    finished.append(seq)
+                mark_computed(seq)  # the blocks whose tokens are all known here
+            if chunk.samples:
+                seq.num_pending_tokens += 1
+                samplers.append(seq)
+        return samplers
+
+    def complete(self, seqs: list[Sequence], tokens: list[tuple[int, TokenLogprobs | None] | None]
+                 ) -> list[Sequence]:
+        """The pending tokens of ``seqs`` (one each; None: none came) are known: append them and
+        return the sequences they finished. A sequence that ended meanwhile (aborted, or finished by
+        its previous token while this one was in flight) drops its token."""
+        finished = []
+        mark_computed, block_size = self.block_manager.mark_computed, self.block_manager.block_size
+        for seq, token in zip(seqs, tokens):
+            seq.num_pending_tokens -= 1
+            if token is None or seq.is_finished:
+                continue
+            seq.append_token(*token)
+            computed = seq.num_computed_tokens
+            if computed == len(seq.token_ids) and computed % block_size == 0:
+                mark_computed(seq)  # a block whose last token was in flight when it was computed
+            if seq.check_stop():
+                finished.append(seq)
         for seq in finished:
             if self.on_finish is not None:
                 self.on_finish(seq)
-            self.running.remove(seq)
-            self.block_manager.free(seq)
+            if seq in self.waiting:  # preempted while its token was in flight: it had no blocks left
+                self.waiting.remove(seq)
+            else:
+                self.running.remove(seq)
+                self.block_manager.free(seq)
         return finished

@@ -60,6 +60,9 @@ class Sequence:
             frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids))
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens sampled and not yet known here (async scheduling: a step's tokens stay on the device
+        # while the next step is prepared and launched); they count in len(seq), not in token_ids
+        self.num_pending_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at admission
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks of block_table whose hashes are published (prefix cache)
@@ -84,7 +87,8 @@ class Sequence:
         self.grammar_error: str | None = None
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        """Positions the sequence occupies: its known tokens and those sampled but not known yet."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -98,7 +102,7 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not yet cached: the prompt (or, after preemption, prompt+outputs)
         during prefill, exactly one during decode."""
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self) - self.num_computed_tokens
 
     @property
     def is_prefilling(self) -> bool:

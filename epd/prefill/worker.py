@@ -80,7 +80,9 @@ class PrefillWorker:
         self._lock = threading.Lock()
         # built on the loop thread: one thread runs every torch op of this process (engine_loop)
         # (rank 0 of a tensor-parallel engine imports each embedding and sends the rows with the step)
-        engine_config = with_model_len(engine_config, model_dir)
+        # in order: a request ends at its first token and its KV is handed over at once (nothing of
+        # the next step to overlap with, and its KV must be exactly the prompt's)
+        engine_config = with_model_len(engine_config, model_dir).model_copy(update={"async_scheduling": False})
         self.max_model_len = engine_config.max_model_len  # what its health answer tells the routers
         build = functools.partial(LLMEngine, config=engine_config, eos_token_ids=(),
                                   mm_token_ids=self.spec.mm_token_ids, on_finish=self._on_finish,

@@ -57,7 +57,10 @@ def server(model_dir, media_dir, tmp_path_factory):
                              "--allowed-local-media-path", str(media_dir),
                              "--config", str(config), "--allow-private-network",  # http images from a loopback server
                              "--trust-remote-code", "--disable-log-requests", "--kv-cache-dtype", "auto",
-                             "--dtype", "float", env=env)
+                             "--dtype", "float",
+                             # decode steps launched before the last one's tokens are known: every
+                             # answer below still equals transformers
+                             "--async-scheduling", env=env)
     serve.hub_requests, serve.snapshot = hub.requests, downloads / f"models--{HUB_REPO.replace('/', '--')}" / \
         "snapshots" / HUB_COMMIT
     yield serve
@@ -234,6 +237,9 @@ def test_every_process_serves_metrics_by_prometheus_conventions(client, server):
                      "vllm:prefix_cache_queries_total"):
             sample_sum(text, name, model_name="m")  # declared (KeyError otherwise)
     assert sum(sample_sum(t, "vllm:prefix_cache_queries_total", model_name="m") for t in engines) > 0
+    # --async-scheduling: decode overlapped its steps; prefill steps in order (one token a request)
+    overlapped = sorted(sample_sum(t, "epd_engine_overlapped_steps_total", model_name="m") for t in engines)
+    assert overlapped[0] == 0 and overlapped[1] > 0, overlapped
 
 
 @pytest.mark.parametrize("case,expected", [

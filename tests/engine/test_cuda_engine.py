@@ -72,3 +72,17 @@ def test_gpu_memory_utilization_sizes_the_kv_cache_from_the_device(model_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     assert default > third > given
     assert allocated <= 0.3 * total + 256 * 1024**2  # the vision tower is not counted
+
+
+def test_async_scheduling_on_cuda_answers_as_steps_in_order(model_dir, chat):
+    """Several requests in bf16 with CUDA graphs where FlashInfer is installed: the steps overlap
+    (each launched with the last one's tokens on the device) and the greedy answers are the same."""
+    params = [SamplingParams(max_tokens=12 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    answers, overlapped = [], []
+    for overlap in (False, True):
+        llm = LLM(str(model_dir), engine_config=EngineConfig(device="cuda", kv_cache_bytes=256 << 20,
+                                                             async_scheduling=overlap))
+        answers.append([out.token_ids for out in llm.chat([chat] * len(params), params)])
+        overlapped.append(llm.engine.num_overlapped_steps)
+    assert answers[1] == answers[0]
+    assert overlapped[0] == 0 and overlapped[1] > 10

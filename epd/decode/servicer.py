@@ -121,7 +121,8 @@ class _RouterStream:
             with self.s.ctx.admission.hold(request.prefill.kv.nbytes) as state.held:
                 await self.s.ctx.warm_grammar(self.s.worker.engine, job.sampling)
                 state.imported = await self.s._import(job.request_id, request.prefill.kv, timeout_s)
-                state.added, _ = self.s.worker.start(job, state.imported.tensor, self.sink.updates_for(job.request_id))
+                state.added, _ = self.s.worker.start(job, state.imported.tensor, self.sink.updates_for(job.request_id),
+                                                     kv_source=state.imported.handle)
                 await _queued(job.request_id, state.added, deadline_s - time.monotonic())
                 try:
                     await asyncio.wait_for(state.done.wait(), max(0.0, deadline_s - time.monotonic()))

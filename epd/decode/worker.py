@@ -45,17 +45,18 @@ class DecodeWorker:
         self.loop.stop()
         self.engine.close()
 
-    def start(self, job: DecodeJob, kv: torch.Tensor, updates=None) -> tuple[Future, queue.SimpleQueue]:
+    def start(self, job: DecodeJob, kv: torch.Tensor, updates=None, kv_source=None
+              ) -> tuple[Future, queue.SimpleQueue]:
         """Queue a prefilled request; -> (Future[Sequence] once it is queued on the engine, where the
         ``TokenUpdate``s for the tokens after the first go: ``updates``, default a thread queue).
         ``kv`` must stay readable until the first update arrives: it is copied into the cache at
-        admission."""
+        admission (``kv_source``: the handle it was imported from, held as long)."""
         updates = queue.SimpleQueue() if updates is None else updates
         added = self.loop.watch(lambda engine: engine.add_imported(
             job.prompt_token_ids, job.sampling, first_token_id=job.first_token_id,
             first_logprobs=job.first_logprobs, kv=kv, mm=SequenceMultimodal.delta_only(job.mrope_delta),
-            eos_token_ids=job.eos_token_ids, request_id=job.request_id, output_token_ids=job.output_token_ids),
-            updates)
+            eos_token_ids=job.eos_token_ids, request_id=job.request_id, output_token_ids=job.output_token_ids,
+            kv_source=kv_source), updates)
         return added, updates
 
     def abort(self, seq: Sequence, reason: str = "cancelled") -> None:

@@ -105,18 +105,21 @@ class LLMEngine:
 
     def add_imported(self, prompt_token_ids: list[int], params: SamplingParams, *, first_token_id: int,
                      first_logprobs, kv, mm: SequenceMultimodal, eos_token_ids: tuple[int, ...],
-                     request_id: str | None = None, output_token_ids: tuple[int, ...] = ()) -> Sequence:
+                     request_id: str | None = None, output_token_ids: tuple[int, ...] = (),
+                     kv_source=None) -> Sequence:
         """A request prefilled elsewhere: the KV ``kv`` ([layers, 2, tokens, kv_heads, head_dim]) of
         its prompt and of ``output_token_ids`` (tokens it produced before a migration) is written
         into our cache when it is admitted, with its whole token budget reserved. A KV of the wrong
-        shape or dtype is refused here (ValueError), before it could fail a whole step."""
+        shape or dtype is refused here (ValueError), before it could fail a whole step.
+        ``kv_source``: the handle ``kv`` was imported from (tensor-parallel ranks may read their
+        heads there themselves); it must stay valid until the KV is written."""
         self.runner.check_kv(kv, len(prompt_token_ids) + len(output_token_ids))
         self._check_vocabulary(params)
         seq = Sequence(prompt_token_ids, params, request_id=request_id, mm=mm, eos_token_ids=eos_token_ids,
                        output_token_ids=output_token_ids)
         seq.grammar = self._matcher(params, (*output_token_ids, first_token_id))
         seq.append_token(first_token_id, first_logprobs)
-        seq.imported_kv = kv
+        seq.imported_kv, seq.imported_kv_source = kv, kv_source
         self.scheduler.add_imported(seq, len(prompt_token_ids) + params.max_tokens)
         return seq
 
@@ -137,8 +140,8 @@ class LLMEngine:
         step's tokens are known (appended, checked for stops) during the step after it."""
         out = self.scheduler.schedule()
         for seq in out.imported:
-            self.runner.write_kv(seq.block_table, seq.imported_kv)
-            seq.imported_kv = None
+            self.runner.write_kv(seq.block_table, seq.imported_kv, seq.imported_kv_source)
+            seq.imported_kv = seq.imported_kv_source = None
         inflight, self._inflight = self._inflight, None
         if out.is_empty:
             if inflight is not None:  # the last step's tokens, then whatever they let run

@@ -182,13 +182,14 @@ class ModelRunner:
             raise ValueError(f"imported KV has shape {tuple(kv.shape)} and dtype {kv.dtype}, expected "
                              f"{expected} and {self.dtype}")
 
-    def write_kv(self, block_table: list[int], kv: torch.Tensor) -> None:
+    def write_kv(self, block_table: list[int], kv: torch.Tensor, source=None) -> None:
         """An imported KV (every head of the model) into this sequence's pages; a tensor-parallel
-        engine hands each rank its own heads."""
+        engine hands each rank its own heads (``source``: the handle ``kv`` came from, which the
+        ranks may read themselves)."""
         self.check_kv(kv, kv.shape[2])
         slots = self._slots(block_table, 0, kv.shape[2])
         if self.ranks is not None:
-            kv = self._with_ranks(self.ranks.write_kv, slots, kv)  # -> this rank's heads
+            kv = self._with_ranks(self.ranks.write_kv, slots, kv, source)  # -> this rank's heads
         self.write_kv_at(slots, kv)
 
     def write_kv_at(self, slots: torch.Tensor, kv: torch.Tensor) -> None:

@@ -105,7 +105,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.importing:
             self.importing.remove(seq)
-            seq.imported_kv = None
+            seq.imported_kv = seq.imported_kv_source = None
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
 

@@ -80,6 +80,7 @@ class Sequence:
         # a prompt whose KV was computed elsewhere (decode): the KV to write into our blocks at
         # admission, and how many tokens to reserve so the request never needs preemption
         self.imported_kv: Any = None
+        self.imported_kv_source: Any = None  # the handle it came from (a TensorHandle), when known
         self.num_reserved_tokens = 0
         # structured output: the grammar's matcher, fed every token this sequence samples (the engine
         # sets it at admission; epd.engine.grammar)

@@ -40,7 +40,7 @@ from epd.engine.model_runner import StepInputs
 
 log = logging.getLogger("epd.engine")
 _HEADER_LEN = 12
-_STEP, _STOP, _WRITE_KV, _READ_KV = 1, 2, 3, 4
+_STEP, _STOP, _WRITE_KV, _READ_KV, _WRITE_KV_SHARED = 1, 2, 3, 4, 5
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # the ranks block in a broadcast between steps: an engine idle for hours must not time them out
 _GROUP_TIMEOUT = datetime.timedelta(days=30)
@@ -180,6 +180,7 @@ class RankGroup:
         self.tp = TensorParallel(0, size, dist.group.WORLD)
         self.device = torch.device(config.rank_device(0))
         self.failure: str | None = None  # set once the ranks can no longer run steps together
+        self.num_kv_writes_shared = 0  # imported KVs each rank read from shared memory itself
 
     def wait_until_loaded(self) -> None:
         """Every rank built its part and its engine (rank 0 calls this once its own are built): a
@@ -245,15 +246,37 @@ class RankGroup:
         if rows is not None:
             dist.broadcast(rows.to(self.device).contiguous(), src=0)
 
-    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def write_kv(self, slots: torch.Tensor, kv: torch.Tensor, source=None) -> torch.Tensor:
         """An imported KV [layers, 2, T, every KV head, head_dim] for ``slots``: each other rank gets
-        its heads (one scatter) -> rank 0's."""
+        its heads -> rank 0's. ``source``: the handle ``kv`` was imported from; in shared memory,
+        each rank reads its own heads there (nothing passes through rank 0), else one scatter."""
+        if source is not None and source.WhichOneof("body") == "shm" and self._write_kv_shared(slots, source):
+            first, n = self.kv_heads[0]
+            return kv[:, :, :, first:first + n]
         dist.broadcast(_header(_WRITE_KV, len(slots), _DTYPES.index(kv.dtype)), src=0)
         dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
         parts = [kv[:, :, :, first:first + n].to(self.device).contiguous() for first, n in self.kv_heads]
         mine = torch.empty_like(parts[0])
         dist.scatter(mine, parts, src=0)
         return mine
+
+    def _write_kv_shared(self, slots: torch.Tensor, source) -> bool:
+        """Every other rank maps the handle's shared memory and writes its heads from there (rank 0
+        holds the lease until they all said how it went) -> whether they all did (else nothing is
+        lost: the scatter follows, and writes the same slots again)."""
+        blob = source.SerializeToString()
+        dist.broadcast(_header(_WRITE_KV_SHARED, len(slots), len(blob)), src=0)
+        dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
+        dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
+        statuses = [torch.zeros(1, dtype=torch.int64) for _ in self.kv_heads]
+        dist.gather(torch.zeros(1, dtype=torch.int64), statuses, dst=0)
+        failed = sum(int(status) for status in statuses)
+        if failed:
+            log.warning("tensor-parallel ranks: %d rank(s) could not read lease %s's shared memory; sending them "
+                        "their heads instead", failed, source.lease_id)
+            return False
+        self.num_kv_writes_shared += 1
+        return True
 
     def read_kv(self, slots: torch.Tensor, out: torch.Tensor, read_local) -> None:
         """Every KV head at ``slots`` into ``out`` [layers, 2, T, every KV head, head_dim]: the other
@@ -328,7 +351,9 @@ def serve_rank(runner) -> None:
             continue
         slots = torch.empty(fields[1], dtype=torch.int64)
         dist.broadcast(slots, src=0)
-        if op == _WRITE_KV:
+        if op == _WRITE_KV_SHARED:
+            _write_kv_shared(runner, slots, fields[2])
+        elif op == _WRITE_KV:
             k0 = runner.kv_cache.k[0]
             mine = torch.empty((len(runner.kv_cache.k), 2, fields[1], *k0.shape[1:]), dtype=_DTYPES[fields[2]],
                                device=runner.device)
@@ -338,6 +363,33 @@ def serve_rank(runner) -> None:
             dist.gather(runner.read_kv_at(slots), None, dst=0)
         else:
             raise RuntimeError(f"tensor-parallel rank: unknown operation {op} from rank 0")
+
+
+def _write_kv_shared(runner, slots: torch.Tensor, handle_bytes: int) -> None:
+    """This rank's heads of an imported KV, read from the handle's shared memory (rank 0 holds the
+    lease meantime); its status (0: written) goes back to rank 0 whatever happened."""
+    from epd.models.parallel import HeadLayout
+    from epd.transport.base import ImportContext
+    from epd.transport.handles import check_header
+    from epd.transport.shm import ShmTransport
+    from epd.v1 import tensor_pb2
+
+    blob = torch.empty(handle_bytes, dtype=torch.uint8)
+    dist.broadcast(blob, src=0)
+    status = torch.zeros(1, dtype=torch.int64)
+    try:
+        handle = tensor_pb2.TensorHandle.FromString(blob.numpy().tobytes())
+        dtype, shape = check_header(handle)
+        kv = ShmTransport().import_(handle, dtype, shape, ImportContext(torch.device("cpu"), None, 0.0))
+        cfg = runner.model.config
+        layout = HeadLayout.of(cfg.num_attention_heads, cfg.num_key_value_heads, runner.model.tp)
+        first, n = layout.first_kv_head, layout.num_kv_heads
+        runner.write_kv_at(slots, kv[:, :, :, first:first + n].to(runner.device))
+    except Exception as err:  # noqa: BLE001 - rank 0 sends the heads instead
+        log.warning("tensor-parallel rank %d: reading an imported KV from shared memory failed: %s",
+                    runner.model.tp.rank, err)
+        status[0] = 1
+    dist.gather(status, None, dst=0)
 
 
 def _receive_step(runner, header: list[int]) -> StepInputs:

@@ -202,3 +202,45 @@ def test_ranks_on_cuda_use_nccl_for_cuda_tensors_and_gloo_for_the_rest(monkeypat
     check_supported(EngineConfig(device="cuda:0", tensor_parallel_size=2))
     with pytest.raises(TensorParallelConfigError, match=r"sees 2 CUDA device\(s\).*cuda:2 is not there"):
         check_supported(EngineConfig(device="cuda:1", tensor_parallel_size=2))
+
+
+def test_decode_ranks_read_their_heads_from_the_kv_handles_shared_memory(model_dir, reference):
+    """A KV imported from shared memory (the decode tier's hand-off on one host): every rank maps
+    the segment and writes its own heads from there (nothing passes through rank 0); a handle a rank
+    cannot read (its lease already released) falls back to rank 0 sending the heads. Both answer as
+    transformers does."""
+    from epd.config import EngineConfig
+    from epd.engine.mm_inputs import SequenceMultimodal
+    from epd.llm import LLM
+    from epd.transport import TensorStore, import_tensor, serve_tensor_store
+    from epd.types import SamplingParams
+    from tests.conftest import make_image_bytes
+
+    if "qwen3" in model_dir:
+        pytest.skip("the hand-off is the same for both families; Qwen2-VL shows it")
+    images = [make_image_bytes(120, 90, seed=5), make_image_bytes(64, 100, seed=6)]
+    messages = user_message("Compare these, one by one.", images)
+    ref = reference.generate(messages, images, max_new_tokens=MAX_NEW)
+    prompt, first, kv, delta = _prefilled(model_dir, 1, messages)
+    store = TensorStore()
+    server = serve_tensor_store(store)
+    try:
+        imported = import_tensor(store.export(kv, transport="shm", ttl_s=60))
+        stale = import_tensor(store.export(kv.clone(), transport="shm", ttl_s=60))
+        stale_handle, stale_kv = stale.handle, stale.tensor.clone()
+        stale.release()  # its segment no longer serves the lease: the ranks cannot read it there
+        config = EngineConfig(tensor_parallel_size=4, block_size=4, num_kv_blocks=1024)
+        with LLM(model_dir, engine_config=config) as llm:
+            seqs = [llm.engine.add_imported(prompt, SamplingParams(max_tokens=MAX_NEW), first_token_id=first,
+                                            first_logprobs=None, kv=tensor, mm=SequenceMultimodal.delta_only(delta),
+                                            eos_token_ids=(llm.tokenizer.eos_token_id,), kv_source=handle)
+                    for tensor, handle in ((imported.tensor, imported.handle), (stale_kv, stale_handle))]
+            llm.engine.run_until_done(seqs)
+            shared = llm.engine.runner.ranks.num_kv_writes_shared
+        imported.release()
+    finally:
+        server.stop(0)
+        store.close()
+    assert shared == 1  # the first read in place, the stale one sent by rank 0
+    for seq in seqs:
+        assert (prompt, seq.output_token_ids) == (ref.prompt_token_ids, ref.token_ids)

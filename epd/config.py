@@ -462,6 +462,16 @@ class RouterConfig(_Config):
         "auto", description="with the encoder cache store: items prefill reads from the store itself instead of an "
                             "encoder pushing them: auto (those no encoder on prefill's host holds), always (every "
                             "item the store has), never")
+    autoscale_budget: PositiveInt | None = Field(
+        None, description="the online planner (epd.plan.autoscale): at most this many workers (encoders + prefills "
+                          "+ decodes); it moves and adds workers where requests wait and gives idle ones back, and its "
+                          "launcher (epd serve) carries that out. Unset: off")
+    autoscale_ttft_slo_s: float | None = Field(
+        None, gt=0, description="with autoscale_budget: a TTFT objective (p90 of the last 30 s); missed, the tier "
+                                "where requests wait most grows")
+    autoscale_interval_s: float = Field(1.0, gt=0, description="with autoscale_budget: seconds between looks")
+    autoscale_cooldown_s: float = Field(10.0, gt=0, description="with autoscale_budget: seconds after a decision "
+                                                                "is carried out before the next")
     allowed_local_media_path: str | None = Field(None, description="serve file:// images only from under this directory")
     allow_private_network: bool = Field(False, description="let http(s) images come from private addresses")
     allowed_media_domains: tuple[str, ...] = Field(

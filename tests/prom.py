@@ -50,11 +50,12 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     from types import SimpleNamespace
 
     from epd.encoder.shared_store import SharedStoreStats
+    from epd.router.autoscale import PlannerLoop
     from epd.router.metrics import RouterMetrics
     from epd.server.metrics import TierMetrics
 
     engine = SimpleNamespace(
-        num_steps=0, scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
+        num_steps=0, num_overlapped_steps=0, scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
         block_manager=SimpleNamespace(usage=0.0, num_total_blocks=1, num_prefix_hit_tokens=0,
                                       num_prefix_query_tokens=0))
     encoder = SimpleNamespace(
@@ -64,6 +65,9 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 
     router = RouterMetrics(model_name)
+    PlannerLoop(SimpleNamespace(autoscale_budget=4, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
+                                autoscale_ttft_slo_s=None),
+                SimpleNamespace(workers={"encoder": [1], "prefill": [1], "decode": [1, 2]}), router)
     router.refresh_moves({"migrated": 1})
     router._encoder_counts = {("encoder", "127.0.0.1:1"): (3, 5)}
     tiers = {name: TierMetrics(name, model_name) for name in ("encoder", "prefill", "decode")}

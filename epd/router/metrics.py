@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,6 +30,7 @@ class RouterMetrics:
                              registry=r)
         self.queue_depth = Gauge("epd_router_queue_depth", "Requests waiting for an admission slot", registry=r)
         self.in_flight = Gauge("epd_router_in_flight", "Requests on the tiers", registry=r)
+        self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, TTFT s): the planner's
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.output_tokens = Counter("epd_output_tokens", "Output tokens streamed", registry=r)
         self.cached_tokens = Counter("epd_prompt_cached_tokens", "Prompt tokens of the requests admitted that "
@@ -64,6 +66,7 @@ class RouterMetrics:
 
     def observe_first_token(self, ttft_s: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         self.ttft.observe(ttft_s)
+        self.recent_ttft.append((time.monotonic(), ttft_s))
         self.prompt_tokens.inc(num_prompt_tokens)
         self.cached_tokens.inc(num_cached_tokens)
 

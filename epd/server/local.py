@@ -231,12 +231,13 @@ class LocalCluster:
 
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
                      extra_args: Sequence[str] = (), timeout_s: float = 120.0,
-                     config: BaseModel | None = None, http_socket: socket.socket | None = None) -> TierProcess:
+                     config: BaseModel | None = None, http_socket: socket.socket | None = None,
+                     env: Mapping[str, str] | None = None) -> TierProcess:
         """Start the router over the running workers; its ready line names the HTTP URL and the
         public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
         ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win);
         ``http_socket``: a listening socket it serves HTTP on (inherited, kept open here for the
-        next router)."""
+        next router); ``env``: its own environment variables (the admin token: no worker gets it)."""
         config_fd = _config_pipe(config) if config is not None else None
         args = ["--config", f"/dev/fd/{config_fd}"] if config_fd is not None else []
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
@@ -247,13 +248,36 @@ class LocalCluster:
         if self.transport:
             args += ["--transport", self.transport]
         proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
-                           config_fd=config_fd, keep_fds=(http_socket.fileno(),) if http_socket is not None else ())
+                           config_fd=config_fd, keep_fds=(http_socket.fileno(),) if http_socket is not None else (),
+                           env=env)
         self.processes.append(proc)
         proc._ready.wait(timeout_s)
         if proc.address is None:
             raise RuntimeError(f"router did not become ready within {timeout_s:.0f} s "
                                f"(exit code {proc.proc.poll()}); its last output:\n{proc.tail()}")
         return proc
+
+    def add_worker(self, tier: str) -> TierProcess:
+        """One more worker of ``tier`` (the planner's scale-up), started like the first ones (the next
+        of the tier's devices, round robin); ready once its ``_ready`` is set."""
+        devices = self.devices.get(tier)
+        args = device_args(devices[self.counts[tier] % len(devices)]) if devices else ()
+        p = self._spawn(tier, args)
+        self.counts[tier] += 1
+        self.processes.append(p)
+        return p
+
+    def retire(self, p: TierProcess, timeout_s: float = 30.0) -> int | None:
+        """Stop a worker for good (the planner's scale-down, once the router drained it): it leaves
+        supervision first, then SIGINT (it finishes what it holds), then SIGKILL at ``timeout_s``;
+        its shared memory is reclaimed. -> its exit code."""
+        p.given_up = True  # not restarted from here on
+        if p in self.processes:
+            self.processes.remove(p)
+            self.counts[p.tier] -= 1
+        self._signal_and_wait([p], signal.SIGINT, time.monotonic() + timeout_s)
+        cleanup_stale_segments()
+        return p.proc.poll()
 
     def supervise(self, max_restarts: int, now_s: float | None = None) -> list[str]:
         """One round of supervision; call it a few times a second. A worker that exited has its
@@ -337,12 +361,12 @@ class LocalCluster:
         return cmd + list(args)
 
     def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL, config_fd: int | None = None,
-               keep_fds: Sequence[int] = ()) -> TierProcess:
+               keep_fds: Sequence[int] = (), env: Mapping[str, str] | None = None) -> TierProcess:
         """Start ``cmd``; it dies with this process (``epd.server.parent``); ``config_fd``: a pipe's
         read end it inherits (closed here once it has it); ``keep_fds``: others it inherits (kept)."""
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True,
-                                    env=child_environment(self.env), start_new_session=True,
+                                    env=child_environment({**self.env, **(env or {})}), start_new_session=True,
                                     pass_fds=(*((config_fd,) if config_fd is not None else ()), *keep_fds))
         finally:
             if config_fd is not None:

@@ -58,7 +58,7 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
     return RequestPipeline(model_dir, config, backend, media=media)
 
 
-def build_admin_app(workers, model: str, tokens):
+def build_admin_app(workers, model: str, tokens, planner=None):
     """The admin API (its own listener, never the public port): launchers and autoscalers register
     new workers and drain old ones, with an admin token (``ApiKeys``). A worker is registered only
     when it answers EPD's health RPC as the tier and model it claims: a stranger's address never
@@ -83,6 +83,13 @@ def build_admin_app(workers, model: str, tokens):
     async def list_workers():
         return {"workers": {tier: [w.as_dict() for w in states] for tier, states in workers.workers.items()}}
 
+    @app.get("/admin/plan")
+    async def plan():
+        """The online planner's wanted workers per tier and its latest decisions (404 without one)."""
+        if planner is None:
+            return JSONResponse({"error": "no planner runs here (autoscale_budget is unset)"}, status_code=404)
+        return planner.as_dict()
+
     @app.post("/admin/workers")
     async def add_worker(body: dict = Body(...)):
         try:
@@ -103,7 +110,7 @@ def build_admin_app(workers, model: str, tokens):
     return app
 
 
-async def _start_admin(config: RouterConfig, router):
+async def _start_admin(config: RouterConfig, router, planner=None):
     """The admin listener when ``admin_port`` is set (-> (uvicorn server, its task, its URL)), else None."""
     from epd.router.auth import ENV_ADMIN_TOKEN, ApiKeys
 
@@ -112,7 +119,7 @@ async def _start_admin(config: RouterConfig, router):
     tokens = ApiKeys((), config.admin_token_file, env_var=ENV_ADMIN_TOKEN)
     if not tokens.enabled:
         raise RuntimeError(f"router: admin_port is set but no admin token is ({ENV_ADMIN_TOKEN} or admin_token_file)")
-    app = build_admin_app(router.backend.workers, config.model, tokens)
+    app = build_admin_app(router.backend.workers, config.model, tokens, planner)
     server = uvicorn.Server(uvicorn.Config(app, host=config.admin_host, port=config.admin_port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
@@ -121,6 +128,17 @@ async def _start_admin(config: RouterConfig, router):
         raise RuntimeError(f"router: cannot serve the admin API on {config.admin_host}:{config.admin_port} (taken?)")
     port = server.servers[0].sockets[0].getsockname()[1]
     return server, task, f"http://{config.admin_host}:{port}"
+
+
+def _planner(config: RouterConfig, router):
+    """The online planner when ``autoscale_budget`` is set (tiers to plan: not the aggregated engine)."""
+    if config.autoscale_budget is None:
+        return None
+    if not hasattr(router.backend, "workers"):
+        raise ConfigError("autoscale_budget plans encoders, prefills and decodes; the aggregated engine has none")
+    from epd.router.autoscale import PlannerLoop
+
+    return PlannerLoop(config, router.backend.workers, router.metrics)
 
 
 def key_rate_limiter(config: RouterConfig, api_keys):
@@ -163,7 +181,8 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
                     generation=router.generation,
                     api_keys=api_keys, protect_health_and_metrics=config.protect_health_and_metrics,
                     limits=limits, rate_limiter=rate_limiter, allowed_origins=config.allowed_origins)
-    admin = await _start_admin(config, router)
+    planner = _planner(config, router)
+    admin = await _start_admin(config, router, planner)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
                                            timeout_graceful_shutdown=config.shutdown_grace_s))
     if on_server is not None:
@@ -196,9 +215,11 @@ async def serve(config: RouterConfig, *, handle_signals: bool = True, on_ready=N
             on_ready(f"http://{config.host}:{http_port}", grpc_address, admin[2] if admin else None)
     stats = None if config.disable_log_stats else asyncio.create_task(
         StatsLog(router).run(config.log_stats_interval_s))
+    planning = asyncio.create_task(planner.run()) if planner is not None else None
     await serving
-    if stats is not None:
-        stats.cancel()
+    for task in (stats, planning):
+        if task is not None:
+            task.cancel()
     if admin is not None:
         admin[0].should_exit = True
         await admin[1]

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
 import signal
 import socket
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from epd.config import (
     ConfigError,
@@ -29,6 +32,7 @@ from epd.config import (
     load_config,
     load_yaml,
 )
+from epd.router.auth import ENV_ADMIN_TOKEN
 from epd.server.flags import Command, OneLineParser, run_or_exit
 from epd.server.mooncake import MooncakeStartError, MooncakeStore
 
@@ -73,9 +77,32 @@ def serve_config_from_args(argv: list[str] | None) -> ServeConfig:
         raise ConfigError("command line: aggregated runs the whole model in one process, without tiers to place; "
                           "use the local launcher")
     _check_tensor_parallel(config)
+    config = _with_autoscale(config)
     if config.router.aggregated:  # the one process runs the engine the workers would have
         config = config.model_copy(update={"router": config.router.model_copy(update={"engine": config.worker.engine})})
     return config
+
+
+def _with_autoscale(config: ServeConfig) -> ServeConfig:
+    """``--autoscale-budget``: the tiers it can plan, a budget that holds the workers started, and
+    the router's admin API on (a port of its own, on loopback unless set), which ``epd serve`` uses
+    to carry the planner's decisions out."""
+    budget = config.router.autoscale_budget
+    if budget is None:
+        return config
+    if config.router.aggregated:
+        raise ConfigError("command line: --autoscale-budget plans encoders, prefills and decodes; --aggregated runs "
+                          "none (one engine)")
+    if config.launcher == "ray":
+        raise ConfigError("command line: --autoscale-budget is carried out by the local launcher so far; on Ray use "
+                          "EPDCluster.scale(tier, replicas), on Kubernetes the epd_planner_desired_workers metric")
+    started = config.encoders + config.prefills + config.decodes
+    if budget < started:
+        raise ConfigError(f"command line: --autoscale-budget {budget} is less than the {started} workers started "
+                          f"({config.encoders} encoder(s), {config.prefills} prefill(s), {config.decodes} decode(s))")
+    if config.router.admin_port is not None:
+        return config
+    return config.model_copy(update={"router": config.router.model_copy(update={"admin_port": 0})})
 
 
 def _check_tensor_parallel(config: ServeConfig) -> None:
@@ -250,7 +277,8 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
             f"{cluster.threads_per_tier or 'default'} thread(s) each"
         print(f"epd serve: starting {what} for {router.model} ...", flush=True)
         cluster.start(timeout_s=config.timeout_s)
-        routers = start_routers(cluster, config)
+        token = admin_token(config.router)
+        routers = start_routers(cluster, config, {ENV_ADMIN_TOKEN: token} if token else {})
         process = routers[0]
         url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
         admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
@@ -263,14 +291,34 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
               f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
               + "".join(f"  router      {url} (pid {p.proc.pid})\n" for p in routers) +
               f"{workers}(Ctrl-C stops everything)", flush=True)
-        return 0 if supervise(cluster, routers, config.max_restarts, stop) else 1
+        scaler = None
+        if router.autoscale_budget is not None:
+            from epd.server.autoscale import LocalScaler
+            admin_url = next(f.removeprefix("admin=") for f in process.ready_fields if f.startswith("admin="))
+            scaler = LocalScaler(cluster, admin_url, token)
+        return 0 if supervise(cluster, routers, config.max_restarts, stop, scaler) else 1
     finally:
         print("epd serve: stopping ...", flush=True)
         cluster.stop()
         print("epd serve: stopped", flush=True)
 
 
-def start_routers(cluster, config: ServeConfig) -> list:
+def admin_token(router) -> str | None:
+    """The router's admin token when ``epd serve`` must speak to its admin API (to carry out the
+    planner's decisions): the one given (EPD_ADMIN_TOKEN, or admin_token_file's first line), else
+    one made here and handed to the router alone. None when no admin API is needed."""
+    if router.autoscale_budget is None:
+        return None
+    if os.environ.get(ENV_ADMIN_TOKEN):
+        return os.environ[ENV_ADMIN_TOKEN]
+    if router.admin_token_file:
+        lines = [line.strip() for line in Path(router.admin_token_file).read_text().splitlines() if line.strip()]
+        if lines:
+            return lines[0]
+    return secrets.token_urlsafe(32)
+
+
+def start_routers(cluster, config: ServeConfig, env: dict[str, str] | None = None) -> list:
     """The router, or ``--routers N`` of them on one HTTP socket bound here once (each accepts on
     it: the kernel spreads the connections; no other process can join the port, as it could with
     SO_REUSEPORT). The first also serves gRPC and the admin API: gRPC's Python server cannot
@@ -278,16 +326,18 @@ def start_routers(cluster, config: ServeConfig) -> list:
     router = config.router
     if config.routers == 1:
         return [cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
-                                     timeout_s=config.timeout_s, config=router)]
+                                     timeout_s=config.timeout_s, config=router, env=env)]
     listener = socket.create_server((router.host, router.port), backlog=2048)
     try:
         started = []
         for index in range(config.routers):
             own = router.model_copy(update={"router_index": index, "public_grpc": index == 0,
-                                            "admin_port": router.admin_port if index == 0 else None})
+                                            "admin_port": router.admin_port if index == 0 else None,
+                                            # one planner: the first router's (it has the admin API)
+                                            "autoscale_budget": router.autoscale_budget if index == 0 else None})
             started.append(cluster.start_router(
                 host=router.host, port=listener.getsockname()[1], grpc_port=router.grpc_port if index == 0 else 0,
-                timeout_s=config.timeout_s, config=own, http_socket=listener))
+                timeout_s=config.timeout_s, config=own, http_socket=listener, env=env if index == 0 else None))
         return started
     finally:
         listener.close()  # the routers hold it now
@@ -310,7 +360,7 @@ def _metrics_of(process) -> str:
     return "".join(f" metrics {f.removeprefix('metrics=')}" for f in process.ready_fields if f.startswith("metrics="))
 
 
-def supervise(cluster, routers: list, max_restarts: int, stop: threading.Event) -> bool:
+def supervise(cluster, routers: list, max_restarts: int, stop: threading.Event, scaler=None) -> bool:
     """Until ``stop`` (-> True): a worker that dies is restarted (``LocalCluster.supervise``); the
     router's death ends the service (-> False), since it holds every request's state: its clients'
     connections went with it, and a new router would know none of their requests. Exiting non-zero
@@ -322,5 +372,7 @@ def supervise(cluster, routers: list, max_restarts: int, stop: threading.Event) 
             return False
         for event in cluster.supervise(max_restarts):
             print(f"epd serve: {event}", file=sys.stderr, flush=True)
+        for event in scaler.reconcile() if scaler is not None else ():  # the planner's decisions, carried out
+            print(f"epd serve: {event}", flush=True)
         stop.wait(0.5)
     return True

@@ -36,7 +36,7 @@ def test_a_small_profile_measures_every_stage(tmp_path):
     from epd.plan.costs import StageCosts  # what the simulator reads of it
 
     costs = StageCosts.from_profile(out)
-    assert costs.threads == 1 and costs.router_ms(448 * 448, 99.0) == router[448]
+    assert costs.threads == 1 and costs.router_ms(448 * 448, 99.0) == pytest.approx(router[448])
 
 
 def test_a_model_that_is_not_there_is_one_line(capsys):

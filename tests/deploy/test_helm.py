@@ -705,6 +705,22 @@ def test_keda_scales_each_tier_on_its_queue_under_vllms_names(rendered):
         render({"decode": {"keda": {"enabled": True}, "autoscaling": {"enabled": True}}})
 
 
+def test_keda_from_the_planner_scales_a_tier_to_the_workers_the_router_wants():
+    """keda.fromPlanner: the tier's replicas are the router's planner's desired workers for it (one
+    pod a worker); without a planner (router.config.autoscale_budget) it is refused."""
+    docs = manifests(render({"router": {"config": {"autoscale_budget": 6}},
+                             "decode": {"keda": {"enabled": True, "fromPlanner": True}}}))
+    (obj,) = by_kind(docs, "ScaledObject").values()
+    (trigger,) = obj["spec"]["triggers"]
+    assert trigger["metadata"]["query"] == (f'max(epd_planner_desired_workers{{namespace="{NAMESPACE}", '
+                                            f'epd_release="{RELEASE}", tier="decode"}})')
+    assert trigger["metadata"]["threshold"] == "1"
+    assert "epd_planner_desired_workers" in _exported_metric_names()
+    with pytest.raises(Exception, match="decode.keda.fromPlanner reads the router's planner: set "
+                                        "router.config.autoscale_budget"):
+        render({"decode": {"keda": {"enabled": True, "fromPlanner": True}}})
+
+
 def _exported_metric_names() -> set[str]:
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families

@@ -70,6 +70,11 @@ class StreamListener:
                 await send(writer, decode_pb2.StepBatch(end=True))  # the router ended it: say nothing was lost
         except (OSError, asyncio.TimeoutError) as err:  # ConnectionError, ssl.SSLError, a timed-out socket
             log.info("token stream from %s ended: %s", peer, err or type(err).__name__)
+        except asyncio.CancelledError:
+            # the worker is stopping (``close``): the connection's task ends here, not cancelled, since
+            # Python 3.11's stream server asks a cancelled connection task for its exception and logs
+            # the CancelledError with a traceback
+            log.info("token stream from %s closed: the worker is stopping", peer)
         finally:
             self._connections.discard(task)
             writer.transport.abort()  # what is unsent is of no use to anyone now

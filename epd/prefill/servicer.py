@@ -125,10 +125,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     async def Health(self, request, context):
         engine = self.worker.engine
-        computable, waiting = self.worker.load()  # a request waiting for its rows is waiting, not running
+        computable, waiting, on_inputs = self.worker.load()  # a request waiting for its rows is waiting, not running
         return self.ctx.health(num_running=computable, num_waiting=waiting, kv_usage=engine.block_manager.usage,
                                num_steps=engine.num_steps, max_model_len=self.worker.max_model_len,
-                               reads_encoder_store=reads_store())
+                               reads_encoder_store=reads_store(), num_waiting_on_inputs=on_inputs)
 
 
 def build(ctx):

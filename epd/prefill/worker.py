@@ -178,13 +178,14 @@ class PrefillWorker:
         # request's rows (zero-copy views of the encoders' memory) ends before they are released
         self.loop.call(lambda engine: self._forget(ticket))
 
-    def load(self) -> tuple[int, int]:
+    def load(self) -> tuple[int, int, int]:
         """(sequences that can compute now, sequences that wait: for KV room, or for rows still being
-        encoded). A snapshot read off the loop thread, for health: waiting for encoders is not a stall."""
+        encoded, and of those the ones waiting for rows). A snapshot read off the loop thread, for
+        health: waiting for encoders is not a stall."""
         sched = self.engine.scheduler
         running = list(sched.running)  # a copy: the loop thread may change the list meanwhile
         computable = sum(1 for seq in running if seq.num_uncomputed_tokens == 0 or seq.schedulable_tokens(1) > 0)
-        return computable, len(sched.waiting) + len(running) - computable
+        return computable, len(sched.waiting) + len(running) - computable, len(running) - computable
 
     def embedding_bytes(self, job: PrefillJob) -> int:
         """Bytes of the rows encoders will push for ``job`` (float32, the encoders' output dtype)."""

@@ -38,7 +38,9 @@ class PlannerLoop:
         loads = {}
         for tier in TIERS:
             states = [w for w in self.workers.workers.get(tier, []) if w.healthy and not w.draining and not w.stopping]
-            loads[tier] = TierLoad(len(states), sum(w.last_health.num_waiting for w in states),
+            # a prefill request waiting for its rows waits on the encoders, not on prefill
+            loads[tier] = TierLoad(len(states), sum(w.last_health.num_waiting - w.last_health.num_waiting_on_inputs
+                                                    for w in states),
                                    sum(w.last_health.num_running for w in states))
         return loads
 

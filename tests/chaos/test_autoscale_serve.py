@@ -1,8 +1,8 @@
 """The online planner end to end: ``epd serve --autoscale-budget 4`` with 1 encoder, 1 prefill and
 2 decodes. Text chats keep the decodes busy and nothing moves; then the load turns to images with
 short answers, requests queue at the encoder, and the planner moves a decode worker to the encoders
-(the budget is spent): ``epd serve`` drains and stops a decode worker and starts and registers an
-encoder. No request fails, the decision is logged with its reason, TTFT p90 under the same load is
+(the budget is spent; or, the decodes idle first, gives one back and grows the encoders with it):
+``epd serve`` drains and stops a decode worker and starts and registers an encoder. No request fails, the decision is logged with its reason, TTFT p90 under the same load is
 lower after the move than while the encoder queue grew, and at the end nothing of the run is left
 running or in /dev/shm."""
 from __future__ import annotations
@@ -91,23 +91,29 @@ def test_images_after_text_move_a_decode_worker_to_the_encoders_and_no_request_f
     try:
         assert _counts(server) == {"encoder": 1, "prefill": 1, "decode": 2}
         text = Load(server, _text, clients=8)
-        time.sleep(8)
+        time.sleep(5)
         assert _counts(server) == {"encoder": 1, "prefill": 1, "decode": 2}  # decode busy, the encoder idle: no move
         done = text.stop()
         images = Load(server, _images, clients=12)
         moved = wait_until(lambda: _counts(server) == {"encoder": 2, "prefill": 1, "decode": 1}, 90, period_s=0.5)
         moved_at = time.monotonic()
-        time.sleep(15)  # the same load on the new split
+        time.sleep(9)  # the same load on the new split
         done += images.stop()
         assert moved, ("no move within 90 s", _counts(server), server.lines[-30:])
         assert [status for _, _, status in done if status != 200] == []
-        decision = [line for line in server.lines if "planner: encoder hot" in line]
-        assert decision and "a decode worker moves to encoder" in decision[0], server.lines[-40:]
+        # a decode worker moves to the encoders; or, the decodes idle first, one goes back to the
+        # budget and the hot encoders get it: the same split either way, each step with its reason
+        decisions = [line for line in server.lines if "epd.router: planner:" in line]
+        assert any("encoder hot for" in line and ("a decode worker moves to encoder" in line or
+                                                  "one more encoder worker (budget 4 of 4)" in line)
+                   for line in decisions), decisions
         assert any("autoscale: draining decode" in line for line in server.lines)
         assert any("autoscale: encoder" in line and "in rotation" in line for line in server.lines)
         overloaded = [ttft for at, ttft, _ in images.results if at < moved_at]
         after = [ttft for at, ttft, _ in images.results if at > moved_at + 3]
         assert len(after) >= 10, len(after)
+        print(f"image TTFT p90: {_p90(overloaded):.2f} s while the encoder queue grew ({len(overloaded)} requests), "
+              f"{_p90(after):.2f} s after the move ({len(after)})")
         assert _p90(after) < _p90(overloaded), (_p90(after), _p90(overloaded))
     finally:
         started |= descendants(server.proc.pid)

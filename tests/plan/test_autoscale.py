@@ -98,11 +98,13 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     from epd.router.metrics import RouterMetrics
     from tests.prom import sample_sum
 
-    def worker(waiting, running, draining=False):
+    def worker(waiting, running, draining=False, on_inputs=0):
         return SimpleNamespace(healthy=True, draining=draining, stopping=False,
-                               last_health=SimpleNamespace(num_waiting=waiting, num_running=running))
+                               last_health=SimpleNamespace(num_waiting=waiting, num_running=running,
+                                                           num_waiting_on_inputs=on_inputs))
 
-    workers = SimpleNamespace(workers={"encoder": [worker(7, 2)], "prefill": [worker(0, 1)],
+    # prefill: 6 waiting, all for their rows (the encoders' pressure, not prefill's)
+    workers = SimpleNamespace(workers={"encoder": [worker(7, 2)], "prefill": [worker(6, 1, on_inputs=6)],
                                        "decode": [worker(0, 0), worker(0, 0), worker(5, 5, draining=True)]})
     config = SimpleNamespace(autoscale_budget=4, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
                              autoscale_ttft_slo_s=None)
@@ -110,6 +112,7 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     loop = PlannerLoop(config, workers, metrics)
     loads = loop.loads()
     assert (loads["decode"].workers, loads["decode"].waiting, loads["encoder"].waiting) == (2, 0, 7)
+    assert loads["prefill"].waiting == 0
     metrics.recent_ttft.extend([(0.0, 9.0)] + [(100.0 + i, i / 10) for i in range(11)])
     assert loop.ttft_p90_s(110.0) == 0.9  # the 9 s at t=0 is out of the window
     assert loop.as_dict()["desired"] == {"encoder": 1, "prefill": 1, "decode": 3}  # as registered

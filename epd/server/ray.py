@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 import urllib.request
@@ -269,8 +270,12 @@ class RayEPDCluster:
                     self._admin("DELETE", {"tier": tier, "address": address, "drain_timeout_s": 60})
                 ray.kill(actor, no_restart=True)
 
-    def _admin(self, method: str, body: dict | None = None) -> dict:
-        req = urllib.request.Request(f"{self.admin_url}/admin/workers", method=method,
+    def plan(self) -> dict:
+        """The router's planner: its wanted workers per tier and its latest decisions."""
+        return self._admin("GET", path="/admin/plan")
+
+    def _admin(self, method: str, body: dict | None = None, path: str = "/admin/workers") -> dict:
+        req = urllib.request.Request(f"{self.admin_url}{path}", method=method,
                                      data=None if body is None else json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json",
                                               "Authorization": f"Bearer {self._admin_token}"})
@@ -320,6 +325,10 @@ class RayEPDCluster:
 def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
     """``epd serve --launcher ray``."""
     deployment = deployment_from(config)
+    budget, started = deployment.router.autoscale_budget, sum(spec.replicas for spec in deployment.tiers.values())
+    if budget is not None and budget < started:
+        raise SizingError(f"--autoscale-budget {budget} is less than the {started} worker actors the deployment "
+                          "starts")
     ray.init(address=config.ray_address, include_dashboard=False,
              **({} if config.ray_address else {"_node_ip_address": "127.0.0.1"}))
     for sig in (signal.SIGTERM, signal.SIGINT):  # ray.init installs its own, which kill the driver at once
@@ -337,11 +346,37 @@ def serve_on_ray(config: ServeConfig, stop: threading.Event) -> None:
         cluster.wait_healthy(config.timeout_s)
         print(f"epd serve (ray): ready\n  OpenAI API  {cluster.http_url}/v1\n  gRPC API    {cluster.grpc_address}\n"
               f"(Ctrl-C stops everything)", flush=True)
-        stop.wait()
+        if deployment.router.autoscale_budget is not None:
+            follow_planner(cluster, stop)
+        else:
+            stop.wait()
     finally:
         print("epd serve (ray): stopping ...", flush=True)
         cluster.stop()
         ray.shutdown()
+
+
+def follow_planner(cluster, stop: threading.Event, period_s: float = 1.0) -> None:
+    """Carry out the router's online planner on Ray until ``stop``: each ``period_s`` its wanted
+    workers per tier (``GET /admin/plan``), and each tier scaled to it (``scale``: new actors are
+    registered with the router, the newest drained and then killed). Tiers that shrink go first: on
+    a full cluster the resources a removed actor frees are what the new one needs."""
+    while not stop.wait(period_s):
+        try:
+            plan = cluster.plan()
+        except (OSError, ValueError) as err:  # the router restarting: asked again next round
+            log.warning("autoscale: the router's plan is not readable now (%s)", err)
+            continue
+        reason = plan["decisions"][-1]["reason"] if plan["decisions"] else ""
+        changes = [(tier, len(cluster.actors[tier]), plan["desired"][tier]) for tier in TIERS
+                   if plan["desired"].get(tier, len(cluster.actors[tier])) != len(cluster.actors[tier])]
+        for tier, have, want in sorted(changes, key=lambda change: change[2] - change[1]):
+            print(f"epd serve (ray): autoscale: {tier} {have} -> {want}: {reason}", flush=True)
+            try:
+                cluster.scale(tier, want)
+            except Exception as err:  # noqa: BLE001 - one failed scaling must not end the service
+                print(f"epd serve (ray): autoscale: scaling {tier} to {want} failed: {err}", file=sys.stderr,
+                      flush=True)
 
 
 def deployment_from(config: ServeConfig) -> RayDeployment:

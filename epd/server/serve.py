@@ -93,9 +93,8 @@ def _with_autoscale(config: ServeConfig) -> ServeConfig:
     if config.router.aggregated:
         raise ConfigError("command line: --autoscale-budget plans encoders, prefills and decodes; --aggregated runs "
                           "none (one engine)")
-    if config.launcher == "ray":
-        raise ConfigError("command line: --autoscale-budget is carried out by the local launcher so far; on Ray use "
-                          "EPDCluster.scale(tier, replicas), on Kubernetes the epd_planner_desired_workers metric")
+    if config.launcher == "ray":  # the Ray launcher turns the admin API on itself, and checks its own counts
+        return config
     started = config.encoders + config.prefills + config.decodes
     if budget < started:
         raise ConfigError(f"command line: --autoscale-budget {budget} is less than the {started} workers started "

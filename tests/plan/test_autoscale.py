@@ -124,3 +124,34 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     assert sample_sum(text, "epd_planner_desired_workers", tier="encoder") == 2
     assert sample_sum(text, "epd_planner_decisions_total") == 1
     assert any("planner: encoder hot for 3 intervals" in r.message for r in caplog.records)
+
+
+def test_the_ray_launcher_follows_the_plan_shrinking_tiers_first(capsys):
+    """``follow_planner`` (``epd serve --launcher ray --autoscale-budget``): each round it reads the
+    router's plan and scales each tier that differs, the shrinking ones first (on a full cluster the
+    removed actor's resources are what the new one needs); ``scale`` itself is the Ray deployment's,
+    run on a real Ray in tests/deploy/test_ray.py."""
+    import threading
+
+    from epd.server.ray import follow_planner
+
+    class FakeCluster:
+        def __init__(self) -> None:
+            self.actors = {"encoder": [1], "prefill": [1], "decode": [1, 2]}
+            self.calls, self.rounds, self.stop = [], 0, threading.Event()
+
+        def plan(self) -> dict:
+            self.rounds += 1
+            if self.rounds == 3:
+                self.stop.set()
+            reason = "encoder hot for 3 intervals; the budget of 4 is spent: a decode worker moves to encoder"
+            return {"desired": {"encoder": 2, "prefill": 1, "decode": 1}, "decisions": [{"reason": reason}]}
+
+        def scale(self, tier: str, replicas: int) -> None:
+            self.calls.append((tier, replicas))
+            self.actors[tier] = list(range(replicas))
+
+    cluster = FakeCluster()
+    follow_planner(cluster, cluster.stop, period_s=0.01)
+    assert cluster.calls == [("decode", 1), ("encoder", 2)]  # once: the next rounds find it done
+    assert "autoscale: decode 2 -> 1: encoder hot for 3 intervals" in capsys.readouterr().out

@@ -41,7 +41,7 @@ class ScheduledChunk:
     def __init__(self, seq: Sequence, start: int, num_tokens: int) -> None:
         self.seq, self.start, self.num_tokens = seq, start, num_tokens
         self.end = start + num_tokens
-        self.samples = self.end == len(seq)
+        self.samples = self.end == len(seq.token_ids) + seq.num_pending_tokens  # len(seq), without its call
 
     def __repr__(self) -> str:
         return f"ScheduledChunk({self.seq.request_id}, start={self.start}, num_tokens={self.num_tokens})"
@@ -141,7 +141,8 @@ class Scheduler:
         block_size, running = self.block_manager.block_size, SequenceStatus.RUNNING
         chunks = out.chunks
         for seq in tuple(self.running):
-            length = len(seq)  # a token still on the device (async scheduling) is this step's input
+            # len(seq) (a token still on the device is this step's input), without a call per sequence
+            length = len(seq.token_ids) + seq.num_pending_tokens
             if length - seq.num_computed_tokens > 1:
                 prefills.append(seq)
                 continue
@@ -243,14 +244,19 @@ class Scheduler:
         its previous token while this one was in flight) drops its token."""
         finished = []
         mark_computed, block_size = self.block_manager.mark_computed, self.block_manager.block_size
-        for seq, token in zip(seqs, tokens):
+        done = SequenceStatus.FINISHED
+        for seq, token in zip(seqs, tokens):  # per sequence per step: kept to plain attribute work
             seq.num_pending_tokens -= 1
-            if token is None or seq.is_finished:
+            if token is None or seq.status is done:
                 continue
-            seq.append_token(*token)
-            computed = seq.num_computed_tokens
-            if computed == len(seq.token_ids) and computed % block_size == 0:
-                mark_computed(seq)  # a block whose last token was in flight when it was computed
+            token_id, logprobs = token
+            seq.token_ids.append(token_id)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            if seq.num_pending_tokens:  # async: the next token is in flight, this one was the step's input
+                computed = seq.num_computed_tokens
+                if computed % block_size == 0 and computed == len(seq.token_ids):
+                    mark_computed(seq)  # a block whose last token was in flight when it was computed
             if seq.check_stop():
                 finished.append(seq)
         for seq in finished:

@@ -175,9 +175,6 @@ class EngineConfig(_Config):
         if devices and self.device.startswith("cuda:") and self.device != f"cuda:{devices[0]}":
             raise ValueError(f"device {self.device} but tensor_parallel_devices {','.join(map(str, devices))}: rank "
                              f"0 runs on the first of them; give device cuda:{devices[0]} or leave it out")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError(f"async_scheduling with tensor_parallel_size {self.tensor_parallel_size}: not supported "
-                             "yet (the ranks take each step's inputs from the host); leave one of them out")
         if devices and self.device in ("auto", "cuda"):  # rank 0 is this process: its device is the first
             object.__setattr__(self, "device", f"cuda:{devices[0]}")
         return self

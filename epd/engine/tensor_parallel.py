@@ -234,7 +234,9 @@ class RankGroup:
         ints = [step.input_ids, step.positions.reshape(-1), host.slot_mapping, host.query_start_loc, host.seq_lens,
                 host.block_tables.reshape(-1), host.kv_indptr, host.kv_indices, host.kv_last_page_len,
                 step.mm_token_indices, step.text_token_indices, step.logits_indices]
-        packed = torch.cat([torch.as_tensor(np.asarray(a) if not isinstance(a, torch.Tensor) else a).reshape(-1)
+        # on the host, whatever the device: the step's integers travel over gloo (a CUDA tensor's copy
+        # waits for what wrote it, e.g. input ids filled in from the last step's tokens)
+        packed = torch.cat([(a.cpu() if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))).reshape(-1)
                             .to(torch.int64) for a in ints])
         header = torch.tensor([_STEP, step.input_ids.shape[0], len(host.seq_lens), step.meta.num_decodes,
                                host.block_tables.shape[1], len(host.kv_indices),

@@ -161,7 +161,3 @@ def test_an_abort_keeps_a_prefix_of_the_answer_and_frees_everything(model):
     assert [(s.output_token_ids, s.finish_reason) for s in (seqs[0], seqs[2])] == [in_order[0], in_order[2]]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
 
-
-def test_async_scheduling_with_tensor_parallel_ranks_is_refused_naming_both():
-    with pytest.raises(ValueError, match="async_scheduling with tensor_parallel_size 2"):
-        EngineConfig(async_scheduling=True, tensor_parallel_size=2)

@@ -58,7 +58,8 @@ def test_epd_llm_in_two_ranks_gives_transformers_tokens_on_multi_image_chats(mod
     """``epd.LLM`` with ``tensor_parallel_size=2``: rank 0 runs the vision tower, schedules and
     samples, a second process holds the other half of the LLM and runs every step rank 0 sends
     (embedding rows included). Images interleaved with text and one image twice, as transformers
-    answers them; the second rank is gone once the LLM is closed."""
+    answers them, with async scheduling (each step's inputs filled in from the last one's tokens
+    before rank 0 sends them); the second rank is gone once the LLM is closed."""
     from epd.config import EngineConfig
     from epd.llm import LLM
     from epd.types import SamplingParams
@@ -66,13 +67,15 @@ def test_epd_llm_in_two_ranks_gives_transformers_tokens_on_multi_image_chats(mod
 
     image_a, image_b = make_image_bytes(120, 90, seed=5), make_image_bytes(64, 100, seed=6)
     chats = [[image_a, image_b], [image_a, image_a]]
-    config = EngineConfig(tensor_parallel_size=2, block_size=4, num_kv_blocks=1024, max_num_batched_tokens=4096)
+    config = EngineConfig(tensor_parallel_size=2, block_size=4, num_kv_blocks=1024, max_num_batched_tokens=4096,
+                          async_scheduling=True)
     with LLM(model_dir, engine_config=config) as llm:
         for images in chats:
             messages = user_message("Compare these, one by one.", images)
             out = llm.chat(messages, SamplingParams(max_tokens=MAX_NEW))[0]
             ref = reference.generate(messages, images, max_new_tokens=MAX_NEW)
             assert (out.prompt_token_ids, out.token_ids) == (ref.prompt_token_ids, ref.token_ids)
+        assert llm.engine.num_overlapped_steps >= MAX_NEW
         rank_procs = [p for p in multiprocessing.active_children() if p.name.startswith("epd-tp-rank")]
         assert len(rank_procs) == 1
     assert not any(p.is_alive() for p in rank_procs)

@@ -10,6 +10,8 @@ in step n+1 all the same: that row's work is wasted and its token dropped (``Sch
 """
 from __future__ import annotations
 
+from itertools import repeat
+
 import torch
 
 from epd.engine.sequence import Sequence
@@ -21,7 +23,7 @@ class InflightTokens:
     def __init__(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         self.seqs = seqs
         self.tokens = tokens
-        self._row = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        self._row: dict[int, int] | None = None  # seq id -> row, made when a step needs it
         if tokens.is_cuda:  # the host's copy, queued behind the sampling: waited for in ``known``
             self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             self._host.copy_(tokens, non_blocking=True)
@@ -32,8 +34,14 @@ class InflightTokens:
 
     def fill(self, step) -> None:
         """Write the next step's inputs that are these tokens (``StepInputs.pending``), on the device."""
-        flat = torch.tensor([index for index, _ in step.pending], dtype=torch.long)
-        rows = torch.tensor([self._row[seq.seq_id] for _, seq in step.pending], dtype=torch.long)
+        pending, n = step.pending, len(self.seqs)
+        if len(pending) == n and pending[-1][0] == n - 1 and [seq for _, seq in pending] == self.seqs:
+            step.input_ids[:n].copy_(self.tokens)  # the usual decode step: the same rows, first, in order
+            return
+        if self._row is None:
+            self._row = dict(zip((seq.seq_id for seq in self.seqs), range(n)))
+        flat = torch.tensor([index for index, _ in pending], dtype=torch.long)
+        rows = torch.tensor([self._row[seq.seq_id] for _, seq in pending], dtype=torch.long)
         device = step.input_ids.device
         step.input_ids[flat.to(device, non_blocking=True)] = self.tokens[rows.to(device, non_blocking=True)]
 
@@ -41,4 +49,4 @@ class InflightTokens:
         """The tokens on the host (waits for this step's sampling, not for anything launched after)."""
         if self._copied is not None:
             self._copied.synchronize()
-        return [(token, None) for token in self._host.tolist()]
+        return list(zip(self._host.tolist(), repeat(None)))

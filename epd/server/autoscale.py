@@ -40,7 +40,9 @@ class LocalScaler:
         if plan is not None:
             reason = plan["decisions"][-1]["reason"] if plan["decisions"] else ""
             for tier in TIERS:
-                have = [p for p in self.cluster.processes if p.tier == tier and p not in self._leaving]
+                # not one leaving, nor one left down after its restarts: the planner counts workers in
+                # rotation, so a worker given up is replaced (else the plan would never be carried out)
+                have = [p for p in self.cluster.processes if p.tier == tier and not p.given_up]
                 want = plan["desired"].get(tier, len(have))
                 for _ in range(want - len(have)):
                     p = self.cluster.add_worker(tier)

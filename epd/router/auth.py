@@ -43,6 +43,13 @@ class ApiKeys:
                 raise ValueError(f"api_key_file {self._file} is not a readable file")
             self._reload()
 
+    def first(self) -> str | None:
+        """One of the keys (the given ones first, then the file's): what a client of this server
+        that holds the same settings sends (``epd serve`` to its router's admin API)."""
+        if self._file is not None:
+            self._reload()
+        return next(iter((*self._fixed, *self._file_keys)), None)
+
     @property
     def enabled(self) -> bool:
         return bool(self._fixed) or self._file is not None

@@ -7,15 +7,13 @@ and then stopped (``LocalCluster.retire``). So a worker moves from decode to enc
 request failing. One round runs with each round of supervision."""
 from __future__ import annotations
 
-import json
 import queue
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 
 from epd.plan.autoscale import TIERS
+from epd.server.admin_client import admin_request
 
 _DRAIN_TIMEOUT_S = 120.0
 _READY_TIMEOUT_S = 300.0
@@ -27,7 +25,6 @@ class LocalScaler:
     admin_url: str
     token: str
     _starting: list = field(default_factory=list)  # workers started, not registered yet
-    _leaving: list = field(default_factory=list)  # workers being drained and stopped
     _events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # from the drain threads
 
     def reconcile(self) -> list[str]:
@@ -35,7 +32,7 @@ class LocalScaler:
         events = self._register_ready()
         try:
             plan = self._call("GET", "/admin/plan")
-        except (OSError, ValueError):
+        except (OSError, ValueError, KeyError):
             plan = None
         if plan is not None:
             reason = plan["decisions"][-1]["reason"] if plan["decisions"] else ""
@@ -69,7 +66,7 @@ class LocalScaler:
                 continue
             try:
                 self._call("POST", "/admin/workers", {"tier": p.tier, "address": p.address})
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, KeyError) as err:
                 events.append(f"autoscale: registering {p.tier} {p.address} failed ({err}); trying again")
                 continue
             self._starting.remove(p)
@@ -79,18 +76,16 @@ class LocalScaler:
     def _retire(self, p, reason: str) -> None:
         """Drain it at the router, then stop it, on a thread of its own (draining waits for its
         requests to finish)."""
-        self._leaving.append(p)
-        p.given_up = True  # supervision leaves it alone from now on
+        p.given_up = True  # supervision leaves it alone, and the tier no longer counts it
 
         def run() -> None:
             try:
                 drained = self._call("DELETE", "/admin/workers", {"tier": p.tier, "address": p.address,
                                                                   "drain_timeout_s": _DRAIN_TIMEOUT_S},
                                      timeout_s=_DRAIN_TIMEOUT_S + 10)["drained"]
-            except (OSError, ValueError) as err:
+            except (OSError, ValueError, KeyError) as err:
                 drained = f"not drained ({err})"
             code = self.cluster.retire(p)
-            self._leaving.remove(p)
             self._events.put(f"autoscale: {p.tier} {p.address} (pid {p.proc.pid}) drained ({drained}) and stopped "
                              f"(exit code {code}): {reason}")
 
@@ -98,13 +93,4 @@ class LocalScaler:
         threading.Thread(target=run, name=f"autoscale-retire-{p.tier}", daemon=True).start()
 
     def _call(self, method: str, path: str, body: dict | None = None, timeout_s: float = 5.0) -> dict:
-        request = urllib.request.Request(self.admin_url + path, method=method,
-                                         data=None if body is None else json.dumps(body).encode(),
-                                         headers={"Authorization": f"Bearer {self.token}",
-                                                  "Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as reply:
-                return json.loads(reply.read())
-        except urllib.error.HTTPError as err:
-            raise ValueError(f"{method} {path}: HTTP {err.code} {err.read()[:200]!r}") from None
-
+        return admin_request(self.admin_url, self.token, method, path, body, timeout_s)

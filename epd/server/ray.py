@@ -24,6 +24,7 @@ import ray
 
 from epd import loops
 from epd.config import TIERS, RayDeployment, RouterConfig, ServeConfig, WorkerConfig, deep_merge, load_config, load_yaml
+from epd.server.admin_client import admin_request
 from epd.server.parent import descendants, reap_with_me
 from epd.server.ray_sizing import ROUTER_CPUS, SizingError, check_fits, demand_breakdown, fit_local
 
@@ -275,12 +276,7 @@ class RayEPDCluster:
         return self._admin("GET", path="/admin/plan")
 
     def _admin(self, method: str, body: dict | None = None, path: str = "/admin/workers") -> dict:
-        req = urllib.request.Request(f"{self.admin_url}{path}", method=method,
-                                     data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self._admin_token}"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return json.loads(resp.read())
+        return admin_request(self.admin_url, self._admin_token, method, path, body)
 
     def health(self) -> dict:
         with urllib.request.urlopen(f"{self.http_url}/health", timeout=10) as resp:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import signal
 import socket
@@ -32,7 +31,7 @@ from epd.config import (
     load_config,
     load_yaml,
 )
-from epd.router.auth import ENV_ADMIN_TOKEN
+from epd.router.auth import ENV_ADMIN_TOKEN, ApiKeys
 from epd.server.flags import Command, OneLineParser, run_or_exit
 from epd.server.mooncake import MooncakeStartError, MooncakeStore
 
@@ -165,7 +164,6 @@ def fetch_model(config: ServeConfig) -> ServeConfig:
     """A hub id is found in the cache, or downloaded here once (huggingface_hub's progress bars)
     before any process starts; every process is then given its snapshot directory, and clients
     keep calling the model by the id (the served name, unless --served-model-name says another)."""
-    from pathlib import Path
 
     from epd.models.locate import looks_like_a_hub_id, resolve_model
 
@@ -304,17 +302,11 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
 
 def admin_token(router) -> str | None:
     """The router's admin token when ``epd serve`` must speak to its admin API (to carry out the
-    planner's decisions): the one given (EPD_ADMIN_TOKEN, or admin_token_file's first line), else
-    one made here and handed to the router alone. None when no admin API is needed."""
+    planner's decisions): one of those given (EPD_ADMIN_TOKEN, admin_token_file: read as the router
+    reads them), else one made here and handed to the router alone. None when no admin API is needed."""
     if router.autoscale_budget is None:
         return None
-    if os.environ.get(ENV_ADMIN_TOKEN):
-        return os.environ[ENV_ADMIN_TOKEN]
-    if router.admin_token_file:
-        lines = [line.strip() for line in Path(router.admin_token_file).read_text().splitlines() if line.strip()]
-        if lines:
-            return lines[0]
-    return secrets.token_urlsafe(32)
+    return ApiKeys((), router.admin_token_file, env_var=ENV_ADMIN_TOKEN).first() or secrets.token_urlsafe(32)
 
 
 def start_routers(cluster, config: ServeConfig, env: dict[str, str] | None = None) -> list:

@@ -236,3 +236,24 @@ def test_a_rate_limit_without_keys_is_a_one_line_start_error(capsys):
         main(["--api-key-requests-per-s", "5", "--port", "0", "--grpc-port", "0"])
     assert exited.value.code == 2
     assert "api_key_requests_per_s limits each API key, but no API key is set" in capsys.readouterr().err
+
+
+def test_epd_serve_speaks_to_its_routers_admin_api_with_a_token_the_router_takes(tmp_path, monkeypatch):
+    """``admin_token``: read as the router reads it (EPD_ADMIN_TOKEN comma-separated, then the
+    file's lines), else one made for this launch; none without a planner to carry out."""
+    from types import SimpleNamespace
+
+    from epd.router.auth import ENV_ADMIN_TOKEN
+    from epd.server.serve import admin_token
+
+    planned = SimpleNamespace(autoscale_budget=4, admin_token_file=None)
+    monkeypatch.setenv(ENV_ADMIN_TOKEN, " first-token , second")
+    assert admin_token(planned) == "first-token"
+    assert ApiKeys((), None, env_var=ENV_ADMIN_TOKEN).check_bearer("Bearer first-token") is not None
+    monkeypatch.delenv(ENV_ADMIN_TOKEN)
+    tokens = tmp_path / "admin"
+    tokens.write_text("# ours\nfrom-file\n")
+    assert admin_token(SimpleNamespace(autoscale_budget=4, admin_token_file=str(tokens))) == "from-file"
+    made = admin_token(planned)
+    assert len(made) >= 32 and made != admin_token(planned)
+    assert admin_token(SimpleNamespace(autoscale_budget=None, admin_token_file=None)) is None

@@ -10,11 +10,15 @@ ms per streamed token of the router, of each tier, and of the client; decode CPU
 (the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
 thread of the process, measured over the load alone.
 
+A model ``null-qwen2-vl@N`` is the zero-cost model whose every forward takes N ms asleep: steps
+paced as a GPU's are (10-100 ms at a large batch), the host idle in between as it is beside a GPU,
+with no model computing on the cores the router shares.
+
 The client is light and not the bottleneck: raw asyncio sockets (HTTP/1.1, one connection per
 stream), SSE counted by lines, only the last event (usage) parsed, spread over several processes;
 its own CPU is printed beside the rest.
 
-    python benchmarks/control_plane.py [--models null-qwen2-vl,tiny-qwen2-vl] [--streams 64,256]
+    python benchmarks/control_plane.py [--models null-qwen2-vl,null-qwen2-vl@80,tiny-qwen2-vl] [--streams 64,256]
         [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc,2d-2r] [--kinds text,image] [--out cp.json] [--api-key K]
 
 Only loopback; every process started is stopped.
@@ -29,9 +33,11 @@ import multiprocessing
 import os
 import re
 import sys
+import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the checkout on sys.path)
 
@@ -43,6 +49,16 @@ _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated
                "2d-2r": ("epd", ("--decodes", "2", "--routers", "2"))}
 _AUTH = {"header": b""}  # with --api-key: every request's Authorization line (the client processes fork)
 _PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
+
+
+def served_model(label: str, scratch: Path) -> str:
+    """What ``epd serve --model`` takes for a label: ``null-qwen2-vl@80`` is that zero-cost preset
+    with ``step_ms`` 80, written once under ``scratch``; any other label as it is."""
+    name, _, step_ms = label.partition("@")
+    if not step_ms:
+        return label
+    from epd.models.null.checkpoint import NULL_PRESETS, write_null_checkpoint
+    return str(write_null_checkpoint(scratch / label, replace(NULL_PRESETS[name], step_ms=float(step_ms))))
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -144,6 +160,7 @@ class Cluster:
         auth = ("--api-key", api_key) if api_key else ()
         # every stream decoding at once: a batch of the largest concurrency, and the KV it needs (a
         # decode worker reserves each request's whole budget: a smaller cache would cap the batch)
+        self.model = model  # what clients send as "model": the served name
         kv_bytes = max(256 << 20, max_batch * (tokens_per_stream + 64) * kv_bytes_per_token(model))
         batch = ("--max-num-seqs", str(max_batch), "--kv-cache-bytes", str(kv_bytes))
         self.server = Server(system, model, "--no-standby", "--max-concurrent-requests", "1024", *extra, *auth,
@@ -182,7 +199,7 @@ class Cluster:
 
 def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
     seeds = range(point.streams) if point.kind == "image" else [None] * point.streams
-    bodies = [_body(point.model, point.tokens_per_stream, None if s is None else 1000 * point.streams + s)
+    bodies = [_body(cluster.model, point.tokens_per_stream, None if s is None else 1000 * point.streams + s)
               for s in seeds]
     before = {name: cpu_s(pid) for name, pid in cluster.pids.items()}
     steps_before = cluster.decode_steps() if cluster.decode_metrics else 0.0
@@ -218,12 +235,13 @@ def main() -> int:
     if args.api_key:
         _AUTH["header"] = b"Authorization: Bearer " + args.api_key.encode() + b"\r\n"
     points = []
-    header = f"{'model':<15}{'topology':<11}{'kind':<6}{'N':>5}{'tok/s':>8}{'ev/tok':>7}  CPU ms per token " \
+    header = f"{'model':<18}{'topology':<11}{'kind':<6}{'N':>5}{'tok/s':>8}{'ev/tok':>7}  CPU ms per token " \
              f"(router, tiers, client){'':>4}decode ms/step @batch"
     print(header, flush=True)
+    scratch = tempfile.TemporaryDirectory(prefix="epd-control-plane-")
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
-            with Cluster(model, topology, args.api_key, max(int(n) for n in args.streams.split(",")),
+            with Cluster(served_model(model, Path(scratch.name)), topology, args.api_key, max(int(n) for n in args.streams.split(",")),
                          args.tokens) as cluster:
                 warm = Point(model, topology, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections
@@ -235,9 +253,10 @@ def main() -> int:
                         cpu = " ".join(f"{name}={ms:.3f}" for name, ms in point.cpu_ms_per_token.items())
                         decode = f"{point.decode_ms_per_step:.2f} @{point.decode_batch:.0f}" \
                             if point.decode_ms_per_step is not None else "-"
-                        print(f"{model:<15}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
+                        print(f"{model:<18}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
                               f"{point.events_per_token:>7.2f}  {cpu}  {decode}"
                               f"{'  ERRORS ' + str(point.errors) if point.errors else ''}", flush=True)
+    scratch.cleanup()
     if args.out:
         with open(args.out, "w") as f:
             json.dump([asdict(p) for p in points], f, indent=2)

@@ -76,6 +76,21 @@ def test_the_kv_and_rows_have_the_configured_size(tmp_path):
 def test_a_bad_spec_is_refused_naming_it():
     with pytest.raises(ValueError, match="hidden_size 100 must split into num_attention_heads 12"):
         NullSpec(hidden_size=100)
+    with pytest.raises(ValueError, match=r"step_ms must be in \[0, 60000\], got -1"):
+        NullSpec(step_ms=-1)
+
+
+def test_a_paced_checkpoint_sleeps_each_forward_and_gives_the_same_tokens(tmp_path, llm, monkeypatch):
+    """``step_ms``: every forward waits that long asleep (a device's step, no CPU); the tokens stay."""
+    import epd.models.null.llm as null_llm
+
+    paced = LLM(str(write_null_checkpoint(tmp_path / "paced", NullSpec(step_ms=25))))
+    slept: list[float] = []
+    monkeypatch.setattr(null_llm.time, "sleep", slept.append)
+    messages = user_message("Tell me a story.", IMAGES[:1])
+    out = paced.chat(messages, SamplingParams(max_tokens=6))[0]
+    assert out.token_ids == llm.chat(messages, SamplingParams(max_tokens=6))[0].token_ids
+    assert len(slept) >= 6 and set(slept) == {0.025}  # the prompt's chunk(s) and each decode step
 
 
 @pytest.mark.slow

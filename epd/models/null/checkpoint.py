@@ -28,8 +28,13 @@ class NullSpec:
     first_token_id: int = 256  # past the bare bytes: every token is a whole BPE piece
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    # each forward (a decode step, a prefill chunk) waits this long without computing: a device's
+    # step time, paced as a GPU would pace it, while the host stays idle as it would beside a GPU
+    step_ms: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.step_ms <= 60_000:
+            raise ValueError(f"step_ms must be in [0, 60000], got {self.step_ms}")
         if self.hidden_size % self.num_attention_heads or self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"hidden_size {self.hidden_size} must split into num_attention_heads "
                              f"{self.num_attention_heads}, and those into num_key_value_heads "
@@ -80,7 +85,7 @@ def _config(spec: NullSpec) -> dict:
         "image_token_id": presets.IMAGE_TOKEN_ID, "video_token_id": presets.VIDEO_TOKEN_ID,
         "vision_start_token_id": presets.VISION_START_TOKEN_ID, "vision_end_token_id": presets.VISION_END_TOKEN_ID,
         "eos_token_id": presets.EOS_TOKEN_ID,
-        "null": {"num_logits": spec.num_logits, "first_token_id": spec.first_token_id},
+        "null": {"num_logits": spec.num_logits, "first_token_id": spec.first_token_id, "step_ms": spec.step_ms},
     }
 
 

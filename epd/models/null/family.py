@@ -53,7 +53,7 @@ def text_config(hf: dict) -> NullTextConfig:
         vocab_size=null["num_logits"], hidden_size=text["hidden_size"], num_hidden_layers=text["num_hidden_layers"],
         num_attention_heads=text["num_attention_heads"], num_key_value_heads=text["num_key_value_heads"],
         head_dim=text["hidden_size"] // text["num_attention_heads"], first_token_id=null["first_token_id"],
-        embedding_vocab_size=text["vocab_size"])
+        embedding_vocab_size=text["vocab_size"], step_ms=float(null.get("step_ms", 0.0)))
 
 
 NULL_VL = NullFamily("qwen2_vl")

@@ -9,6 +9,7 @@ runs to max_tokens, as a benchmark wants).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ class NullTextConfig:
     head_dim: int
     first_token_id: int  # tokens are drawn from [first_token_id, vocab_size): whole BPE pieces, no bare bytes
     embedding_vocab_size: int  # the tokenizer's: every prompt id is "in vocabulary"
+    step_ms: float = 0.0  # each forward's wall time, spent asleep (a device's step; no CPU)
 
 
 class NullEmbedding(nn.Module):
@@ -62,6 +64,8 @@ class NullLLM(nn.Module):
                 deepstack: list[torch.Tensor] | None = None) -> torch.Tensor:
         """inputs_embeds [T, D], positions [3, T] -> [T, D]; nothing reads or writes the KV cache."""
         inputs_embeds[:, 0] = positions[0].to(inputs_embeds.dtype)
+        if self.config.step_ms:  # the host waits as it would on a device's kernels: idle, not computing
+            time.sleep(self.config.step_ms / 1000)
         return inputs_embeds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

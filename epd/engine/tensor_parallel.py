@@ -35,16 +35,22 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from epd.engine.attention.metadata import HostPageMetadata, metadata_on
 from epd.engine.model_runner import StepInputs
+from epd.engine.tp_rank import (
+    DTYPES,
+    OP_READ_KV,
+    OP_STEP,
+    OP_STOP,
+    OP_WRITE_KV,
+    OP_WRITE_KV_SHARED,
+    START_TIMEOUT_S,
+    group_backend,
+    header,
+    rank_main,
+    use_device,
+)
 
 log = logging.getLogger("epd.engine")
-_HEADER_LEN = 12
-_STEP, _STOP, _WRITE_KV, _READ_KV, _WRITE_KV_SHARED = 1, 2, 3, 4, 5
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# the ranks block in a broadcast between steps: an engine idle for hours must not time them out
-_GROUP_TIMEOUT = datetime.timedelta(days=30)
-_START_TIMEOUT_S = 300.0
 
 
 class TensorParallelConfigError(ValueError):
@@ -130,16 +136,6 @@ def _check_devices(config) -> None:
             f"(CUDA_VISIBLE_DEVICES), so {', '.join(missing)} is not there; use at most {seen} ranks or other devices")
 
 
-def _backend(config) -> str:
-    """gloo for CPU tensors; on CUDA, NCCL for the CUDA tensors of the same group."""
-    return "cpu:gloo,cuda:nccl" if config.target_device.startswith("cuda") else "gloo"
-
-
-def _use_device(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-
-
 class RankGroup:
     """Rank 0's side: starts ranks 1..N-1, joins the process group with them, sends each step,
     stops them (``close``). ``tp``: this process's ``TensorParallel`` (rank 0). Its size was
@@ -158,22 +154,22 @@ class RankGroup:
             for rank in range(size))]
         # the rendezvous store first, on a port the OS picks and it keeps: no window for another
         # process to take a port picked here and let go
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S),
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
                               wait_for_workers=False)
         port = store.port
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks are processes of this host
         ctx = multiprocessing.get_context("spawn")
         joining = ctx.Queue()
-        self._procs = [ctx.Process(target=_rank_main, name=f"epd-tp-rank{rank}", daemon=True,
+        self._procs = [ctx.Process(target=rank_main, name=f"epd-tp-rank{rank}", daemon=True,
                                    args=(str(model_dir), config.model_dump_json(), tuple(mm_token_ids), rank, size,
                                          port, joining)) for rank in range(1, size)]
         try:
             for proc in self._procs:
                 proc.start()
             self._wait_until_joining(joining)
-            _use_device(config.rank_device(0))
-            dist.init_process_group(_backend(config), store=store, rank=0, world_size=size,
-                                    timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
+            use_device(config.rank_device(0))
+            dist.init_process_group(group_backend(config), store=store, rank=0, world_size=size,
+                                    timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
         except BaseException:
             self._reap()
             raise
@@ -214,7 +210,7 @@ class RankGroup:
         import queue
         import time
 
-        pending, deadline = {p.name for p in self._procs}, time.monotonic() + _START_TIMEOUT_S
+        pending, deadline = {p.name for p in self._procs}, time.monotonic() + START_TIMEOUT_S
         while pending:
             try:
                 pending.discard(joining.get(timeout=0.5))
@@ -226,7 +222,7 @@ class RankGroup:
                                        "needs 'if __name__ == \"__main__\":' around what it runs)") from None
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor-parallel ranks {sorted(pending)} did not start within "
-                                       f"{_START_TIMEOUT_S:.0f} s") from None
+                                       f"{START_TIMEOUT_S:.0f} s") from None
 
     def send_step(self, step: StepInputs) -> None:
         host = step.meta.host
@@ -238,10 +234,10 @@ class RankGroup:
         # waits for what wrote it, e.g. input ids filled in from the last step's tokens)
         packed = torch.cat([(a.cpu() if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))).reshape(-1)
                             .to(torch.int64) for a in ints])
-        header = torch.tensor([_STEP, step.input_ids.shape[0], len(host.seq_lens), step.meta.num_decodes,
+        header = torch.tensor([OP_STEP, step.input_ids.shape[0], len(host.seq_lens), step.meta.num_decodes,
                                host.block_tables.shape[1], len(host.kv_indices),
                                0 if rows is None else rows.shape[0], 0 if rows is None else rows.shape[1],
-                               0 if rows is None else _DTYPES.index(rows.dtype), len(step.logits_indices),
+                               0 if rows is None else DTYPES.index(rows.dtype), len(step.logits_indices),
                                int(step.every_row_samples), packed.numel()], dtype=torch.int64)
         dist.broadcast(header, src=0)
         dist.broadcast(packed, src=0)
@@ -255,7 +251,7 @@ class RankGroup:
         if source is not None and source.WhichOneof("body") == "shm" and self._write_kv_shared(slots, source):
             first, n = self.kv_heads[0]
             return kv[:, :, :, first:first + n]
-        dist.broadcast(_header(_WRITE_KV, len(slots), _DTYPES.index(kv.dtype)), src=0)
+        dist.broadcast(header(OP_WRITE_KV, len(slots), DTYPES.index(kv.dtype)), src=0)
         dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
         parts = [kv[:, :, :, first:first + n].to(self.device).contiguous() for first, n in self.kv_heads]
         mine = torch.empty_like(parts[0])
@@ -267,7 +263,7 @@ class RankGroup:
         holds the lease until they all said how it went) -> whether they all did (else nothing is
         lost: the scatter follows, and writes the same slots again)."""
         blob = source.SerializeToString()
-        dist.broadcast(_header(_WRITE_KV_SHARED, len(slots), len(blob)), src=0)
+        dist.broadcast(header(OP_WRITE_KV_SHARED, len(slots), len(blob)), src=0)
         dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
         dist.broadcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src=0)
         statuses = [torch.zeros(1, dtype=torch.int64) for _ in self.kv_heads]
@@ -284,7 +280,7 @@ class RankGroup:
         """Every KV head at ``slots`` into ``out`` [layers, 2, T, every KV head, head_dim]: the other
         ranks read theirs while ``read_local(slots)`` reads rank 0's, then one gather. A head shared
         by several ranks is written once per rank, with the same values."""
-        dist.broadcast(_header(_READ_KV, len(slots), _DTYPES.index(out.dtype)), src=0)
+        dist.broadcast(header(OP_READ_KV, len(slots), DTYPES.index(out.dtype)), src=0)
         dist.broadcast(slots.to(torch.int64).contiguous(), src=0)
         mine = read_local(slots)
         parts = [torch.empty_like(mine) for _ in self.kv_heads]
@@ -316,7 +312,7 @@ class RankGroup:
             return
         try:
             if self.healthy:
-                dist.broadcast(_header(_STOP), src=0)
+                dist.broadcast(header(OP_STOP), src=0)
         except RuntimeError as err:  # a rank already gone: it is reaped below
             log.warning("tensor-parallel ranks: the stop did not reach every rank (%s)", err)
         finally:
@@ -333,129 +329,3 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
                 proc.join(10)
-
-
-def _header(op: int, *fields: int) -> torch.Tensor:
-    return torch.tensor([op, *fields] + [0] * (_HEADER_LEN - 1 - len(fields)), dtype=torch.int64)
-
-
-def serve_rank(runner) -> None:
-    """A rank (>= 1): what rank 0 sends, until it says stop (a lost rank 0 ends it with an error)."""
-    header = torch.empty(_HEADER_LEN, dtype=torch.int64)
-    while True:
-        dist.broadcast(header, src=0)
-        fields = header.tolist()
-        op = fields[0]
-        if op == _STOP:
-            return
-        if op == _STEP:
-            runner.forward(_receive_step(runner, fields))
-            continue
-        slots = torch.empty(fields[1], dtype=torch.int64)
-        dist.broadcast(slots, src=0)
-        if op == _WRITE_KV_SHARED:
-            _write_kv_shared(runner, slots, fields[2])
-        elif op == _WRITE_KV:
-            k0 = runner.kv_cache.k[0]
-            mine = torch.empty((len(runner.kv_cache.k), 2, fields[1], *k0.shape[1:]), dtype=_DTYPES[fields[2]],
-                               device=runner.device)
-            dist.scatter(mine, None, src=0)
-            runner.write_kv_at(slots, mine)
-        elif op == _READ_KV:
-            dist.gather(runner.read_kv_at(slots), None, dst=0)
-        else:
-            raise RuntimeError(f"tensor-parallel rank: unknown operation {op} from rank 0")
-
-
-def _write_kv_shared(runner, slots: torch.Tensor, handle_bytes: int) -> None:
-    """This rank's heads of an imported KV, read from the handle's shared memory (rank 0 holds the
-    lease meantime); its status (0: written) goes back to rank 0 whatever happened."""
-    from epd.models.parallel import HeadLayout
-    from epd.transport.base import ImportContext
-    from epd.transport.handles import check_header
-    from epd.transport.shm import ShmTransport
-    from epd.v1 import tensor_pb2
-
-    blob = torch.empty(handle_bytes, dtype=torch.uint8)
-    dist.broadcast(blob, src=0)
-    status = torch.zeros(1, dtype=torch.int64)
-    try:
-        handle = tensor_pb2.TensorHandle.FromString(blob.numpy().tobytes())
-        dtype, shape = check_header(handle)
-        kv = ShmTransport().import_(handle, dtype, shape, ImportContext(torch.device("cpu"), None, 0.0))
-        cfg = runner.model.config
-        layout = HeadLayout.of(cfg.num_attention_heads, cfg.num_key_value_heads, runner.model.tp)
-        first, n = layout.first_kv_head, layout.num_kv_heads
-        runner.write_kv_at(slots, kv[:, :, :, first:first + n].to(runner.device))
-    except Exception as err:  # noqa: BLE001 - rank 0 sends the heads instead
-        log.warning("tensor-parallel rank %d: reading an imported KV from shared memory failed: %s",
-                    runner.model.tp.rank, err)
-        status[0] = 1
-    dist.gather(status, None, dst=0)
-
-
-def _receive_step(runner, header: list[int]) -> StepInputs:
-    """The rest of a step whose header came."""
-    _, t, b, num_decodes, width, k, r, d, dtype_code, num_logits, every_row, total = header
-    packed = torch.empty(total, dtype=torch.int64)
-    dist.broadcast(packed, src=0)
-    sizes = [t, 3 * t, t, b + 1, b, b * width, b + 1, k, b, r, t - r, num_logits]
-    parts = list(packed.split(sizes))
-    rows = None
-    if r:
-        rows = torch.empty(r, d, dtype=_DTYPES[dtype_code], device=runner.device)
-        dist.broadcast(rows, src=0)
-    input_ids, positions, slots, qsl, seq_lens, tables, indptr, indices, last_len, mm_idx, text_idx, logits_idx = parts
-    i32 = lambda x: x.to(torch.int32).numpy()  # noqa: E731
-    host = HostPageMetadata(query_start_loc=i32(qsl), seq_lens=i32(seq_lens), block_tables=i32(tables).reshape(b, width),
-                            kv_indptr=i32(indptr), kv_indices=i32(indices), kv_last_page_len=i32(last_len),
-                            slot_mapping=slots.numpy())
-    meta = metadata_on(host, host.slot_mapping, num_decodes, runner.block_size, runner.kv_pages, runner._to_device)
-    return StepInputs(input_ids=input_ids, positions=positions.reshape(3, t), meta=meta,
-                      mm_rows=[rows] if rows is not None else [], mm_token_indices=mm_idx, text_token_indices=text_idx,
-                      logits_indices=logits_idx, sampling_chunks=[], every_row_samples=bool(every_row))
-
-
-def _rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], rank: int, size: int,
-               port: int, joining) -> None:
-    """Rank ``rank`` (>= 1): its part of the model and an engine of the same size as rank 0's (the
-    same pages), then every step rank 0 sends, until it says stop or goes away."""
-    from epd.config import EngineConfig
-    from epd.engine.llm_engine import LLMEngine
-    from epd.engine.threads import apply_thread_policy
-    from epd.models.parallel import TensorParallel
-    from epd.models.registry import family_for
-
-    config = EngineConfig.model_validate_json(config_json)
-    device = config.rank_device(rank)
-    apply_thread_policy(f"epd tensor-parallel rank {rank}", override=config.num_threads)
-    _exit_with_parent()
-    joining.put(multiprocessing.current_process().name)
-    store = dist.TCPStore("127.0.0.1", port, size, False, timeout=datetime.timedelta(seconds=_START_TIMEOUT_S))
-    _use_device(device)
-    dist.init_process_group(_backend(config), store=store, rank=rank, world_size=size, timeout=_GROUP_TIMEOUT)
-    try:
-        tp = TensorParallel(rank, size, dist.group.WORLD)
-        model = family_for(model_dir).load_llm(model_dir, device=device, dtype=config.torch_dtype, tp=tp)
-        config = config.model_copy(update={"device": device, "tensor_parallel_devices": ()})
-        runner = LLMEngine(model, config, eos_token_ids=(), mm_token_ids=mm_token_ids).runner
-        dist.barrier()  # loaded: rank 0 waits for this before it takes requests
-        serve_rank(runner)
-    finally:
-        dist.destroy_process_group()
-
-
-def _exit_with_parent() -> None:
-    """A rank whose rank 0 died goes too (before the group exists nothing else would tell it: it
-    would wait for the group's rendezvous)."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -25,7 +25,8 @@ class Deadline:
         self._task: asyncio.Task | None = None
         self._passed = self._cancelled = False
         self._cancelling = 0
-        self._timer = asyncio.get_running_loop().call_at(deadline, self._fire) if _CAN_UNCANCEL else None
+        self._loop = asyncio.get_running_loop()  # asked once: asking again costs a getpid() each time (3.11)
+        self._timer = self._loop.call_at(deadline, self._fire) if _CAN_UNCANCEL else None
 
     def _fire(self) -> None:
         self._passed = True
@@ -39,7 +40,7 @@ class Deadline:
             return await _next_before(outputs, self.deadline, self.request_id)
         if self._passed:
             raise self._error()
-        task = self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task(self._loop)
         self._cancelling = task.cancelling()
         try:
             output = await outputs.__anext__()

@@ -197,10 +197,11 @@ def test_ranks_on_cuda_use_nccl_for_cuda_tensors_and_gloo_for_the_rest(monkeypat
     import torch
 
     from epd.config import EngineConfig
-    from epd.engine.tensor_parallel import TensorParallelConfigError, _backend, check_supported
+    from epd.engine.tensor_parallel import TensorParallelConfigError, check_supported
+    from epd.engine.tp_rank import group_backend
 
-    assert _backend(EngineConfig(device="cpu", tensor_parallel_size=2)) == "gloo"
-    assert _backend(EngineConfig(device="cuda:0", tensor_parallel_size=2)) == "cpu:gloo,cuda:nccl"
+    assert group_backend(EngineConfig(device="cpu", tensor_parallel_size=2)) == "gloo"
+    assert group_backend(EngineConfig(device="cuda:0", tensor_parallel_size=2)) == "cpu:gloo,cuda:nccl"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     check_supported(EngineConfig(device="cuda:0", tensor_parallel_size=2))
     with pytest.raises(TensorParallelConfigError, match=r"sees 2 CUDA device\(s\).*cuda:2 is not there"):

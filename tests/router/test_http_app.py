@@ -169,6 +169,16 @@ def test_client_leaving_a_non_stream_request_cancels_the_core():
         assert core.wait_cancelled(5)
 
 
+def test_client_leaving_a_stream_before_its_first_event_cancels_the_core():
+    # the wait for the first event watches the connection (no polling): a hang-up ends it at once
+    core = FakeRouterCore(hang_after=0)
+    with served(core) as (_, _, client):
+        with pytest.raises(openai.APITimeoutError):
+            client.with_options(timeout=0.5).chat.completions.create(model="fake-qwen2-vl", messages=USER,
+                                                                      stream=True)
+        assert core.wait_cancelled(5)
+
+
 def test_async_client_streams():
     async def run(base: str) -> str:
         async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0) as client:

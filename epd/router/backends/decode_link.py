@@ -47,19 +47,25 @@ class StepChannel:
 
     def __init__(self) -> None:
         self._steps: collections.deque = collections.deque()
-        self._ready = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future | None = None  # the reader's, while it waits (a bare future:
+        # an asyncio.Event asks for the running loop on each wait, a getpid() system call in 3.11)
 
     def push(self, item: decode_pb2.RequestStep | BaseException) -> None:
         self._steps.append(item)
-        self._ready.set()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self) -> BackendOutput:
         """Everything that came since the last call, as one output (its finish, if it came);
         raises the request's error (a ``StepError``) or the stream's (an ``EPDError``) once the
         tokens before it are out."""
         while not self._steps:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         if len(self._steps) == 1 and not isinstance(step := self._steps[0], BaseException) \
                 and not step.error_status:  # the reader keeps up: one step, as it came (the common case)
             self._steps.clear()

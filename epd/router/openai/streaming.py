@@ -27,7 +27,6 @@ from epd.types import ChatRequest, StreamEvent
 
 log = logging.getLogger("epd.router.http")
 
-_DISCONNECT_POLL_S = 0.1  # how often a request waiting for tokens checks that its client is still there
 _LINGER_S = 5.0  # a core stream still running this long after its finish event is cancelled
 _OVERDUE_GRACE_S = 5.0  # a stream still writing this long past its request's deadline is cut
 STATUS_CLIENT_GONE = 499  # nginx's "client closed request"; nobody reads it
@@ -79,6 +78,7 @@ class CorePump:
         self._frames: Frames | None = None
         self._send: Callable[[bytes], Awaitable[None]] | None = None
         self._attached: asyncio.Event | None = asyncio.Event() if stream else None
+        self._gone: asyncio.Future | None = None  # the client's disconnect, once watched
         self.ended: asyncio.Future = loop.create_future()  # the stream is written (or given up)
         self.failed = self.overdue = False  # a frame could not be spelled / the client read nothing in time
         # the core's own deadline ends the request; this one ends a stream stuck writing to a client
@@ -162,23 +162,30 @@ class CorePump:
 
     async def next(self, request: Request | None) -> StreamEvent | None:
         """The next event, None at the end; raises what the core raised, or ``ClientGone``.
-        ``request``: watch that client while waiting. Asking is not free (~50 us), so never per
-        token."""
+        ``request``: watch that client while waiting (one listener for the pump's life, woken by
+        the server when the client leaves: nothing is polled)."""
         if not self._queue.empty():  # tokens arrive faster than they are sent: no waiting needed
             return self._unwrap(self._queue.get_nowait())
         if request is None:
             return self._unwrap(await self._queue.get())
-        if await request.is_disconnected():
+        gone = self.client_gone(request.receive)
+        if gone.done():
             raise ClientGone()
         getter = asyncio.ensure_future(self._queue.get())
         try:
-            while not getter.done():
-                await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-                if not getter.done() and await request.is_disconnected():
-                    raise ClientGone()
+            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             getter.cancel()
+        if not getter.done() or getter.cancelled():
+            raise ClientGone()
         return self._unwrap(getter.result())
+
+    def client_gone(self, receive: Receive) -> asyncio.Future:
+        """Done once the client has gone (its connection closed): the one reader of ``receive``
+        while the request runs (the body is read by then), started on first use."""
+        if self._gone is None:
+            self._gone = asyncio.ensure_future(_until_disconnect(receive))
+        return self._gone
 
     @staticmethod
     def _unwrap(item: StreamEvent | BaseException | None) -> StreamEvent | None:
@@ -189,6 +196,8 @@ class CorePump:
     def close(self, *, cancel: bool = True) -> None:
         """Stop reading. ``cancel``: the request is abandoned, so the core's stream is cancelled
         now; otherwise it finished and gets ``_LINGER_S`` to wind down on its own. Idempotent."""
+        if self._gone is not None:  # the response is over: nobody waits for its client any more
+            self._gone.cancel()
         if self._closed or self._task.done():
             return
         self._closed = True
@@ -241,7 +250,7 @@ class EventStream(Response):
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         cancel = True  # unless the stream is written to its end
-        listener = asyncio.ensure_future(_until_disconnect(receive))
+        listener = self.pump.client_gone(receive)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             self.pump.attach(self.frames, send_body)
@@ -251,8 +260,7 @@ class EventStream(Response):
                 cancel = pump.failed  # after a frame it could not spell, nothing more is wanted from the core
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:  # the client left, the stream was cut, or the server is stopping: the request is abandoned
-            listener.cancel()
-            self.pump.close(cancel=cancel)
+            self.pump.close(cancel=cancel)  # its listener too
 
 
 async def _until_disconnect(receive: Receive) -> None:

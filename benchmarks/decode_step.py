@@ -8,6 +8,7 @@ CPU ms per step (process time, all threads), wall ms per step, and where the wal
 and complete; the rest is the step's own glue). The same numbers for the tiny preset, whose forward
 is real, put them beside a model that computes. ``--modes in_order,async``: each point also with
 async scheduling (on the CPU nothing runs beside the host, so this shows its bookkeeping's cost).
+``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy.
 
     python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
 """
@@ -82,7 +83,7 @@ class _CallTimer:
             self.seconds[self.name] += time.perf_counter() - start
 
 
-def measure(model: str, batch: int, steps: int, overlap: bool = False) -> dict:
+def measure(model: str, batch: int, steps: int, overlap: bool = False, temperature: float = 0.0) -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
@@ -90,7 +91,7 @@ def measure(model: str, batch: int, steps: int, overlap: bool = False) -> dict:
     engine = LLMEngine(load_llm_for(model_dir, config), config,
                        eos_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True)
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=temperature)
     for i in range(batch):
         engine.add_request(prompt, params, request_id=f"r{i}")
     while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -117,6 +118,7 @@ def main() -> int:
     parser.add_argument("--modes", default="in_order", help="in_order, async, or both (comma list)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (a tier on a small host gets 1; the step's own work is serial)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -127,7 +129,7 @@ def main() -> int:
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for mode in modes:
-                r = measure(model, batch, args.steps, overlap=mode == "async")
+                r = measure(model, batch, args.steps, overlap=mode == "async", temperature=args.temperature)
                 parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
                 print(f"{r['model']:<15}{r['mode']:<10}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  "
                       f"{parts}", flush=True)

@@ -78,13 +78,14 @@ class Sampler:
             sampled = _sample_with_flashinfer(kernels, logits, seqs)
             return picks + ([sampled] if sampled is not None else [])
         if plain:
-            temperatures = torch.tensor([seqs[i].sampling_params.temperature for i in plain],
-                                        device=logits.device).unsqueeze(1)
-            cdf = torch.softmax(_rows(logits, plain) / temperatures, dim=-1).cumsum_(dim=-1)
-            picks.append((plain, _draw_from_cdf(cdf)))
+            values = [seqs[i].sampling_params.temperature for i in plain]
+            scaled = _rows(logits, plain)
+            if any(t != 1.0 for t in values):  # the API's default 1 divides by nothing: no [B, vocab] copy
+                scaled = scaled / torch.tensor(values, device=logits.device).unsqueeze(1)
+            picks.append((plain, draw(torch.softmax(scaled, dim=-1))))
         if filtered:  # unseeded top-k / top-p rows: one sort (or top-k) and one draw for all of them
             probs, candidates = filtered_probs([seqs[i].sampling_params for i in filtered], _rows(logits, filtered))
-            picked = _draw_from_cdf(probs.cumsum(dim=-1))
+            picked = draw(probs)
             picks.append((filtered, candidates.gather(1, picked[:, None]).squeeze(1)))
         return picks
 
@@ -175,11 +176,39 @@ def _rows(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
     return logits.index_select(0, torch.tensor(indices, device=logits.device))
 
 
+_DRAW_BLOCK = 64  # columns per block of the two-level draw
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One column per row of ``probs`` (non-negative, each row at any scale) by inverse-CDF
+    sampling: the first column whose cumulative weight passes a uniform draw. In two levels on a
+    wide row: the block of 64 columns the draw lands in (a cumulative sum over the blocks' totals),
+    then the column inside that block. A cumulative sum along a whole row is a sequential scan:
+    at 256 rows of 2,048 it cost more than the softmax before it (0.50 against 0.30 ms here), and a
+    real vocabulary is 75x wider; block totals are a plain reduction. Both levels are exact
+    inverse-CDF steps, so the tokens follow the same distribution (a zero-weight column is never
+    drawn); on CPU this is also ~3x faster than ``torch.multinomial``, whose exponential draws
+    dominate."""
+    rows, width = probs.shape
+    if width <= 4 * _DRAW_BLOCK:
+        return _draw_from_cdf(probs.cumsum(dim=-1))
+    if width % _DRAW_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, -width % _DRAW_BLOCK))  # zero weight: never drawn
+    blocks = probs.view(rows, -1, _DRAW_BLOCK)
+    block_cdf = blocks.sum(dim=-1).cumsum_(dim=-1)
+    u = torch.rand(rows, 1, dtype=probs.dtype, device=probs.device) * block_cdf[:, -1:]
+    block = torch.searchsorted(block_cdf, u, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = block_cdf.gather(1, (block - 1).clamp_(min=0)).masked_fill_(block == 0, 0.0)
+    inner = blocks.gather(1, block[:, :, None].expand(-1, -1, _DRAW_BLOCK)).squeeze(1).cumsum_(dim=-1)
+    # the block's own sum may round differently from its cumulative one: stay inside the block
+    rest = torch.minimum(u - before, inner[:, -1:] * (1.0 - 2.0 ** -20))
+    column = torch.searchsorted(inner, rest, right=True).clamp_(max=_DRAW_BLOCK - 1)
+    return (block * _DRAW_BLOCK + column).squeeze(1)
+
+
 def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:
-    """One token per row by inverse-CDF sampling: the first token whose cumulative probability
-    passes a uniform draw. On CPU this is ~3x faster than ``torch.multinomial`` over a 150k-token
-    vocabulary (whose exponential draws dominate); the draw is scaled by each row's total, so the
-    cumulative sum's rounding cannot push it past the last token."""
+    """The first column whose cumulative weight passes a uniform draw, scaled by each row's total
+    (so the cumulative sum's rounding cannot push it past the last column)."""
     u = torch.rand(cdf.shape[0], 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[1] - 1).squeeze(1)
 

@@ -66,6 +66,23 @@ def test_a_mixed_batch_samples_each_row_by_its_own_params():
     assert len(set(columns[5])) == 1  # seeded: the same draw for the same token position
 
 
+def test_the_two_level_draw_follows_the_distribution_and_never_draws_a_zero_weight():
+    """Wide rows are drawn block by block (64 columns): mass at block edges, in the last (padded)
+    block and far apart lands where it should, and a zero-weight column is never drawn."""
+    from epd.engine.sampler import draw
+
+    torch.manual_seed(0)
+    weights = {0: 0.3, 63: 0.2, 64: 0.1, 500: 0.25, 999: 0.15}  # 1,000 columns: not a multiple of 64
+    probs = torch.zeros(1000)
+    probs[list(weights)] = torch.tensor(list(weights.values()))
+    drawn = draw(probs.repeat(20_000, 1) * 3.0).tolist()  # any scale: the draw is by each row's total
+    assert set(drawn) <= set(weights)
+    assert {t: drawn.count(t) / len(drawn) for t in weights} == pytest.approx(weights, abs=0.015)
+    dense = torch.softmax(torch.randn(300) * 2, dim=-1)  # every column weighted
+    counts = torch.bincount(draw(dense.repeat(50_000, 1)), minlength=300) / 50_000
+    assert 0.5 * (counts - dense).abs().sum() < 0.05  # total variation: sampling noise is ~0.03
+
+
 def test_logprobs_are_of_the_raw_distribution_with_top_k():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     token, lp = Sampler()(logits, [seq(temperature=0.5, seed=3, logprobs=2)])[0]

@@ -232,7 +232,7 @@ class ModelRunner:
         query_lens = np.ones(len(chunks), dtype=np.int64)
         query_lens[num_decodes:] = [c.num_tokens for c in others]
         rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
-        host, slots = build_page_metadata(self.block_tables.array[rows], starts, query_lens, self.block_size)
+        host, slots = build_page_metadata(self.block_tables.array, starts, query_lens, self.block_size, rows)
         meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
         positions = self._positions(chunks, host, starts, np.array(deltas, dtype=np.int64), in_prompt)
         mm_rows, mm_idx = [], []

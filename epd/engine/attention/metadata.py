@@ -57,16 +57,19 @@ class HostPageMetadata:
 
 
 def build_page_metadata(block_tables: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
-                        block_size: int) -> tuple[HostPageMetadata, np.ndarray]:
+                        block_size: int, rows: np.ndarray | None = None) -> tuple[HostPageMetadata, np.ndarray]:
     """Sequence s computes tokens ``[starts[s], starts[s] + query_lens[s])`` and has its pages in
-    ``block_tables[s]`` (at least as many as it needs; columns past that are ignored).
-    -> (the page metadata, the int64 slot of every new token in flat-batch order)."""
+    ``block_tables[rows[s]]`` (``block_tables[s]`` without ``rows``; at least as many as it needs,
+    columns past that are ignored). -> (the page metadata, the int64 slot of every new token in
+    flat-batch order). Only the columns the step uses are copied: a table is as wide as the longest
+    sequence the engine admits (2,048 columns at 32k tokens), a step's as its longest sequence."""
     starts = np.asarray(starts, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts + query_lens
     pages = -(-seq_lens // block_size)
     width = int(pages.max(initial=1))
-    tables = np.ascontiguousarray(block_tables[:, :width], dtype=np.int32)
+    picked = block_tables[:, :width] if rows is None else block_tables[rows, :width]
+    tables = np.ascontiguousarray(picked, dtype=np.int32)
     query_start_loc = np.zeros(len(seq_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=query_start_loc[1:])
     kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)

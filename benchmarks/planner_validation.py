@@ -8,6 +8,8 @@ bench sent (arrivals, lengths, images, repeats). Printed: each figure predicted 
 error; the issue's bar is 15%.
 
     python benchmarks/planner_validation.py [--model tiny-qwen2-vl] [--rates 2,4,6] [--num-prompts 48]
+        [--keep DIR]              # also keep the profile and what was measured there
+    python benchmarks/planner_validation.py --from DIR   # predict again against a kept run (no cluster)
 
 Only loopback; every process started is stopped.
 """
@@ -58,6 +60,16 @@ def predict(profile_path: Path, topology_kwargs: dict, args: argparse.Namespace,
     return out
 
 
+def compare(profile_path: Path, measured_runs: dict, args: argparse.Namespace, cores: int) -> list[tuple]:
+    """-> (topology, rate, predicted, measured) for every measured point."""
+    rows = []
+    for name, (_, topology_kwargs) in _TOPOLOGIES.items():
+        predicted = predict(profile_path, topology_kwargs, args, cores)
+        for rate, measured, guess in zip(args.rates.split(","), measured_runs[name], predicted):
+            rows.append((name, rate, guess, measured))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-qwen2-vl")
@@ -69,22 +81,34 @@ def main() -> int:
     ap.add_argument("--repeat-ratio", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="what epd serve gives each worker here")
-    ap.add_argument("--keep-profile", help="also write the profile measured here to this path")
+    ap.add_argument("--keep", help="keep the profile and the measured runs in this directory")
+    ap.add_argument("--from", dest="from_dir", help="a directory --keep wrote: predict against it, run nothing "
+                    "(the workload options must be the ones it was measured with: they are read from it)")
     args = ap.parse_args()
-    cores = len(os.sched_getaffinity(0))
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        profile_path = profile(args.model, Path(tmp) / "profile.json", args.threads)
-        for name, (flags, topology_kwargs) in _TOPOLOGIES.items():
-            with Server("epd", args.model, "--no-standby", *flags, timeout_s=300) as server:
-                runs = run_bench(server.url, Path(tmp) / name, *bench_args(args))
-            for rate, run, predicted in zip(args.rates.split(","), runs, predict(profile_path, topology_kwargs,
-                                                                                 args, cores)):
-                measured = {f"{what}_{q}": run["client"][f"{what}_ms"][q] for what, q in _FIGURES}
-                rows.append((name, rate, predicted, measured))
+    if args.from_dir:
+        kept = json.loads((Path(args.from_dir) / "measured.json").read_text())
+        vars(args).update(kept["args"], from_dir=args.from_dir)
+        cores, measured_runs = kept["cores"], kept["runs"]
+        profile_path = Path(args.from_dir) / "profile.json"
+        rows = compare(profile_path, measured_runs, args, cores)
         profile_json = json.loads(profile_path.read_text())
-        if args.keep_profile:
-            Path(args.keep_profile).write_text(profile_path.read_text())
+    else:
+        cores = len(os.sched_getaffinity(0))
+        with tempfile.TemporaryDirectory() as tmp:
+            out_dir = Path(args.keep) if args.keep else Path(tmp)
+            out_dir.mkdir(parents=True, exist_ok=True)
+            profile_path = profile(args.model, out_dir / "profile.json", args.threads)
+            measured_runs = {}
+            for name, (flags, _) in _TOPOLOGIES.items():
+                with Server("epd", args.model, "--no-standby", *flags, timeout_s=300) as server:
+                    runs = run_bench(server.url, Path(tmp) / name, *bench_args(args))
+                measured_runs[name] = [{f"{what}_{q}": run["client"][f"{what}_ms"][q] for what, q in _FIGURES}
+                                       for run in runs]
+            kept_args = {k: v for k, v in vars(args).items() if k not in ("keep", "from_dir")}
+            (out_dir / "measured.json").write_text(json.dumps({"args": kept_args, "cores": cores,
+                                                               "runs": measured_runs}, indent=1))
+            rows = compare(profile_path, measured_runs, args, cores)
+            profile_json = json.loads(profile_path.read_text())
     print(f"model={args.model} cores={cores} threads/worker={profile_json['host']['threads']} "
           f"prompts={args.num_prompts} image={args.image_size} input={args.input_len} output={args.output_len}")
     print("| topology | rate/s | " + " | ".join(f"{w.upper()} {q} ms predicted / measured (error)"

@@ -58,6 +58,8 @@ def served_model(label: str, scratch: Path) -> str:
     if not step_ms:
         return label
     from epd.models.null.checkpoint import NULL_PRESETS, write_null_checkpoint
+    if name not in NULL_PRESETS:
+        raise SystemExit(f"--models {label}: only a zero-cost preset ({', '.join(NULL_PRESETS)}) can be paced")
     return str(write_null_checkpoint(scratch / label, replace(NULL_PRESETS[name], step_ms=float(step_ms))))
 
 

@@ -203,7 +203,8 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     # the block's own sum may round differently from its cumulative one: stay inside the block
     rest = torch.minimum(u - before, inner[:, -1:] * (1.0 - 2.0 ** -20))
     column = torch.searchsorted(inner, rest, right=True).clamp_(max=_DRAW_BLOCK - 1)
-    return (block * _DRAW_BLOCK + column).squeeze(1)
+    # a row with no weight at all (zero, or NaN from its logits) lands in the padding: keep it a column
+    return (block * _DRAW_BLOCK + column).squeeze(1).clamp_(max=width - 1)
 
 
 def _draw_from_cdf(cdf: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,8 @@ def test_the_two_level_draw_follows_the_distribution_and_never_draws_a_zero_weig
     dense = torch.softmax(torch.randn(300) * 2, dim=-1)  # every column weighted
     counts = torch.bincount(draw(dense.repeat(50_000, 1)), minlength=300) / 50_000
     assert 0.5 * (counts - dense).abs().sum() < 0.05  # total variation: sampling noise is ~0.03
+    broken = torch.stack([torch.full((1000,), float("nan")), torch.zeros(1000)])  # NaN logits, no weight
+    assert all(0 <= t < 1000 for t in draw(broken).tolist())  # a column of the row, never the padding
 
 
 def test_logprobs_are_of_the_raw_distribution_with_top_k():

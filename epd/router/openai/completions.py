@@ -31,7 +31,7 @@ from epd.router.openai.requests import (
     validation_error,
 )
 from epd.router.openai.responses import ChunkHead, Usage, error_response, usage_json
-from epd.router.openai.streaming import DONE, CorePump, EventStream, failure_frames, sse
+from epd.router.openai.streaming import DONE, STATUS_CLIENT_GONE, ClientGone, CorePump, EventStream, failure_frames, sse
 from epd.router.request_rule import chat_request
 from epd.types import ChatRequest, StreamEvent, TokenLogprobs
 
@@ -142,6 +142,8 @@ class TextCompletions:
             return await self._complete(request, pump, first, out)
         except EPDError as err:
             return error_response(err)
+        except ClientGone:  # as for chats: nobody reads it, and it is no server error
+            return Response(status_code=STATUS_CLIENT_GONE)
         except Exception:  # noqa: BLE001 - an answer, never a traceback
             return error_response(InternalError(f"internal server error (request {request_id})"))
         finally:

@@ -466,6 +466,9 @@ class RouterConfig(_Config):
     autoscale_ttft_slo_s: float | None = Field(
         None, gt=0, description="with autoscale_budget: a TTFT objective (p90 of the last 30 s); missed, the tier "
                                 "where requests wait most grows")
+    autoscale_min_workers: PositiveInt = Field(
+        1, description="with autoscale_budget: the fewest workers of each tier the planner keeps (it gives no idle "
+                       "worker back below it, nor moves one away from it; KEDA's minReplicaCount)")
     autoscale_interval_s: float = Field(1.0, gt=0, description="with autoscale_budget: seconds between looks")
     autoscale_cooldown_s: float = Field(10.0, gt=0, description="with autoscale_budget: seconds after a decision "
                                                                 "is carried out before the next")
@@ -525,6 +528,14 @@ class RouterConfig(_Config):
         negative = {k: v for k, v in self.limit_mm_per_prompt.items() if v < 0}
         if negative:
             raise ValueError(f"limit_mm_per_prompt: counts must be >= 0 (0 refuses the modality), got {negative}")
+        return self
+
+    @model_validator(mode="after")
+    def _autoscale_room(self) -> "RouterConfig":
+        if self.autoscale_budget is not None and self.autoscale_budget < 3 * self.autoscale_min_workers:
+            raise ValueError(f"autoscale_budget {self.autoscale_budget} cannot keep autoscale_min_workers "
+                             f"{self.autoscale_min_workers} in each of the 3 tiers; expected at least "
+                             f"{3 * self.autoscale_min_workers}")
         return self
 
     @field_validator("encoder_service", "prefill_service", "decode_service")

@@ -65,7 +65,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 
     router = RouterMetrics(model_name)
-    PlannerLoop(SimpleNamespace(autoscale_budget=4, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
+    PlannerLoop(SimpleNamespace(autoscale_budget=4, autoscale_min_workers=1, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
                                 autoscale_ttft_slo_s=None),
                 SimpleNamespace(workers={"encoder": [1], "prefill": [1], "decode": [1, 2]}), router)
     router.refresh_moves({"migrated": 1})

@@ -24,6 +24,7 @@ class PlannerLoop:
         the ``RouterMetrics`` (its registry gets the planner's gauges, its recent TTFTs are read)."""
         counts = {tier: len(states) for tier, states in workers.workers.items()}  # as started
         self.planner = Planner(AutoscaleConfig(budget_workers=config.autoscale_budget,
+                                               min_workers=config.autoscale_min_workers,
                                                interval_s=config.autoscale_interval_s,
                                                cooldown_s=config.autoscale_cooldown_s,
                                                ttft_slo_s=config.autoscale_ttft_slo_s),

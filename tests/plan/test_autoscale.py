@@ -106,7 +106,7 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     # prefill: 6 waiting, all for their rows (the encoders' pressure, not prefill's)
     workers = SimpleNamespace(workers={"encoder": [worker(7, 2)], "prefill": [worker(6, 1, on_inputs=6)],
                                        "decode": [worker(0, 0), worker(0, 0), worker(5, 5, draining=True)]})
-    config = SimpleNamespace(autoscale_budget=4, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
+    config = SimpleNamespace(autoscale_budget=4, autoscale_min_workers=1, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
                              autoscale_ttft_slo_s=None)
     metrics = RouterMetrics("m")
     loop = PlannerLoop(config, workers, metrics)
@@ -124,6 +124,35 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     assert sample_sum(text, "epd_planner_desired_workers", tier="encoder") == 2
     assert sample_sum(text, "epd_planner_decisions_total") == 1
     assert any("planner: encoder hot for 3 intervals" in r.message for r in caplog.records)
+
+
+def test_the_routers_floor_per_tier_keeps_a_tier_from_giving_up_its_workers():
+    """``--autoscale-min-workers 2``: the encoders are hot and the budget is spent, but the decode
+    tier is at its floor, so no worker moves; a budget that cannot keep the floor is refused."""
+    from types import SimpleNamespace
+
+    from epd.config import RouterConfig
+    from epd.router.autoscale import PlannerLoop
+    from epd.router.metrics import RouterMetrics
+
+    def worker(waiting, running):
+        return SimpleNamespace(healthy=True, draining=False, stopping=False, last_health=SimpleNamespace(
+            num_waiting=waiting, num_running=running, num_waiting_on_inputs=0))
+
+    workers = SimpleNamespace(workers={"encoder": [worker(9, 2), worker(9, 2)], "prefill": [worker(0, 1)] * 2,
+                                       "decode": [worker(0, 0), worker(0, 0)]})
+    floors = {}
+    for floor in (1, 2):
+        loop = PlannerLoop(RouterConfig(autoscale_budget=6, autoscale_min_workers=floor), workers,
+                           RouterMetrics(f"m{floor}"))
+        for t in range(12):  # hot for 3 looks, idle for 10
+            loop.step(200.0 + t)
+        floors[floor] = loop.as_dict()["desired"]
+    assert floors[1]["encoder"] == 3 and floors[1]["decode"] == 1  # without a floor of 2: a decode moves
+    assert floors[2] == {"encoder": 2, "prefill": 2, "decode": 2}  # at the floor: nothing moves
+    with pytest.raises(ValueError, match="autoscale_budget 5 cannot keep autoscale_min_workers 2 in each of the 3 "
+                                         "tiers; expected at least 6"):
+        RouterConfig(autoscale_budget=5, autoscale_min_workers=2)
 
 
 def test_the_ray_launcher_follows_the_plan_shrinking_tiers_first(capsys):

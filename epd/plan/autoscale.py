@@ -8,6 +8,8 @@ objective missed, the tier where requests wait most). A tier is
 **idle** when nothing waits at it and its workers run less than ``idle_running_per_worker`` each,
 for ``down_after`` intervals in a row (a TTFT objective: missed for ``up_after``). Then:
 
+- a tier under its minimum (``min_workers``: it was started with fewer, but not none) gets a worker
+  first;
 - a hot tier gets a worker when the budget has room; when it has none, the idlest idle tier above
   its minimum gives one up (a move: decode to encode when the load turns from text to images);
 - an idle tier above its minimum gives a worker back when nothing is hot;
@@ -99,6 +101,9 @@ class Planner:
         if not self._settled(now_s, loads):  # what is seen meanwhile is the old split's: it does not count
             self._hot, self._idle, self._missed = dict.fromkeys(TIERS, 0), dict.fromkeys(TIERS, 0), 0
             return None
+        # started below the floor (a tier started with none, e.g. no encoders for text only, stays so)
+        if short := [t for t in TIERS if 0 < self.desired[t] < cfg.min_workers]:
+            return self._to_floor(now_s, short[0])
         hot = [t for t in TIERS if self._hot[t] >= cfg.up_after]
         slo_missed = self._missed >= cfg.up_after
         if not hot and slo_missed:  # the objective is missed: the tier where requests wait most, if any wait
@@ -144,6 +149,17 @@ class Planner:
                             f"{why}; the budget of {self.config.budget_workers} is spent: a {donor} worker moves to "
                             f"{tier} ({donor}: nothing waiting, {loads[donor].running_per_worker:.1f} running per "
                             "worker)")
+
+    def _to_floor(self, now_s: float, tier: str) -> Decision:
+        """A tier under its minimum gets a worker: from the budget, else from the tier most above its
+        own (the budget keeps every tier's minimum: checked at start)."""
+        why = f"{tier} has {self.desired[tier]} worker(s), under its minimum of {self.config.min_workers}"
+        if sum(self.desired.values()) < self.config.budget_workers:
+            return self._decide(now_s, {tier: +1}, f"{why}: one more {tier} worker (budget "
+                                                   f"{sum(self.desired.values()) + 1} of {self.config.budget_workers})")
+        donor = max((t for t in TIERS if t != tier), key=lambda t: self.desired[t])
+        return self._decide(now_s, {tier: +1, donor: -1}, f"{why}; the budget of {self.config.budget_workers} is "
+                                                         f"spent: a {donor} worker moves to {tier}")
 
     def _decide(self, now_s: float, change: dict[str, int], reason: str) -> Decision:
         self.desired = {t: self.desired[t] + change.get(t, 0) for t in TIERS}

@@ -150,6 +150,12 @@ def test_the_routers_floor_per_tier_keeps_a_tier_from_giving_up_its_workers():
         floors[floor] = loop.as_dict()["desired"]
     assert floors[1]["encoder"] == 3 and floors[1]["decode"] == 1  # without a floor of 2: a decode moves
     assert floors[2] == {"encoder": 2, "prefill": 2, "decode": 2}  # at the floor: nothing moves
+    started_below = Planner(AutoscaleConfig(budget_workers=6, min_workers=2), {"encoder": 1, "prefill": 2,
+                                                                                "decode": 3})
+    quiet = {t: TierLoad(n, 0, 1) for t, n in started_below.desired.items()}
+    decision = started_below.observe(0.0, quiet)  # the decode tier is above its floor and the budget spent
+    assert decision.desired == {"encoder": 2, "prefill": 2, "decode": 2}
+    assert decision.reason.startswith("encoder has 1 worker(s), under its minimum of 2")
     with pytest.raises(ValueError, match="autoscale_budget 5 cannot keep autoscale_min_workers 2 in each of the 3 "
                                          "tiers; expected at least 6"):
         RouterConfig(autoscale_budget=5, autoscale_min_workers=2)

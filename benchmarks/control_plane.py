@@ -243,7 +243,8 @@ def main() -> int:
     scratch = tempfile.TemporaryDirectory(prefix="epd-control-plane-")
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
-            with Cluster(served_model(model, Path(scratch.name)), topology, args.api_key, max(int(n) for n in args.streams.split(",")),
+            with Cluster(served_model(model, Path(scratch.name)), topology, args.api_key,
+                         max(int(n) for n in args.streams.split(",")),
                          args.tokens) as cluster:
                 warm = Point(model, topology, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections

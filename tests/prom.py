@@ -49,6 +49,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     a scrape can show is in the exposition): {"router" | tier: registry}."""
     from types import SimpleNamespace
 
+    from epd.config import RouterConfig
     from epd.encoder.shared_store import SharedStoreStats
     from epd.router.autoscale import PlannerLoop
     from epd.router.metrics import RouterMetrics
@@ -65,8 +66,7 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 
     router = RouterMetrics(model_name)
-    PlannerLoop(SimpleNamespace(autoscale_budget=4, autoscale_min_workers=1, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
-                                autoscale_ttft_slo_s=None),
+    PlannerLoop(RouterConfig(autoscale_budget=4),
                 SimpleNamespace(workers={"encoder": [1], "prefill": [1], "decode": [1, 2]}), router)
     router.refresh_moves({"migrated": 1})
     router._encoder_counts = {("encoder", "127.0.0.1:1"): (3, 5)}

@@ -94,6 +94,7 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     ``epd_planner_desired_workers`` and is logged with its reason."""
     from types import SimpleNamespace
 
+    from epd.config import RouterConfig
     from epd.router.autoscale import PlannerLoop
     from epd.router.metrics import RouterMetrics
     from tests.prom import sample_sum
@@ -106,8 +107,7 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     # prefill: 6 waiting, all for their rows (the encoders' pressure, not prefill's)
     workers = SimpleNamespace(workers={"encoder": [worker(7, 2)], "prefill": [worker(6, 1, on_inputs=6)],
                                        "decode": [worker(0, 0), worker(0, 0), worker(5, 5, draining=True)]})
-    config = SimpleNamespace(autoscale_budget=4, autoscale_min_workers=1, autoscale_interval_s=1.0, autoscale_cooldown_s=10.0,
-                             autoscale_ttft_slo_s=None)
+    config = RouterConfig(autoscale_budget=4)  # the planner's defaults
     metrics = RouterMetrics("m")
     loop = PlannerLoop(config, workers, metrics)
     loads = loop.loads()

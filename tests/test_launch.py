@@ -160,3 +160,44 @@ def test_a_worker_gets_what_was_set_even_at_a_defaults_value():
         os.close(fd)
     assert "max_model_len" in received.engine.model_fields_set
     assert with_model_len(received.engine, "/nonexistent").max_model_len == 4096  # the checkpoint is not read
+
+
+def test_a_router_standby_starts_before_the_workers_and_becomes_the_router_with_its_config(monkeypatch):
+    """``epd serve`` starts each router as a standby beside the workers (its imports overlap
+    theirs); ``start_router(standby=...)`` hands it the workers' addresses instead of starting a
+    process, and the config given at the standby's start reaches it; an unused standby is stopped."""
+    import subprocess
+    import sys
+
+    from epd.config import RouterConfig
+    from epd.server.process import READY_PREFIX
+
+    cluster = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)
+    real_popen, commands = cluster._popen, []
+    stand_in = ("import json, sys, time\n"  # reads its arguments as a standby does, then says what it got
+                "args = json.loads(sys.stdin.readline())\n"
+                "config = open(args[args.index('--config') + 1]).read().replace(chr(10), ';')\n"
+                f"print('{READY_PREFIX} router http://127.0.0.1:1 grpc=127.0.0.1:2', json.dumps(args, separators=(',', ':')), config, "
+                "flush=True)\n"
+                "time.sleep(60)\n")
+
+    def popen(tier, cmd, **kwargs):
+        commands.append(cmd)
+        if cmd[1:3] != ["-m", "epd.server.standby"]:
+            pytest.fail(f"a cold start while a standby was there: {cmd}")
+        return real_popen(tier, [sys.executable, "-c", stand_in], **kwargs)
+
+    monkeypatch.setattr(cluster, "_popen", popen)
+    try:
+        used = cluster.router_standby(config=RouterConfig(model="tiny-qwen2-vl", max_concurrent_requests=7))
+        unused = cluster.router_standby()
+        assert commands[0][3:] == ["router", "tiny-qwen2-vl"]  # the model: its tokenizer loads ahead
+        router = cluster.start_router(standby=used, timeout_s=60)
+        assert router is used and router in cluster.processes
+        handed = json.loads(router.ready_fields[2])
+        assert handed[:3] == ["router", "--model", "tiny-qwen2-vl"] and "--encoders" in handed
+        assert "max_concurrent_requests: 7" in " ".join(router.ready_fields[3:])
+        assert len(commands) == 2
+    finally:
+        cluster.stop()
+    assert used.proc.poll() is not None and unused.proc.poll() is not None

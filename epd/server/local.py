@@ -177,6 +177,7 @@ class LocalCluster:
         self.echo = echo  # every process's output lines as they come (epd serve prints them), or kept quiet
         self.on_ready = on_ready
         self._standbys: dict[str, TierProcess] = {}
+        self._router_standbys: list[TierProcess] = []  # routers importing while the workers start
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
         self.worker_args = {tier: [tuple(a) for a in args] for tier, args in (worker_args or {}).items() if args}
 
@@ -229,27 +230,52 @@ class LocalCluster:
                     self._standbys[tier] = self._spawn_standby(tier)
         return self
 
+    def router_standby(self, *, config: BaseModel | None = None, http_socket: socket.socket | None = None,
+                       env: Mapping[str, str] | None = None) -> TierProcess:
+        """A router process that imports its code now, while the workers start (it needs their
+        addresses, known only once they listen); ``start_router(standby=...)`` makes it the router.
+        ``config``, ``http_socket``, ``env``: as ``start_router``'s (they are handed over here)."""
+        config_fd = _config_pipe(config) if config is not None else None
+        standby = self._popen("router", [sys.executable, "-m", "epd.server.standby", "router", self.model],
+                              stdin=subprocess.PIPE,
+                              config_fd=config_fd, env=env,
+                              keep_fds=(http_socket.fileno(),) if http_socket is not None else ())
+        standby.config_fd = config_fd
+        standby.args = ("--http-fd", str(http_socket.fileno())) if http_socket is not None else ()
+        self._router_standbys.append(standby)
+        return standby
+
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
                      extra_args: Sequence[str] = (), timeout_s: float = 120.0,
                      config: BaseModel | None = None, http_socket: socket.socket | None = None,
-                     env: Mapping[str, str] | None = None) -> TierProcess:
+                     env: Mapping[str, str] | None = None, standby: TierProcess | None = None) -> TierProcess:
         """Start the router over the running workers; its ready line names the HTTP URL and the
         public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
         ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win);
         ``http_socket``: a listening socket it serves HTTP on (inherited, kept open here for the
-        next router); ``env``: its own environment variables (the admin token: no worker gets it)."""
-        config_fd = _config_pipe(config) if config is not None else None
+        next router); ``env``: its own environment variables (the admin token: no worker gets it);
+        ``standby``: a ``router_standby`` to become the router (given the config, socket and env then)."""
+        if standby is not None:
+            self._router_standbys.remove(standby)
+            config_fd = standby.config_fd
+        else:
+            config_fd = _config_pipe(config) if config is not None else None
         args = ["--config", f"/dev/fd/{config_fd}"] if config_fd is not None else []
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
                  "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
                  "--decodes", ",".join(self.decodes), *extra_args]
-        if http_socket is not None:
+        if standby is not None:
+            args += standby.args
+        elif http_socket is not None:
             args += ["--http-fd", str(http_socket.fileno())]
         if self.transport:
             args += ["--transport", self.transport]
-        proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
-                           config_fd=config_fd, keep_fds=(http_socket.fileno(),) if http_socket is not None else (),
-                           env=env)
+        if standby is not None:
+            proc = self._activate(standby, ["router", "--model", self.model, *args])
+        else:
+            proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
+                               config_fd=config_fd,
+                               keep_fds=(http_socket.fileno(),) if http_socket is not None else (), env=env)
         self.processes.append(proc)
         proc._ready.wait(timeout_s)
         if proc.address is None:
@@ -386,8 +412,9 @@ class LocalCluster:
         # theirs (killed, they would leave their shared memory for the next start to reclaim)
         self._signal_and_wait(routers, signal.SIGTERM, time.monotonic() + timeout_s)
         self._signal_and_wait(workers, signal.SIGINT, time.monotonic() + timeout_s,
-                              others=list(self._standbys.values()))
+                              others=[*self._standbys.values(), *self._router_standbys])
         self._standbys.clear()
+        self._router_standbys.clear()
         self.processes.clear()
 
     @staticmethod

@@ -273,9 +273,16 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
             f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
             f"{cluster.threads_per_tier or 'default'} thread(s) each"
         print(f"epd serve: starting {what} for {router.model} ...", flush=True)
-        cluster.start(timeout_s=config.timeout_s)
         token = admin_token(config.router)
-        routers = start_routers(cluster, config, {ENV_ADMIN_TOKEN: token} if token else {})
+        plans = router_plans(config, {ENV_ADMIN_TOKEN: token} if token else {})
+        try:  # the routers import their code while the workers start (they need the workers' addresses)
+            standbys = [cluster.router_standby(config=plan["config"], http_socket=plan.get("http_socket"),
+                                               env=plan["env"]) for plan in plans]
+            cluster.start(timeout_s=config.timeout_s)
+            routers = [cluster.start_router(**plan, standby=standby) for plan, standby in zip(plans, standbys)]
+        finally:
+            if (listener := plans[0].get("http_socket")) is not None:
+                listener.close()  # the routers hold it now
         process = routers[0]
         url, grpc_address = process.ready_fields[0], process.ready_fields[1].removeprefix("grpc=")
         admin = "".join(f"  admin API   {field.removeprefix('admin=')}/admin/workers (needs the admin token)\n"
@@ -309,29 +316,27 @@ def admin_token(router) -> str | None:
     return ApiKeys((), router.admin_token_file, env_var=ENV_ADMIN_TOKEN).first() or secrets.token_urlsafe(32)
 
 
-def start_routers(cluster, config: ServeConfig, env: dict[str, str] | None = None) -> list:
-    """The router, or ``--routers N`` of them on one HTTP socket bound here once (each accepts on
-    it: the kernel spreads the connections; no other process can join the port, as it could with
-    SO_REUSEPORT). The first also serves gRPC and the admin API: gRPC's Python server cannot
-    accept on a socket it did not bind."""
+def router_plans(config: ServeConfig, env: dict[str, str] | None = None) -> list[dict]:
+    """Each router's ``start_router`` arguments: the router, or ``--routers N`` of them on one HTTP
+    socket bound here once (each accepts on it: the kernel spreads the connections; no other
+    process can join the port, as it could with SO_REUSEPORT). The first also serves gRPC and the
+    admin API: gRPC's Python server cannot accept on a socket it did not bind. The caller closes
+    the socket (``plans[0]["http_socket"]``) once the routers hold it."""
     router = config.router
     if config.routers == 1:
-        return [cluster.start_router(host=router.host, port=router.port, grpc_port=router.grpc_port,
-                                     timeout_s=config.timeout_s, config=router, env=env)]
+        return [dict(host=router.host, port=router.port, grpc_port=router.grpc_port, timeout_s=config.timeout_s,
+                     config=router, env=env)]
     listener = socket.create_server((router.host, router.port), backlog=2048)
-    try:
-        started = []
-        for index in range(config.routers):
-            own = router.model_copy(update={"router_index": index, "public_grpc": index == 0,
-                                            "admin_port": router.admin_port if index == 0 else None,
-                                            # one planner: the first router's (it has the admin API)
-                                            "autoscale_budget": router.autoscale_budget if index == 0 else None})
-            started.append(cluster.start_router(
-                host=router.host, port=listener.getsockname()[1], grpc_port=router.grpc_port if index == 0 else 0,
-                timeout_s=config.timeout_s, config=own, http_socket=listener, env=env if index == 0 else None))
-        return started
-    finally:
-        listener.close()  # the routers hold it now
+    plans = []
+    for index in range(config.routers):
+        own = router.model_copy(update={"router_index": index, "public_grpc": index == 0,
+                                        "admin_port": router.admin_port if index == 0 else None,
+                                        # one planner: the first router's (it has the admin API)
+                                        "autoscale_budget": router.autoscale_budget if index == 0 else None})
+        plans.append(dict(host=router.host, port=listener.getsockname()[1],
+                          grpc_port=router.grpc_port if index == 0 else 0, timeout_s=config.timeout_s, config=own,
+                          http_socket=listener, env=env if index == 0 else None))
+    return plans
 
 
 def _print_line(line: str) -> None:

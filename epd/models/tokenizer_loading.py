@@ -5,8 +5,6 @@ import copy
 import threading
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from epd.models.checkpoint import read_chat_template, read_config
 
 # Loading is slow (a Qwen tokenizer.json is ~19 MB of JSON, parsed by transformers and again by the
@@ -50,6 +48,10 @@ def _state_of(model_dir: Path) -> tuple:
 
 
 def _load(model_dir: Path):
+    # imported here: prefill and decode workers load a tokenizer only for their first grammar, and
+    # transformers costs ~0.9 s of CPU to import (paid again by every worker started or restarted)
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), **_config_unless_known(model_dir))
     if not getattr(tokenizer, "chat_template", None):
         template = read_chat_template(model_dir)

@@ -22,8 +22,10 @@ from epd.server.parent import watch_parent
 STANDBY_READY = "EPD_STANDBY ready"
 _TIERS = ("encoder", "prefill", "decode", "router")
 # imported ahead; a module a build lacks is skipped (the process imports what it needs itself)
-_PRELOAD = ("torch", "epd.server.tier", "epd.models.registry", "epd.models.presets",
-            "transformers.models.qwen2_vl.modeling_qwen2_vl", "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
+_PRELOAD = ("torch", "epd.server.tier", "epd.models.registry", "epd.models.presets")
+# the vision towers are transformers' (~2.5 s of CPU to import); the LLM tiers run our own model code
+_ENCODER_PRELOAD = ("transformers.models.qwen2_vl.modeling_qwen2_vl",
+                    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl")
 _ROUTER_PRELOAD = ("epd.server.router", "epd.router.openai.app", "epd.router.grpc_api",
                    "epd.router.backends.disaggregated", "epd.models.presets")
 
@@ -39,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     # watch stops it cleanly instead)
     became_worker = threading.Event()
     watch_parent(lambda: None if became_worker.is_set() else os._exit(0))
-    for name in _ROUTER_PRELOAD if tier == "router" else (*_PRELOAD, f"epd.{tier}.servicer"):
+    preload = _ROUTER_PRELOAD if tier == "router" else \
+        (*_PRELOAD, *(_ENCODER_PRELOAD if tier == "encoder" else ()), f"epd.{tier}.servicer")
+    for name in preload:
         try:
             importlib.import_module(name)
         except ImportError:

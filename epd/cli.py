@@ -98,6 +98,14 @@ _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + de
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run(argv)
+    finally:
+        from epd.server.process import freeze_for_exit
+        freeze_for_exit()
+
+
+def _run(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in _TIERS:
         # one tier process (flags from epd/server/flags.py), started by launchers, Kubernetes, Ray

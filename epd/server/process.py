@@ -1,8 +1,9 @@
 """What every EPD process does the same way: log format, open-file limit, the ready line launchers
-wait for, and a clean stop on SIGTERM/SIGINT or when its launcher dies."""
+wait for, a clean stop on SIGTERM/SIGINT or when its launcher dies, and a cheap exit."""
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import resource
@@ -13,6 +14,16 @@ import threading
 from epd.server.parent import watch_parent
 
 READY_PREFIX = "EPD_READY"  # "EPD_READY <tier> <address> [more fields]": the launcher's signal
+
+
+def freeze_for_exit() -> None:
+    """The process's work is done and it is about to exit: what it allocated is moved out of the
+    garbage collector's reach (``gc.freeze``), so the interpreter's teardown does not walk it. With
+    torch and transformers loaded those final collections cost 0.6-1.3 s of CPU here, at every
+    worker's, router's and command's exit (a supervisor restarting workers, a test suite starting
+    hundreds). Everything else of the exit stays: atexit handlers, objects freed by reference
+    count, stdio flushed."""
+    gc.freeze()
 
 
 def configure_logging(level: str = "info", fmt: str = "text") -> None:

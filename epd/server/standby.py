@@ -85,4 +85,9 @@ def _load_tokenizer(model: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        from epd.server.process import freeze_for_exit
+        freeze_for_exit()
+    sys.exit(code)

@@ -98,11 +98,15 @@ _PROCESS_HELP = {"serve": "the embedded default: router + encoder + prefill + de
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``argv``: None as the program (then the process exits after it: ``freeze_for_exit``); a list
+    from a caller that goes on (a test), whose objects stay the collector's."""
+    as_program = argv is None
     try:
         return _run(argv)
     finally:
-        from epd.server.process import freeze_for_exit
-        freeze_for_exit()
+        if as_program:
+            from epd.server.process import freeze_for_exit
+            freeze_for_exit()
 
 
 def _run(argv: list[str] | None) -> int:

@@ -81,3 +81,17 @@ def test_generate_takes_the_engines_device_and_dtype_flags():
     done = epd("generate", "--prompt", "hi", "--dtype", "int8")
     assert done.returncode == 2 and "\n" not in done.stderr.strip()
     assert "dtype: Input should be 'auto', 'float32', 'bfloat16' or 'float16', got 'int8'" in done.stderr
+
+
+def test_only_the_program_freezes_its_objects_for_its_exit(monkeypatch, capsys):
+    """``epd`` as a program freezes what it allocated before it exits (its teardown would walk
+    torch's objects for a second); a caller that goes on (a test, a script) keeps its objects."""
+    from epd import cli
+
+    frozen = []
+    monkeypatch.setattr("epd.server.process.freeze_for_exit", lambda: frozen.append(True))
+    bad = ["generate", "--prompt", "hi", "--dtype", "int8"]
+    assert cli.main(bad) == 2 and frozen == []
+    monkeypatch.setattr("sys.argv", ["epd", *bad])
+    assert cli.main() == 2 and frozen == [True]
+    assert "got 'int8'" in capsys.readouterr().err

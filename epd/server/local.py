@@ -241,7 +241,6 @@ class LocalCluster:
                               config_fd=config_fd, env=env,
                               keep_fds=(http_socket.fileno(),) if http_socket is not None else ())
         standby.config_fd = config_fd
-        standby.args = ("--http-fd", str(http_socket.fileno())) if http_socket is not None else ()
         self._router_standbys.append(standby)
         return standby
 
@@ -254,7 +253,8 @@ class LocalCluster:
         ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win);
         ``http_socket``: a listening socket it serves HTTP on (inherited, kept open here for the
         next router); ``env``: its own environment variables (the admin token: no worker gets it);
-        ``standby``: a ``router_standby`` to become the router (given the config, socket and env then)."""
+        ``standby``: a ``router_standby`` to become the router (its config and env were given then;
+        ``http_socket`` must be the one it was given)."""
         if standby is not None:
             self._router_standbys.remove(standby)
             config_fd = standby.config_fd
@@ -264,9 +264,7 @@ class LocalCluster:
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
                  "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
                  "--decodes", ",".join(self.decodes), *extra_args]
-        if standby is not None:
-            args += standby.args
-        elif http_socket is not None:
+        if http_socket is not None:  # a standby inherited it at its start, under the same number
             args += ["--http-fd", str(http_socket.fileno())]
         if self.transport:
             args += ["--transport", self.transport]

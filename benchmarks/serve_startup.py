@@ -6,12 +6,15 @@ checkout's virtual environment), so the ratio is measured on the same machine at
     .venv/bin/python benchmarks/serve_startup.py --baseline /tmp/wt_base --rounds 5
     .venv/bin/python benchmarks/serve_startup.py --serve-args="--encoders 2 --prefills 2 --decodes 2"
 
-Prints each round, then the median per checkout and the ratio to the first baseline.
+Prints each round, then the median per checkout and the ratio to the first baseline. CPU is the
+whole tree's (epd serve, the zygote, every worker and router: each reaps its children, so their
+time adds up in this process's children's usage).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shlex
 import signal
 import statistics
@@ -24,9 +27,11 @@ ROOT = Path(__file__).resolve().parents[1]
 BANNER_END = "(Ctrl-C stops everything)"
 
 
-def one_start(code_dir: Path, model: str, serve_args: list[str], timeout_s: float) -> tuple[float, float]:
-    """-> (seconds to the banner, seconds to stop) of one ``epd serve`` run from ``code_dir``."""
+def one_start(code_dir: Path, model: str, serve_args: list[str], timeout_s: float) -> tuple[float, float, float]:
+    """-> (seconds to the banner, seconds to stop, CPU seconds of the whole run) of one
+    ``epd serve`` run from ``code_dir``."""
     env = {**os.environ, "PYTHONPATH": str(code_dir)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0",
                              *serve_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -44,7 +49,9 @@ def one_start(code_dir: Path, model: str, serve_args: list[str], timeout_s: floa
         stopping = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=60)
-        return ready_s, time.monotonic() - stopping
+        stop_s = time.monotonic() - stopping
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return ready_s, stop_s, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -55,7 +62,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", action="append", default=[], help="another checkout to compare (repeatable)")
     parser.add_argument("--model", default="tiny-qwen2-vl")
-    parser.add_argument("--serve-args", default="--no-standby", help="more epd serve flags, one string")
+    parser.add_argument("--serve-args", default="", help="more epd serve flags, one string (--no-standby: cold starts)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeout-s", type=float, default=240.0)
     args = parser.parse_args()
@@ -64,18 +71,23 @@ def main() -> int:
     one_start(ROOT, args.model, serve_args, args.timeout_s)  # the preset written, the disk cache warm
     ready: dict[Path, list[float]] = {c: [] for c in checkouts}
     stop: dict[Path, list[float]] = {c: [] for c in checkouts}
+    cpu: dict[Path, list[float]] = {c: [] for c in checkouts}
     for round_index in range(args.rounds):
         for checkout in checkouts if round_index % 2 == 0 else checkouts[::-1]:  # alternated: drift hits both
-            ready_s, stop_s = one_start(checkout, args.model, serve_args, args.timeout_s)
+            ready_s, stop_s, cpu_s = one_start(checkout, args.model, serve_args, args.timeout_s)
             ready[checkout].append(ready_s)
             stop[checkout].append(stop_s)
-            print(f"round {round_index + 1}  {checkout}: ready {ready_s:.2f} s, stopped {stop_s:.2f} s", flush=True)
+            cpu[checkout].append(cpu_s)
+            print(f"round {round_index + 1}  {checkout}: ready {ready_s:.2f} s, stopped {stop_s:.2f} s, "
+                  f"{cpu_s:.1f} s of CPU", flush=True)
     base = statistics.median(ready[checkouts[1]]) if len(checkouts) > 1 else None
+    base_cpu = statistics.median(cpu[checkouts[1]]) if len(checkouts) > 1 else None
     for checkout in checkouts:
-        median = statistics.median(ready[checkout])
+        median, median_cpu = statistics.median(ready[checkout]), statistics.median(cpu[checkout])
         ratio = f", {median / base:.2f}x the first baseline" if base else ""
+        cpu_ratio = f" ({median_cpu / base_cpu:.2f}x)" if base_cpu else ""
         print(f"{checkout}: ready {median:.2f} s median (range {min(ready[checkout]):.2f}-{max(ready[checkout]):.2f})"
-              f"{ratio}; stop {statistics.median(stop[checkout]):.2f} s")
+              f"{ratio}; stop {statistics.median(stop[checkout]):.2f} s; CPU {median_cpu:.1f} s{cpu_ratio}")
     return 0
 
 

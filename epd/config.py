@@ -592,8 +592,9 @@ class ServeConfig(_Config):
     timeout_s: float = Field(300.0, gt=0, description="how long to wait for everything to be healthy")
     max_restarts: int = Field(5, ge=0, description="restarts of each worker that dies (local launcher); then "
                                                    "it stays down and /health shows its tier degraded")
-    standby: bool = Field(True, description="keep one pre-imported spare process per tier, so a restart costs "
-                                            "the model load, not a cold start (local launcher, with restarts)")
+    standby: bool = Field(True, description="fork every worker and router from one process that imported their "
+                                            "code (a zygote), so a start or restart costs the model load, not "
+                                            "a cold start (local launcher); off: each process starts cold")
     launcher: Literal["local", "ray"] = Field("local", description="local processes or Ray actors")
     ray_address: str | None = Field(None, description="an existing Ray cluster ('auto'); default: start a local one")
     ray_config: str | None = Field(None, description="RayDeployment YAML (deploy/ray/cluster.yaml)")

@@ -1,6 +1,5 @@
 """LocalCluster's thread split for co-located tier processes (EPD_NUM_THREADS for each child), and the
-open-files limit every server raises."""
-import json
+open-files limit every server raises; supervision's restarts."""
 
 import pytest
 
@@ -84,52 +83,6 @@ def test_supervision_restarts_a_dead_worker_on_its_port_with_growing_delays_then
     assert spawned == [("encoder", 4567)] * 2
 
 
-def test_a_restart_turns_the_tiers_standby_into_the_worker_and_keeps_a_new_standby(monkeypatch):
-    import subprocess
-    import sys
-
-    from epd.server.local import TierProcess
-
-    cluster = LocalCluster("tiny-qwen2-vl", standby=True)
-    standbys = []
-
-    def spawn_standby(tier):  # a stand-in standby: echoes the arguments it is handed, then waits
-        proc = subprocess.Popen([sys.executable, "-c", "import sys, time; print(sys.stdin.readline(), flush=True); "
-                                 "time.sleep(60)"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        standbys.append(proc)
-        return TierProcess(tier, proc)
-
-    monkeypatch.setattr(cluster, "_spawn_standby", spawn_standby)
-    monkeypatch.setattr(cluster, "_spawn", lambda *a, **k: pytest.fail("a cold start while a standby was kept"))
-    dead = subprocess.Popen([sys.executable, "-c", "raise SystemExit(9)"])
-    dead.wait(30)
-    cluster.processes = [TierProcess("decode", dead, address="127.0.0.1:4568")]
-    cluster._standbys["decode"] = spawn_standby("decode")
-    try:
-        cluster.supervise(max_restarts=2, now_s=100.0)
-        assert "restarted" in cluster.supervise(max_restarts=2, now_s=101.0)[0]
-        worker = cluster.processes[0]
-        assert worker.proc is standbys[0] and worker.address == "127.0.0.1:4568" and worker.restarts == 1
-        handed = json.loads(worker.proc.stdout.readline())
-        assert handed[0] == "decode" and handed[handed.index("--port") + 1] == "4568"
-        assert cluster._standbys["decode"].proc is standbys[1]  # the next death has one too
-    finally:
-        cluster.stop()
-    assert all(p.poll() is not None for p in standbys)  # stop ends the standbys too
-
-
-@pytest.mark.parametrize("line,code,says", [("", 0, ""), ('["encoder", "--port", "0"]\n', 2, "starting with 'decode'"),
-                                            ("not json\n", 2, "expected a JSON list")])
-def test_a_standby_only_becomes_a_worker_of_its_own_tier(line, code, says):
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "epd.server.standby", "decode"], input=line, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == code, done.stderr[-2000:]
-    assert "EPD_STANDBY ready" in done.stdout and says in done.stderr
-
-
 def test_worker_ports_come_from_below_the_ephemeral_range():
     from epd.server.local import port_outside_ephemeral_range
 
@@ -160,44 +113,3 @@ def test_a_worker_gets_what_was_set_even_at_a_defaults_value():
         os.close(fd)
     assert "max_model_len" in received.engine.model_fields_set
     assert with_model_len(received.engine, "/nonexistent").max_model_len == 4096  # the checkpoint is not read
-
-
-def test_a_router_standby_starts_before_the_workers_and_becomes_the_router_with_its_config(monkeypatch):
-    """``epd serve`` starts each router as a standby beside the workers (its imports overlap
-    theirs); ``start_router(standby=...)`` hands it the workers' addresses instead of starting a
-    process, and the config given at the standby's start reaches it; an unused standby is stopped."""
-    import subprocess
-    import sys
-
-    from epd.config import RouterConfig
-    from epd.server.process import READY_PREFIX
-
-    cluster = LocalCluster("tiny-qwen2-vl", num_encoders=0, num_prefills=0, num_decodes=0)
-    real_popen, commands = cluster._popen, []
-    stand_in = ("import json, sys, time\n"  # reads its arguments as a standby does, then says what it got
-                "args = json.loads(sys.stdin.readline())\n"
-                "config = open(args[args.index('--config') + 1]).read().replace(chr(10), ';')\n"
-                f"print('{READY_PREFIX} router http://127.0.0.1:1 grpc=127.0.0.1:2', json.dumps(args, separators=(',', ':')), config, "
-                "flush=True)\n"
-                "time.sleep(60)\n")
-
-    def popen(tier, cmd, **kwargs):
-        commands.append(cmd)
-        if cmd[1:3] != ["-m", "epd.server.standby"]:
-            pytest.fail(f"a cold start while a standby was there: {cmd}")
-        return real_popen(tier, [sys.executable, "-c", stand_in], **kwargs)
-
-    monkeypatch.setattr(cluster, "_popen", popen)
-    try:
-        used = cluster.router_standby(config=RouterConfig(model="tiny-qwen2-vl", max_concurrent_requests=7))
-        unused = cluster.router_standby()
-        assert commands[0][3:] == ["router", "tiny-qwen2-vl"]  # the model: its tokenizer loads ahead
-        router = cluster.start_router(standby=used, timeout_s=60)
-        assert router is used and router in cluster.processes
-        handed = json.loads(router.ready_fields[2])
-        assert handed[:3] == ["router", "--model", "tiny-qwen2-vl"] and "--encoders" in handed
-        assert "max_concurrent_requests: 7" in " ".join(router.ready_fields[3:])
-        assert len(commands) == 2
-    finally:
-        cluster.stop()
-    assert used.proc.poll() is not None and unused.proc.poll() is not None

@@ -9,7 +9,6 @@ ends, and API keys never touch a file. Every child dies with this process (``epd
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import random
 import signal
@@ -26,8 +25,9 @@ from pydantic import BaseModel
 
 from epd.engine.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 from epd.server.gpu_sharing import device_args
-from epd.server.parent import child_environment
+from epd.server.parent import PARENT_PID_ENV, child_environment
 from epd.server.process import READY_PREFIX
+from epd.server.zygote import ForkedProcess, Zygote, ZygoteGone
 from epd.shm_owners import cleanup_stale_segments
 
 _FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...
@@ -37,7 +37,7 @@ _MAX_RESTART_DELAY_S = 30.0  # ... up to this: a worker that keeps dying does no
 @dataclass
 class TierProcess:
     tier: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedProcess
     address: str | None = None  # the first field after the tier name in the ready line
     ready_fields: list[str] = field(default_factory=list)
     log_lines: list[str] = field(default_factory=list)
@@ -46,7 +46,6 @@ class TierProcess:
     restart_at_s: float | None = None  # monotonic time a dead worker is due to restart
     given_up: bool = False  # dead, restarted max_restarts times: left down
     args: tuple[str, ...] = ()  # this worker's own flags (its device), kept across restarts
-    config_fd: int | None = None  # a standby's: where the worker config waits for it (--config /dev/fd/N)
     echo: Callable[[str], None] | None = None  # each output line as it comes, prefixed with who wrote it
     on_ready: Callable[["TierProcess"], None] | None = None  # told once, when its ready line comes
     started_s: float = field(default_factory=time.monotonic)
@@ -149,21 +148,22 @@ class LocalCluster:
     def __init__(self, model: str, *, num_encoders: int = 1, num_prefills: int = 1, num_decodes: int = 1,
                  transport: str = "", tier_args: dict[str, Sequence[str]] | None = None,
                  env: dict[str, str] | None = None, threads_per_tier: int | None = None,
-                 worker_config: BaseModel | None = None, standby: bool = False,
+                 worker_config: BaseModel | None = None,
                  devices: Mapping[str, Sequence[str]] | None = None,
                  echo: Callable[[str], None] | None = None,
                  on_ready: Callable[[TierProcess], None] | None = None,
-                 worker_args: Mapping[str, Sequence[Sequence[str]]] | None = None) -> None:
+                 worker_args: Mapping[str, Sequence[Sequence[str]]] | None = None, zygote: bool = True) -> None:
         """``threads_per_tier``: intra-op threads of each tier process, passed as EPD_NUM_THREADS
         (default: ``tier_threads``; a tier's own ``num_threads`` config still wins);
         ``worker_config``: a ``WorkerConfig`` every tier starts from (flags and ``tier_args`` win);
-        ``standby``: keep one pre-imported process per tier (``epd.server.standby``) that a restart
-        turns into the new worker; ``devices``: per tier, the ``--device`` of its workers in turn
+        ``devices``: per tier, the ``--device`` of its workers in turn
         (round robin; a restart keeps its worker's); ``worker_args``: per tier, each worker's own
         extra arguments in turn (e.g. ``--host-id`` to place workers on hosts of their own);
         ``echo``: called with each output line of every process started, prefixed ``(tier pid=N)``
         (default: lines are kept, the last ones shown when a process fails); ``on_ready``: called
-        with each process (workers, router, restarts) as it reports ready (``epd serve``'s progress)."""
+        with each process (workers, router, restarts) as it reports ready (``epd serve``'s progress);
+        ``zygote``: fork every process from one that imported their code once (``epd.server.zygote``;
+        a start or restart then costs the model load, not the imports); False: each starts cold."""
         self.model, self.transport = model, transport
         self.counts = {"encoder": num_encoders, "prefill": num_prefills, "decode": num_decodes}
         self.tier_args = tier_args or {}
@@ -173,13 +173,12 @@ class LocalCluster:
         self.env = {**given_env, **({EPD_NUM_THREADS: str(threads)} if threads else {}), **(env or {})}
         self.processes: list[TierProcess] = []
         self._worker_config = worker_config
-        self.standby = standby
         self.echo = echo  # every process's output lines as they come (epd serve prints them), or kept quiet
         self.on_ready = on_ready
-        self._standbys: dict[str, TierProcess] = {}
-        self._router_standbys: list[TierProcess] = []  # routers importing while the workers start
         self.devices = {tier: list(d) for tier, d in (devices or {}).items() if d}
         self.worker_args = {tier: [tuple(a) for a in args] for tier, args in (worker_args or {}).items() if args}
+        self.use_zygote = zygote
+        self._zygote: Zygote | None = None
 
     def _shared_gpu_args(self) -> dict[tuple[str, int], tuple[str, ...]]:
         """Engines that share a GPU with other workers split it (``epd.server.gpu_sharing``)."""
@@ -224,56 +223,28 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
-        if self.standby:  # after the workers: their start-up gets the cores first
-            for tier, count in self.counts.items():
-                if count:
-                    self._standbys[tier] = self._spawn_standby(tier)
         return self
-
-    def router_standby(self, *, config: BaseModel | None = None, http_socket: socket.socket | None = None,
-                       env: Mapping[str, str] | None = None) -> TierProcess:
-        """A router process that imports its code now, while the workers start (it needs their
-        addresses, known only once they listen); ``start_router(standby=...)`` makes it the router.
-        ``config``, ``http_socket``, ``env``: as ``start_router``'s (they are handed over here)."""
-        config_fd = _config_pipe(config) if config is not None else None
-        standby = self._popen("router", [sys.executable, "-m", "epd.server.standby", "router", self.model],
-                              stdin=subprocess.PIPE,
-                              config_fd=config_fd, env=env,
-                              keep_fds=(http_socket.fileno(),) if http_socket is not None else ())
-        standby.config_fd = config_fd
-        self._router_standbys.append(standby)
-        return standby
 
     def start_router(self, *, host: str = "127.0.0.1", port: int = 0, grpc_port: int = 0,
                      extra_args: Sequence[str] = (), timeout_s: float = 120.0,
                      config: BaseModel | None = None, http_socket: socket.socket | None = None,
-                     env: Mapping[str, str] | None = None, standby: TierProcess | None = None) -> TierProcess:
+                     env: Mapping[str, str] | None = None) -> TierProcess:
         """Start the router over the running workers; its ready line names the HTTP URL and the
         public gRPC address (``ready_fields``: ``http://h:p``, ``grpc=h:p``). ``config``: a
         ``RouterConfig`` to start from (the worker lists, listeners and ``extra_args`` win);
         ``http_socket``: a listening socket it serves HTTP on (inherited, kept open here for the
-        next router); ``env``: its own environment variables (the admin token: no worker gets it);
-        ``standby``: a ``router_standby`` to become the router (its config and env were given then;
-        ``http_socket`` must be the one it was given)."""
-        if standby is not None:
-            self._router_standbys.remove(standby)
-            config_fd = standby.config_fd
-        else:
-            config_fd = _config_pipe(config) if config is not None else None
+        next router); ``env``: its own environment variables (the admin token: no worker gets it)."""
+        config_fd = _config_pipe(config) if config is not None else None
         args = ["--config", f"/dev/fd/{config_fd}"] if config_fd is not None else []
         args += ["--host", host, "--port", str(port), "--grpc-port", str(grpc_port),
                  "--encoders", ",".join(self.encoders), "--prefills", ",".join(self.prefills),
                  "--decodes", ",".join(self.decodes), *extra_args]
-        if http_socket is not None:  # a standby inherited it at its start, under the same number
+        if http_socket is not None:  # the router has it under the same number
             args += ["--http-fd", str(http_socket.fileno())]
         if self.transport:
             args += ["--transport", self.transport]
-        if standby is not None:
-            proc = self._activate(standby, ["router", "--model", self.model, *args])
-        else:
-            proc = self._popen("router", [sys.executable, "-m", "epd", "router", "--model", self.model, *args],
-                               config_fd=config_fd,
-                               keep_fds=(http_socket.fileno(),) if http_socket is not None else (), env=env)
+        proc = self._start("router", ["router", "--model", self.model, *args], config_fd=config_fd,
+                           keep_fds=(http_socket.fileno(),) if http_socket is not None else (), env=env)
         self.processes.append(proc)
         proc._ready.wait(timeout_s)
         if proc.address is None:
@@ -336,38 +307,14 @@ class LocalCluster:
                f"({p.restarts + 1} of {max_restarts})"
 
     def _restart(self, p: TierProcess) -> TierProcess:
-        port = int(p.address.rsplit(":", 1)[1])
-        standby = self._standbys.pop(p.tier, None)
-        if standby is not None and standby.proc.poll() is None:
-            fresh = self._activate(standby, self._worker_argv(p.tier, p.args, port=port, config_fd=standby.config_fd))
-            self._standbys[p.tier] = self._spawn_standby(p.tier)  # for the next death
-        else:  # none kept (or it died): a cold start
-            fresh = self._spawn(p.tier, p.args, port=port)
+        fresh = self._spawn(p.tier, p.args, port=int(p.address.rsplit(":", 1)[1]))
         fresh.address, fresh.restarts, fresh.args = p.address, p.restarts + 1, p.args
         return fresh
-
-    def _spawn_standby(self, tier: str) -> TierProcess:
-        config_fd = _config_pipe(self._worker_config) if self._worker_config is not None else None
-        standby = self._popen(tier, [sys.executable, "-m", "epd.server.standby", tier], stdin=subprocess.PIPE,
-                              config_fd=config_fd)
-        standby.config_fd = config_fd  # the same number in the standby: its worker reads the config there
-        return standby
-
-    @staticmethod
-    def _activate(standby: TierProcess, argv: list[str]) -> TierProcess:
-        """Hand a standby its worker's arguments; it answers with the worker's ready line."""
-        try:
-            standby.proc.stdin.write(json.dumps(argv) + "\n")
-            standby.proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass  # it died just now: supervision sees the exit and restarts again
-        return standby
 
     def _spawn(self, tier: str, args: Sequence[str] = (), port: int = 0) -> TierProcess:
         port = port or port_outside_ephemeral_range()
         config_fd = _config_pipe(self._worker_config) if self._worker_config is not None else None
-        p = self._popen(tier, [sys.executable, "-m", "epd", *self._worker_argv(tier, args, port, config_fd)],
-                        config_fd=config_fd)
+        p = self._start(tier, self._worker_argv(tier, args, port, config_fd), config_fd=config_fd)
         p.args = tuple(args)
         return p
 
@@ -384,12 +331,51 @@ class LocalCluster:
             cmd += ["--transport", self.transport]
         return cmd + list(args)
 
-    def _popen(self, tier: str, cmd: list[str], stdin=subprocess.DEVNULL, config_fd: int | None = None,
+    def _start(self, tier: str, argv: list[str], config_fd: int | None = None, keep_fds: Sequence[int] = (),
+               env: Mapping[str, str] | None = None) -> TierProcess:
+        """``epd <argv>``: forked from the zygote (started with the first), or cold when there is
+        none (or it is gone: said once, and every later start is cold). As ``_popen`` for the rest."""
+        if self.use_zygote:
+            try:
+                return self._fork(tier, argv, config_fd, keep_fds, env)
+            except ZygoteGone as gone:
+                self.use_zygote = False
+                message = f"(zygote) {gone}; starting processes cold from now on"
+                self.echo(message) if self.echo is not None else print(message, file=sys.stderr, flush=True)
+        return self._popen(tier, [sys.executable, "-m", "epd", *argv], config_fd=config_fd, keep_fds=keep_fds,
+                           env=env)
+
+    def _fork(self, tier: str, argv: list[str], config_fd: int | None, keep_fds: Sequence[int],
+              env: Mapping[str, str] | None) -> TierProcess:
+        if self._zygote is None:
+            tiers = [tier for tier, count in self.counts.items() if count]
+            self._zygote = Zygote(child_environment(self.env), tiers=tiers, model=self.model, router=True)
+        child_env = {**child_environment({**self.env, **(env or {})}), PARENT_PID_ENV: str(self._zygote.proc.pid)}
+        read_fd, write_fd = os.pipe()
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+        fds = [(write_fd, 1), (stdin_fd, 0), *(((config_fd, config_fd),) if config_fd is not None else ()),
+               *((fd, fd) for fd in keep_fds)]
+        try:
+            proc = self._zygote.spawn(argv, child_env, fds)
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+            os.close(stdin_fd)
+        if config_fd is not None:
+            os.close(config_fd)
+        proc.stdout = os.fdopen(read_fd, "r")
+        tp = TierProcess(tier, proc, echo=self.echo, on_ready=self.on_ready)
+        threading.Thread(target=tp._drain, name=f"drain-{tier}", daemon=True).start()
+        return tp
+
+    def _popen(self, tier: str, cmd: list[str], config_fd: int | None = None,
                keep_fds: Sequence[int] = (), env: Mapping[str, str] | None = None) -> TierProcess:
         """Start ``cmd``; it dies with this process (``epd.server.parent``); ``config_fd``: a pipe's
         read end it inherits (closed here once it has it); ``keep_fds``: others it inherits (kept)."""
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin, text=True,
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
                                     env=child_environment({**self.env, **(env or {})}), start_new_session=True,
                                     pass_fds=(*((config_fd,) if config_fd is not None else ()), *keep_fds))
         finally:
@@ -409,21 +395,20 @@ class LocalCluster:
         # each its own ``timeout_s``: a router that used all of its grace must not cost the workers
         # theirs (killed, they would leave their shared memory for the next start to reclaim)
         self._signal_and_wait(routers, signal.SIGTERM, time.monotonic() + timeout_s)
-        self._signal_and_wait(workers, signal.SIGINT, time.monotonic() + timeout_s,
-                              others=[*self._standbys.values(), *self._router_standbys])
-        self._standbys.clear()
-        self._router_standbys.clear()
+        self._signal_and_wait(workers, signal.SIGINT, time.monotonic() + timeout_s)
         self.processes.clear()
+        if self._zygote is not None:  # its children are stopped: it goes too
+            self._zygote.close()
+            self._zygote = None
 
     @staticmethod
-    def _signal_and_wait(processes: list[TierProcess], sig: signal.Signals, deadline: float,
-                         others: Sequence[TierProcess] = ()) -> None:
-        """``sig`` to ``processes`` (SIGTERM to ``others``: standbys, which only wait on stdin),
-        then wait for all of them until ``deadline``; a process still running then is killed."""
-        for p, how in [(p, sig) for p in processes] + [(p, signal.SIGTERM) for p in others]:
+    def _signal_and_wait(processes: list[TierProcess], sig: signal.Signals, deadline: float) -> None:
+        """``sig`` to ``processes``, then wait for all of them until ``deadline``; a process still
+        running then is killed."""
+        for p in processes:
             if p.proc.poll() is None:
-                p.proc.send_signal(how)
-        for p in [*processes, *others]:
+                p.proc.send_signal(sig)
+        for p in processes:
             try:
                 p.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:

@@ -265,7 +265,7 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
     cluster = LocalCluster(router.model, num_encoders=counts[0], num_prefills=counts[1], num_decodes=counts[2],
                            transport=config.worker.transport, threads_per_tier=config.threads_per_tier,
                            worker_config=_one_rank(config.worker), tier_args=_tier_args(config),
-                           standby=config.standby and config.max_restarts > 0,
+                           zygote=config.standby,
                            devices={tier: config.devices(tier) for tier in ("encoder", "prefill", "decode")},
                            echo=_print_line, on_ready=progress.process_ready)
     try:
@@ -275,11 +275,9 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         print(f"epd serve: starting {what} for {router.model} ...", flush=True)
         token = admin_token(config.router)
         plans = router_plans(config, {ENV_ADMIN_TOKEN: token} if token else {})
-        try:  # the routers import their code while the workers start (they need the workers' addresses)
-            standbys = [cluster.router_standby(config=plan["config"], http_socket=plan.get("http_socket"),
-                                               env=plan["env"]) for plan in plans]
+        try:  # the routers need the workers' addresses (their code was imported by the zygote meanwhile)
             cluster.start(timeout_s=config.timeout_s)
-            routers = [cluster.start_router(**plan, standby=standby) for plan, standby in zip(plans, standbys)]
+            routers = [cluster.start_router(**plan) for plan in plans]
         finally:
             if (listener := plans[0].get("http_socket")) is not None:
                 listener.close()  # the routers hold it now

@@ -28,7 +28,7 @@ def _counts(server) -> dict[str, int]:
 
 def test_images_after_text_move_a_decode_worker_to_the_encoders_and_no_request_fails():
     server = ServeProcess(MODEL, "--encoders", "1", "--prefills", "1", "--decodes", "2", "--autoscale-budget", "4",
-                          "--autoscale-cooldown-s", "5", "--no-standby")
+                          "--autoscale-cooldown-s", "5")
     started = descendants(server.proc.pid)
     try:
         assert _counts(server) == {"encoder": 1, "prefill": 1, "decode": 2}

@@ -28,7 +28,7 @@ RED, BLUE = make_image_bytes(96, 80, seed=81), make_image_bytes(64, 88, seed=82)
 @pytest.fixture(scope="module")
 def serve():
     server = ServeProcess(MODEL, "--encoder-cache-store", "mooncake", "--encoder-cache-store-bytes", str(64 * 2**20),
-                          "--prefill-store-reads", "always", "--no-standby")
+                          "--prefill-store-reads", "always")
     started = descendants(server.proc.pid)
     try:
         # workers join the store on a thread of their own; the router sends prefill store handles

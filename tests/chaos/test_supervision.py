@@ -115,14 +115,14 @@ def test_a_worker_of_each_tier_lost_under_load_costs_no_request():
         assert not clients.failures(), [f"{o.chat}: {o.status} {o.error}" for o in clients.failures()][:5]
         assert not mismatches(outcomes, refs)
         assert moves(serve.base_url).get("migrated", 0) >= 1, "no request was ever moved mid-stream"
-        started |= descendants(serve.proc.pid)  # the restarted workers and the standbys made since
+        started |= descendants(serve.proc.pid)  # the restarted workers
     finally:
         assert serve.stop() == 0, "\n".join(serve.lines[-30:])
     _assert_all_gone(started)
 
 
 def test_killing_the_router_stops_epd_serve_and_leaves_no_orphans():
-    serve = ServeProcess("--model", MODEL, "--no-standby")  # no worker is restarted here
+    serve = ServeProcess("--model", MODEL)
     started = descendants(serve.proc.pid)
     try:
         (_, router_pid), = worker_pids(serve.lines)["router"]

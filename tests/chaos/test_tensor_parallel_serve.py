@@ -77,7 +77,7 @@ def _assert_all_gone(pids: set[int]) -> None:
 
 
 def test_a_tp2_prefill_feeding_a_tp1_decode_gives_transformers_tokens(model_dir, expected):
-    serve = ServeProcess("--model", str(model_dir), "--prefill-tp", "2", "--no-standby")
+    serve = ServeProcess("--model", str(model_dir), "--prefill-tp", "2")
     started = descendants(serve.proc.pid)
     try:
         (_, prefill_pid), = worker_pids(serve.lines)["prefill"]
@@ -89,7 +89,7 @@ def test_a_tp2_prefill_feeding_a_tp1_decode_gives_transformers_tokens(model_dir,
 
 
 def test_tp2_decodes_give_transformers_tokens_and_a_lost_rank_costs_no_request(model_dir, expected):
-    serve = ServeProcess("--model", str(model_dir), "--decode-tp", "2", "--decodes", "2", "--no-standby",
+    serve = ServeProcess("--model", str(model_dir), "--decode-tp", "2", "--decodes", "2",
                          "--health-timeout-s", "2")
     started = descendants(serve.proc.pid)
     try:

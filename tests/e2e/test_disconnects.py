@@ -31,7 +31,7 @@ _STUBS = {"encoder": encoder_pb2_grpc.EncoderStub, "prefill": prefill_pb2_grpc.P
 
 @pytest.fixture(scope="module")
 def server():
-    serve = ServeProcess("--model", "tiny-qwen2-vl", "--no-standby")  # no worker dies here
+    serve = ServeProcess("--model", "tiny-qwen2-vl")
     yield serve
     serve.stop()
 

@@ -53,7 +53,7 @@ def test_a_hard_killed_epd_serve_takes_its_whole_tree_with_it_and_frees_its_port
                          "--api-key", key)
     tree = descendants(serve.proc.pid)
     try:
-        assert len(tree) >= 4, tree  # router, encoder, prefill, decode (and standbys)
+        assert len(tree) >= 4, tree  # router, encoder, prefill, decode (and the zygote they were forked from)
         assert not _files_holding(temp, key.encode(), started_s), "the API key was written to a file"
         assert _config_dirs(temp) == dirs_before
         os.kill(serve.proc.pid, signal.SIGKILL)

@@ -53,7 +53,7 @@ def server(model_dir, media_dir, tmp_path_factory):
         env = {"HF_ENDPOINT": hub.url, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
         # vLLM users' habits on the command line: accepted flags (said once each) beside ours
         serve = ServeProcess(HUB_REPO, "--download-dir", str(downloads), "--revision", "main",
-                             "--served-model-name", "m", "--no-standby",
+                             "--served-model-name", "m",
                              "--allowed-local-media-path", str(media_dir),
                              "--config", str(config), "--allow-private-network",  # http images from a loopback server
                              "--trust-remote-code", "--disable-log-requests", "--kv-cache-dtype", "auto",

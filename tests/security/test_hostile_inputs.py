@@ -35,7 +35,7 @@ def media_dir(tmp_path_factory):
 def server(tmp_path_factory, media_dir):
     model_dir = write_preset_checkpoint("tiny-qwen2-vl", tmp_path_factory.mktemp("hostile") / "ckpt", seed=97)
     flags = [arg for key, value in LIMITS.items() for arg in (f"--{key.replace('_', '-')}", str(value))]
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", MODEL, "--no-standby",
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", MODEL,
                          "--allowed-local-media-path", str(media_dir), *flags)
     yield serve
     serve.stop_and_check_clean(model_dir)

@@ -77,7 +77,7 @@ def secured(model_dir, pki, tmp_path_factory):
     secrets_dir = tmp_path_factory.mktemp("secrets")
     (secrets_dir / "keys").write_text(f"# rotated by writing this file\n{FILE_KEY}\n")
     (secrets_dir / "admin").write_text(ADMIN_TOKEN + "\n")
-    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m", "--no-standby",
+    serve = ServeProcess("--model", str(model_dir), "--served-model-name", "m",
                          *pki["cluster"].flags(),
                          "--api-key-file", str(secrets_dir / "keys"), "--admin-port", "0",
                          "--admin-token-file", str(secrets_dir / "admin"), env={"EPD_API_KEY": ENV_KEY})
@@ -196,7 +196,7 @@ def test_no_secret_reaches_argv_or_the_output(secured):
     serve, _ = secured
     secrets = (FILE_KEY, ENV_KEY, ROTATED_KEY, ADMIN_TOKEN)
     pids = _tree(serve.proc.pid)
-    assert len(pids) >= 5, pids  # epd serve, router, three workers (and standbys)
+    assert len(pids) >= 5, pids  # epd serve, router, three workers (and the zygote they were forked from)
     for pid in pids:
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")

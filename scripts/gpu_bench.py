@@ -371,14 +371,14 @@ def _vision_checkpoint(run: Run, dims: dict) -> Path:
     from transformers import AutoConfig
 
     from epd.models.presets import write_preset_checkpoint
-    from epd.models.qwen2_vl.vision import _tower_class
+    from epd.models.qwen2_vl.vision import tower_class
 
     path = write_preset_checkpoint("tiny-qwen2.5-vl", run.work / "vision", seed=3)
     config = json.loads((path / "config.json").read_text())
     config["vision_config"].update(dims)
     (path / "config.json").write_text(json.dumps(config))
     with torch.device(run.device):  # random init where it is fast
-        tower = _tower_class(config["model_type"])._from_config(AutoConfig.from_pretrained(path).vision_config)
+        tower = tower_class(config["model_type"])._from_config(AutoConfig.from_pretrained(path).vision_config)
     state = {f"visual.{name}": t.detach().to(torch.bfloat16 if dims else torch.float32).contiguous()
              for name, t in tower.state_dict().items()}
     save_file({name: t.cpu() for name, t in state.items()}, str(path / "model.safetensors"))

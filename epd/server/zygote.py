@@ -108,9 +108,10 @@ def _preload_vision(model_dir) -> None:
 
 
 def serve(sock: socket.socket, steps: list[Callable[[], None]]) -> dict | None:
-    """Fork a child per request until the launcher lets go; ``steps`` (preloading) run one at a
-    time whenever no request waits, and each child has the steps run before it. -> in a forked
-    child, its request (``fds`` already in place); None in the zygote once it is done."""
+    """Fork a child per request until the launcher lets go; ``steps`` (more preloading) run one at
+    a time whenever no request waits, so a child has what ran before its fork (a router forked
+    before the router's step imports its code itself). -> in a forked child, its request (``fds``
+    already in place); None in the zygote once it is done."""
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_NONBLOCK)

@@ -1,8 +1,9 @@
 """Start tier processes (and the router) on this machine and stop every one of them again.
 
-Each tier runs as ``python -m epd <tier> --port 0 ...`` and prints ``EPD_READY <tier> <address>``
-once serving; the launcher waits for those lines (bounded) and keeps draining the output so a
-chatty worker can never block on a full pipe. Validated configs reach the children as YAML through
+Each tier runs as ``epd <tier> --port 0 ...`` (forked from the zygote, ``epd.server.zygote``, or
+started cold as ``python -m epd <tier> ...``) and prints ``EPD_READY <tier> <address>`` once
+serving; the launcher waits for those lines (bounded) and keeps draining the output so a chatty
+worker can never block on a full pipe. Validated configs reach the children as YAML through
 a pipe (``--config /dev/fd/N``): nothing on disk, so nothing is left behind however this process
 ends, and API keys never touch a file. Every child dies with this process (``epd.server.parent``).
 """

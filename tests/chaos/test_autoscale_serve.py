@@ -41,8 +41,10 @@ def test_images_after_text_move_a_decode_worker_to_the_encoders_and_no_request_f
         moved_at = time.monotonic()
         time.sleep(9)  # the same load on the new split
         done += images.stop()
-        assert moved, ("no move within 150 s", _counts(server), [line for line in server.lines if "planner" in line
-                                                                or "autoscale" in line], server.lines[-30:])
+        if not moved:  # printed whole (an assertion's message is cut): each decision and what was done with it
+            print("\n".join(line for line in server.lines if "planner" in line or "autoscale" in line or
+                            "exited" in line or "ready at" in line))
+        assert moved, ("no move within 150 s", _counts(server), server.lines[-30:])
         assert [status for _, _, status in done if status != 200] == []
         # a decode worker moves to the encoders; or, the decodes idle first, one goes back to the
         # budget and the hot encoders get it: the same split either way, each step with its reason

@@ -63,6 +63,8 @@ def test_a_forked_worker_has_its_own_descriptors_environment_session_and_exit_co
         assert int(stat[3]) == worker.pid  # its own session, as a cold start's (start_new_session)
         with open(f"/proc/{worker.pid}/comm") as f:
             assert f.read().strip() == "epd-decode"
+        with open(f"/proc/{worker.pid}/cmdline", "rb") as f:  # what ps and pgrep -f show: its own, as if cold
+            assert f.read().replace(b"\0", b" ").strip().startswith(b"epd decode --config /dev/fd/")
         assert worker.poll() is None
         worker.send_signal(signal.SIGKILL)
         assert worker.wait(30) == -signal.SIGKILL

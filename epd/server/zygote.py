@@ -220,11 +220,11 @@ def _place_fds(fds: list[int], targets: list[int]) -> None:
 def become(request: dict) -> int:
     """In a forked child: the process ``epd <argv>`` would have been."""
     os.setsid()  # its own session and process group, as the launcher's cold starts have
+    argv = request["argv"]
+    _name_process(argv)  # first: setproctitle finds the command line's memory through the environment
     os.environ.clear()
     os.environ.update(request["env"])
-    argv = request["argv"]
     sys.argv = ["epd", *argv]
-    _name_process(f"epd-{argv[0]}" if argv else "epd")
     _reseed()
     from epd.cli import main
     return main(argv)
@@ -240,11 +240,18 @@ def _reseed() -> None:
         sys.modules["torch"].manual_seed(seed)
 
 
-def _name_process(name: str) -> None:
-    """The name ``ps -o comm``, ``top`` and /proc/PID/comm show (its command line stays the zygote's)."""
+def _name_process(argv: list[str]) -> None:
+    """What ``ps``, ``pgrep -f`` and /proc/PID/cmdline show: ``epd <argv>``, as for a cold start
+    (``python -m epd <argv>``), not the zygote's command line; and ``epd-<tier>`` as its short
+    name (``ps -o comm``, ``top``)."""
+    try:
+        from setproctitle import setproctitle
+        setproctitle(" ".join(["epd", *argv]))
+    except ImportError:  # an install without it: the zygote's command line stays
+        pass
     try:
         import ctypes
-        ctypes.CDLL(None).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        ctypes.CDLL(None).prctl(_PR_SET_NAME, f"epd-{argv[0] if argv else ''}".encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):
         pass
 

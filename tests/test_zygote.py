@@ -11,7 +11,7 @@ import pytest
 
 from epd.server.local import LocalCluster, TierProcess, _config_pipe
 from epd.server.parent import PARENT_PID_ENV
-from epd.server.zygote import Zygote, ZygoteGone
+from epd.server.zygote_client import Zygote, ZygoteGone
 
 
 def _stat(pid: int) -> list[str]:

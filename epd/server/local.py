@@ -28,7 +28,7 @@ from epd.engine.threads import EPD_NUM_THREADS, OMP_NUM_THREADS, usable_cores
 from epd.server.gpu_sharing import device_args
 from epd.server.parent import PARENT_PID_ENV, child_environment
 from epd.server.process import READY_PREFIX
-from epd.server.zygote import ForkedProcess, Zygote, ZygoteGone
+from epd.server.zygote_client import ForkedProcess, Zygote, ZygoteGone
 from epd.shm_owners import cleanup_stale_segments
 
 _FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...

@@ -27,6 +27,7 @@ import gc
 import importlib.util
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -51,7 +52,19 @@ class Run:
         self.deadline = time.monotonic() + deadline_s
         self.device = "cpu" if dry_run else "cuda"
         self.results: dict = {"dry_run": dry_run, "phases": {}}
-        self.work = Path(tempfile.mkdtemp(prefix="epd-gpu-bench-"))
+        self._work: Path | None = None
+
+    @property
+    def work(self) -> Path:
+        """A folder for the checkpoints the phases write (made at the first use; ``close`` removes it)."""
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="epd-gpu-bench-"))
+        return self._work
+
+    def close(self) -> None:
+        if self._work is not None:  # ~200 MB of checkpoints: none is left behind
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
 
     @property
     def past_deadline(self) -> bool:
@@ -497,8 +510,11 @@ def main() -> int:
         args.out.write_text(json.dumps(run.results, indent=2))
         print(f"gpu_bench: importing EPD failed: {run.results['import_error']}", flush=True)
         return 1
-    for name in args.only.split(","):
-        run.phase(name, PHASES[name])
+    try:
+        for name in args.only.split(","):
+            run.phase(name, PHASES[name])
+    finally:
+        run.close()
     return 1 if failed_phases(run.results) else 0
 
 

@@ -26,7 +26,13 @@ def _verify(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_dry_run_writes_every_result_comparing_the_cpu_with_itself(tmp_path):
+    import glob
+    import tempfile
+
+    work_dirs = os.path.join(tempfile.gettempdir(), "epd-gpu-bench-*")
+    before = set(glob.glob(work_dirs))
     done = _verify(tmp_path, "--dry-run")
+    assert set(glob.glob(work_dirs)) <= before, "the bench left its checkpoints behind"
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     results = json.loads((tmp_path / "results.json").read_text())
     # the phases, and the copy bandwidth the ipc phase measured (the decode phase's bound reads it)

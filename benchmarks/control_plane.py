@@ -10,6 +10,9 @@ ms per streamed token of the router, of each tier, and of the client; decode CPU
 (the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
 thread of the process, measured over the load alone.
 
+``--collector``: also the garbage collector's CPU per streamed token in each process (every EPD
+process started with ``benchmarks/collector_probe`` on its path, which counts each collection's CPU).
+
 A model ``null-qwen2-vl@N`` is the zero-cost model whose every forward takes N ms asleep: steps
 paced as a GPU's are (10-100 ms at a large batch), the host idle in between as it is beside a GPU,
 with no model computing on the cores the router shares.
@@ -20,6 +23,7 @@ its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,null-qwen2-vl@80,tiny-qwen2-vl] [--streams 64,256]
         [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc,2d-2r] [--kinds text,image] [--out cp.json] [--api-key K]
+        [--collector]
 
 Only loopback; every process started is stopped.
 """
@@ -148,6 +152,7 @@ class Point:
     tokens_per_s: float = 0.0
     events_per_token: float = 0.0
     cpu_ms_per_token: dict = field(default_factory=dict)  # process -> CPU ms per streamed token
+    collector_ms_per_token: dict = field(default_factory=dict)  # with --collector: process -> its GC's CPU
     decode_ms_per_step: float | None = None
     decode_batch: float | None = None
     errors: list = field(default_factory=list)
@@ -199,7 +204,23 @@ class Cluster:
         return total
 
 
+_COLLECTOR = {"dir": None}  # with --collector: where each server process writes its collector's totals
+
+
+def collector_cpu_s(pid: int) -> float:
+    """The garbage collector's CPU seconds so far in process ``pid`` (0 before its first report)."""
+    try:
+        with open(os.path.join(_COLLECTOR["dir"], f"{pid}.json")) as f:
+            return sum(json.load(f)["cpu_s"])
+    except (OSError, ValueError):
+        return 0.0
+
+
 def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
+    collector = _COLLECTOR["dir"] is not None
+    if collector:
+        time.sleep(0.6)  # every process has reported what came before the load
+        gc_before = {name: collector_cpu_s(pid) for name, pid in cluster.pids.items()}
     seeds = range(point.streams) if point.kind == "image" else [None] * point.streams
     bodies = [_body(cluster.model, point.tokens_per_stream, None if s is None else 1000 * point.streams + s)
               for s in seeds]
@@ -215,6 +236,10 @@ def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
     per_token = 1000.0 / max(1, point.tokens)
     point.cpu_ms_per_token = {name: round((after[name] - before[name]) * per_token, 4) for name in before}
     point.cpu_ms_per_token["client"] = round(result["cpu_s"] * per_token, 4)
+    if collector:
+        time.sleep(0.6)
+        point.collector_ms_per_token = {name: round((collector_cpu_s(pid) - gc_before[name]) * per_token, 5)
+                                        for name, pid in cluster.pids.items()}
     if cluster.decode_metrics:
         steps = cluster.decode_steps() - steps_before
         decode_cpu_s = sum(after[n] - before[n] for n in before if n.startswith("decode"))
@@ -232,6 +257,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--out", default="", help="write every point as JSON here too")
+    parser.add_argument("--collector", action="store_true",
+                        help="also the garbage collector's CPU per token in each process")
     parser.add_argument("--api-key", default="", help="serve with this API key (the key check's cost included)")
     args = parser.parse_args()
     if args.api_key:
@@ -241,6 +268,12 @@ def main() -> int:
              f"(router, tiers, client){'':>4}decode ms/step @batch"
     print(header, flush=True)
     scratch = tempfile.TemporaryDirectory(prefix="epd-control-plane-")
+    if args.collector:  # inherited by epd serve and every process it starts
+        _COLLECTOR["dir"] = os.path.join(scratch.name, "collector")
+        os.makedirs(_COLLECTOR["dir"])
+        os.environ["EPD_BENCH_COLLECTOR_DIR"] = _COLLECTOR["dir"]
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR / "collector_probe"),
+                                                                 os.environ.get("PYTHONPATH")) if p)
     for model in args.models.split(","):
         for topology in args.topologies.split(","):
             with Cluster(served_model(model, Path(scratch.name)), topology, args.api_key,
@@ -259,6 +292,9 @@ def main() -> int:
                         print(f"{model:<18}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
                               f"{point.events_per_token:>7.2f}  {cpu}  {decode}"
                               f"{'  ERRORS ' + str(point.errors) if point.errors else ''}", flush=True)
+                        if point.collector_ms_per_token:
+                            print(f"{'':<40}collector CPU ms per token: " + " ".join(
+                                f"{name}={ms:.4f}" for name, ms in point.collector_ms_per_token.items()), flush=True)
     scratch.cleanup()
     if args.out:
         with open(args.out, "w") as f:

@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     """``argv``: None as the program (then the process exits after it: ``freeze_for_exit``); a list
     from a caller that goes on (a test), whose objects stay the collector's."""
     as_program = argv is None
+    if as_program:
+        from epd.server.process import own_the_heap
+        own_the_heap()
     try:
         return _run(argv)
     finally:

@@ -7,7 +7,7 @@ mm hashes two different images would share cached KV.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import blake3
 
@@ -15,12 +15,14 @@ from epd.engine.sequence import Sequence
 from epd.types import MultimodalItemSpan
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
+    """One page's bookkeeping. Nothing in it is a container: a cache has tens of thousands of
+    blocks, and a list per block (as its token ids were, never read) is that many more objects for
+    every full garbage collection to walk."""
     block_id: int
     ref_count: int = 0
     block_hash: str | None = None
-    token_ids: list[int] = field(default_factory=list)
 
 
 def compute_block_hash(prev_hash: str | None, token_ids: list[int], block_start: int,
@@ -141,7 +143,6 @@ class BlockManager:
                 start = i * self.block_size
                 tokens = seq.token_ids[start:start + self.block_size]
                 block.block_hash = compute_block_hash(prev, tokens, start, seq.mm_items)
-                block.token_ids = tokens
                 self._hash_to_block.setdefault(block.block_hash, block.block_id)
             prev = block.block_hash
         seq.num_hashed_blocks = num_full
@@ -162,7 +163,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None and self._hash_to_block.get(block.block_hash) == block_id:
             del self._hash_to_block[block.block_hash]  # evict: its contents are about to change
-        block.block_hash, block.token_ids = None, []
+        block.block_hash = None
         return block_id
 
     def _take(self, block_id: int) -> None:

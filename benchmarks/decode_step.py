@@ -8,7 +8,8 @@ CPU ms per step (process time, all threads), wall ms per step, and where the wal
 and complete; the rest is the step's own glue). The same numbers for the tiny preset, whose forward
 is real, put them beside a model that computes. ``--modes in_order,async``: each point also with
 async scheduling (on the CPU nothing runs beside the host, so this shows its bookkeeping's cost).
-``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy.
+``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy. ``--context N``:
+prompts of N tokens (every step's sequences span that much KV, as long chats' do).
 
     python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from control_plane import kv_bytes_per_token  # noqa: E402
 from epd.config import EngineConfig  # noqa: E402
 from epd.engine.llm_engine import LLMEngine  # noqa: E402
 from epd.models.locate import resolve_model  # noqa: E402
@@ -83,14 +85,20 @@ class _CallTimer:
             self.seconds[self.name] += time.perf_counter() - start
 
 
-def measure(model: str, batch: int, steps: int, overlap: bool = False, temperature: float = 0.0) -> dict:
+def measure(model: str, batch: int, steps: int, overlap: bool = False, temperature: float = 0.0,
+            context: int = 0) -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
+    # room for every sequence's whole length: a preemption (and its prefix lookup) is not a decode step
+    kv_bytes = max(1 << 30, batch * (context + steps + 128) * kv_bytes_per_token(model))
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
-                          kv_cache_bytes=1 << 30, max_model_len=4096, async_scheduling=overlap)
+                          kv_cache_bytes=kv_bytes, max_model_len=max(4096, context + steps + 128),
+                          async_scheduling=overlap)
     engine = LLMEngine(load_llm_for(model_dir, config), config,
                        eos_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
+    if context > len(prompt):  # every sequence's KV this long: what a step's page metadata spans
+        prompt = (prompt * (context // len(prompt) + 1))[:context]
     params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=temperature)
     for i in range(batch):
         engine.add_request(prompt, params, request_id=f"r{i}")
@@ -119,6 +127,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (a tier on a small host gets 1; the step's own work is serial)")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
+    parser.add_argument("--context", type=int, default=0,
+                        help="prompt tokens per request (default: a one-line prompt); the KV a step spans")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -129,7 +139,8 @@ def main() -> int:
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for mode in modes:
-                r = measure(model, batch, args.steps, overlap=mode == "async", temperature=args.temperature)
+                r = measure(model, batch, args.steps, overlap=mode == "async", temperature=args.temperature,
+                            context=args.context)
                 parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
                 print(f"{r['model']:<15}{r['mode']:<10}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  "
                       f"{parts}", flush=True)

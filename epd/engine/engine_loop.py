@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from epd.engine.llm_engine import LLMEngine
-from epd.engine.sequence import Sequence
+from epd.engine.sequence import Sequence, SequenceStatus
 from epd.engine.threads import ThreadPolicy
 from epd.types import TokenLogprobs
 
@@ -166,8 +166,8 @@ class EngineLoop:
             log.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine step failed: {err}")
             return False
-        for seq, _, _ in list(self._watchers.values()):
-            self._publish(seq)
+        for entry in list(self._watchers.values()):
+            self._publish_entry(*entry)
         self._flush_batches()
         return self.engine.num_steps > steps_before
 
@@ -184,19 +184,25 @@ class EngineLoop:
 
     def _publish(self, seq: Sequence) -> None:
         entry = self._watchers.get(seq.seq_id)
-        if entry is None:
-            return
-        _, updates, sent = entry
-        num_outputs = seq.num_output_tokens  # not seq.output_token_ids: a copy of every output, each step
+        if entry is not None:
+            self._publish_entry(*entry)
+
+    def _publish_entry(self, seq: Sequence, updates, sent: int) -> None:
+        """``seq``'s tokens past the ``sent`` first to its watcher (every watched sequence, every step)."""
         if seq.error is not None:  # failed where it stood (e.g. it could not be rebuilt to recompute)
             self._put(updates, TokenUpdate([], error=seq.error))
             del self._watchers[seq.seq_id]
             return
-        if num_outputs > sent or seq.is_finished:
-            self._put(updates, TokenUpdate(seq.token_ids[seq.num_prompt_tokens + sent:], seq.output_logprobs[sent:],
-                                           seq.finish_reason if seq.is_finished else None))
-            self._watchers[seq.seq_id] = (seq, updates, num_outputs)
-        if seq.is_finished:
+        finished = seq.status is SequenceStatus.FINISHED
+        first = seq.num_prompt_tokens + sent  # not seq.output_token_ids: a copy of every output, each step
+        if len(seq.token_ids) > first or finished:
+            self._put(updates, TokenUpdate(seq.token_ids[first:], seq.output_logprobs[sent:] if seq.output_logprobs
+                                           else [], seq.finish_reason if finished else None))
+            if finished:
+                del self._watchers[seq.seq_id]
+            else:
+                self._watchers[seq.seq_id] = (seq, updates, len(seq.token_ids) - seq.num_prompt_tokens)
+        elif finished:
             del self._watchers[seq.seq_id]
 
     def _fail_all(self, error: str) -> None:

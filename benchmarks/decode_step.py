@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from control_plane import kv_bytes_per_token  # noqa: E402
+
 from epd.config import EngineConfig  # noqa: E402
 from epd.engine.llm_engine import LLMEngine  # noqa: E402
 from epd.models.locate import resolve_model  # noqa: E402

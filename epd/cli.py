@@ -102,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     from a caller that goes on (a test), whose objects stay the collector's."""
     as_program = argv is None
     if as_program:
-        from epd.server.process import own_the_heap
-        own_the_heap()
+        from epd import heap
+        heap.own()
     try:
         return _run(argv)
     finally:
         if as_program:
-            from epd.server.process import freeze_for_exit
-            freeze_for_exit()
+            from epd import heap
+            heap.freeze_for_exit()
 
 
 def _run(argv: list[str] | None) -> int:

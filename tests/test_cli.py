@@ -85,24 +85,25 @@ def test_generate_takes_the_engines_device_and_dtype_flags():
 
 def test_a_started_program_serves_with_its_heap_frozen_and_fewer_young_collections():
     """At its ready line a program's loaded objects are frozen out of the collector's reach and the
-    youngest generation is collected less often (``settle_heap_for_serving``); a caller that goes
+    youngest generation is collected less often (``epd.heap.settle_for_serving``); a caller that goes
     on (this test's own process) keeps its collector as it was."""
     import gc
 
+    from epd import heap
     from epd.server import process
 
     before = gc.get_threshold(), gc.get_freeze_count()
     process.announce_ready("test", "here")
     assert (gc.get_threshold(), gc.get_freeze_count()) == before
-    probe = ("import gc; from epd.server import process; process.own_the_heap(); process.announce_ready('x', 'y'); "
-             "print(gc.get_threshold()[0], gc.get_freeze_count())")
+    probe = ("import gc; from epd import heap; from epd.server import process; heap.own(); "
+             "process.announce_ready('x', 'y'); print(gc.get_threshold()[0], gc.get_freeze_count())")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 0, done.stderr
     ready, settled = done.stdout.strip().splitlines()
     assert ready == "EPD_READY x y"
     threshold, frozen = map(int, settled.split())
-    assert threshold == process.YOUNG_COLLECTION_OBJECTS and frozen > 1000
+    assert threshold == heap.YOUNG_COLLECTION_OBJECTS and frozen > 1000
 
 
 def test_only_the_program_freezes_its_objects_for_its_exit(monkeypatch, capsys):
@@ -111,8 +112,8 @@ def test_only_the_program_freezes_its_objects_for_its_exit(monkeypatch, capsys):
     from epd import cli
 
     frozen, owned = [], []
-    monkeypatch.setattr("epd.server.process.freeze_for_exit", lambda: frozen.append(True))
-    monkeypatch.setattr("epd.server.process.own_the_heap", lambda: owned.append(True))
+    monkeypatch.setattr("epd.heap.freeze_for_exit", lambda: frozen.append(True))
+    monkeypatch.setattr("epd.heap.own", lambda: owned.append(True))
     bad = ["generate", "--prompt", "hi", "--dtype", "int8"]
     assert cli.main(bad) == 2 and frozen == [] and owned == []
     monkeypatch.setattr("sys.argv", ["epd", *bad])

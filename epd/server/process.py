@@ -3,7 +3,6 @@ wait for, a clean stop on SIGTERM/SIGINT or when its launcher dies, and a cheap 
 from __future__ import annotations
 
 import enum
-import gc
 import logging
 import os
 import resource
@@ -11,53 +10,10 @@ import signal
 import sys
 import threading
 
+from epd import heap
 from epd.server.parent import watch_parent
 
 READY_PREFIX = "EPD_READY"  # "EPD_READY <tier> <address> [more fields]": the launcher's signal
-_heap_is_ours = False  # the process is an EPD program (not a caller that imported us and goes on)
-
-
-def own_the_heap() -> None:
-    """This process is an EPD program (``epd ...`` run, or forked as one): what it holds once it
-    has started may be frozen (``settle_heap_for_serving``) and left at its exit (``freeze_for_exit``)."""
-    global _heap_is_ours
-    _heap_is_ours = True
-
-
-YOUNG_COLLECTION_OBJECTS = 10_000  # the youngest generation's threshold while serving (Python's: 700)
-
-
-def settle_heap_for_serving() -> None:
-    """Started: the garbage collector set for serving, in a program only (a caller that goes on,
-    a test, keeps its collector as it was).
-
-    What the process loaded (torch's and transformers' objects, the model, the tokenizer, the app)
-    is collected once and frozen out of the collector's reach (``gc.freeze``): every full
-    collection while serving walked all of it again, ~100-250 ms of CPU each here, several a
-    minute under load. Frozen objects are still freed by reference count; only a reference cycle
-    among them would stay.
-
-    And the youngest generation is collected every 10,000 net new objects instead of 700: a
-    router streaming 256 requests collected it ~90 times a second (a step's or a token's short-
-    lived objects are most of what it allocates and frees), and every collection walked the
-    requests' live objects again. Together they cut a router's collector CPU under load ~3.5x
-    and a decode worker's ~2x (docs/benchmarks.md)."""
-    if _heap_is_ours:
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(YOUNG_COLLECTION_OBJECTS, *gc.get_threshold()[1:])
-
-
-def freeze_for_exit() -> None:
-    """The process's work is done and it is about to exit: what it allocated is moved out of the
-    garbage collector's reach (``gc.freeze``), so the interpreter's teardown does not walk it. With
-    torch and transformers loaded those final collections cost 0.6-1.3 s of CPU here, at every
-    worker's, router's and command's exit (a supervisor restarting workers, a test suite starting
-    hundreds). Everything else of the exit stays: atexit handlers, objects freed by reference
-    count, stdio flushed."""
-    gc.freeze()
-
-
 def configure_logging(level: str = "info", fmt: str = "text") -> None:
     """stderr, at ``level``; ``fmt`` text lines or JSON objects (one a line: time, level, logger,
     message, and the exception's text when there is one). Again with other settings: replaced."""
@@ -97,7 +53,7 @@ def raise_open_files_limit() -> int:
 
 def announce_ready(tier: str, *fields: str) -> None:
     """The launcher's signal that the process serves (its collector set for serving first)."""
-    settle_heap_for_serving()
+    heap.settle_for_serving()
     print(" ".join((READY_PREFIX, tier, *fields)), flush=True)
 
 

@@ -224,8 +224,8 @@ def become(request: dict) -> int:
     os.environ.update(request["env"])
     sys.argv = ["epd", *argv]
     _reseed()
-    from epd.server.process import own_the_heap
-    own_the_heap()  # a forked child is the program, as a cold start is
+    from epd import heap
+    heap.own()  # a forked child is the program, as a cold start is
     from epd.cli import main
     return main(argv)
 

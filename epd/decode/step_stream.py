@@ -39,6 +39,11 @@ class RequestUpdates:
     batch: StepSink
     request_id: str
 
+    @property
+    def batch_key(self) -> str:
+        """What the batch's items carry with each update (the sink's ``deliver`` splits by it)."""
+        return self.request_id
+
     def put(self, update: TokenUpdate) -> None:
         self.batch.add((self.request_id, update))
 

@@ -8,7 +8,6 @@ write, per request per step."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 
 from epd.engine.engine_loop import TokenUpdate
@@ -16,21 +15,20 @@ from epd.engine.engine_loop import TokenUpdate
 
 class UpdateBatch:
     """What the engine loop's thread adds during one step, handed to ``deliver`` on ``loop`` in one
-    call by ``flush`` (once per step and per round of calls, on that thread; an empty flush sends
-    nothing). The decode tier's stream sink is one, the in-process backend's queues another."""
+    call by ``flush`` (once per step and per round of calls; an empty flush sends nothing). The
+    decode tier's stream sink is one, the in-process backend's queues another. ``add`` and ``flush``
+    are the engine loop thread's alone (it is the one that publishes tokens), so nothing is locked:
+    a step adds one item per request, hundreds of times a step at a large batch."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
         self._loop, self._deliver = loop, deliver
         self._pending: list = []
-        self._lock = threading.Lock()
 
     def add(self, item) -> None:
-        with self._lock:
-            self._pending.append(item)
+        self._pending.append(item)
 
     def flush(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
+        pending, self._pending = self._pending, []
         if pending:
             try:
                 self._loop.call_soon_threadsafe(self._deliver, pending)
@@ -57,10 +55,11 @@ class AsyncUpdates:
         self.loop = asyncio.get_running_loop()
         self.batch = batch
         self._queue: asyncio.Queue[TokenUpdate] = asyncio.Queue()
+        self.batch_key = self._queue  # what the batch's items carry with each update
 
     def put(self, update: TokenUpdate) -> None:
         if self.batch is not None:
-            self.batch.add((self._queue, update))
+            self.batch.add((self.batch_key, update))
             return
         try:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, update)

@@ -46,6 +46,18 @@ class TokenUpdate:
         return self.finish_reason is not None or self.error is not None
 
 
+class _Watcher:
+    """Who gets a sequence's tokens, and how many it has sent. ``updates`` with a ``batch`` (and a
+    ``batch_key``) is one request of many that share the batch: its items go there directly."""
+
+    __slots__ = ("seq", "updates", "sent", "batch", "key")
+
+    def __init__(self, seq: Sequence, updates, sent: int) -> None:
+        self.seq, self.updates, self.sent = seq, updates, sent
+        self.batch = getattr(updates, "batch", None) if hasattr(updates, "batch_key") else None
+        self.key = updates.batch_key if self.batch is not None else None
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], name: str = "engine-loop", *,
                  threads: ThreadPolicy | None = None, on_engine_lost: Callable[[str], None] | None = None) -> None:
@@ -60,7 +72,7 @@ class EngineLoop:
         self._threads = threads or ThreadPolicy(role=name)
         self.engine: LLMEngine | None = None  # set on the loop thread by start()
         self._calls: queue.SimpleQueue[tuple[Callable, Future]] = queue.SimpleQueue()
-        self._watchers: dict[int, tuple[Sequence, object, int]] = {}  # seq id -> (seq, updates, sent)
+        self._watchers: dict[int, _Watcher] = {}  # seq id -> who gets its tokens
         # the batches (``updates.batch``: anything with ``flush()``) that got updates since the last
         # flush: they hand them on once a step, not once per update
         self._touched: set = set()
@@ -104,7 +116,7 @@ class EngineLoop:
         def add(engine: LLMEngine) -> Sequence | None:
             seq = make_seq(engine)
             if seq is not None:
-                self._watchers[seq.seq_id] = (seq, updates, len(seq.output_token_ids))
+                self._watchers[seq.seq_id] = _Watcher(seq, updates, len(seq.output_token_ids))
             return seq
 
         return self.call(add)
@@ -117,8 +129,7 @@ class EngineLoop:
                 seq.finish_reason = reason
                 engine.abort(seq)
             if error is not None and seq.seq_id in self._watchers:
-                _, updates, _ = self._watchers.pop(seq.seq_id)
-                self._put(updates, TokenUpdate([], error=error))
+                self._put(self._watchers.pop(seq.seq_id), TokenUpdate([], error=error))
             self._publish(seq)
 
         self.call(do)
@@ -166,16 +177,20 @@ class EngineLoop:
             log.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine step failed: {err}")
             return False
-        for entry in list(self._watchers.values()):
-            self._publish_entry(*entry)
+        for watcher in list(self._watchers.values()):
+            self._publish_to(watcher)
         self._flush_batches()
         return self.engine.num_steps > steps_before
 
-    def _put(self, updates, update: TokenUpdate) -> None:
-        updates.put(update)
-        batch = getattr(updates, "batch", None)
-        if batch is not None:
-            self._touched.add(batch)
+    def _put(self, watcher: "_Watcher", update: TokenUpdate) -> None:
+        """``watcher.updates.put(update)``; for one of a batch's, its item added to the batch here
+        (what its ``put`` would do, without the call), and the batch flushed after the step."""
+        batch = watcher.batch
+        if batch is None:
+            watcher.updates.put(update)
+            return
+        batch.add((watcher.key, update))
+        self._touched.add(batch)
 
     def _flush_batches(self) -> None:
         for batch in self._touched:
@@ -183,32 +198,32 @@ class EngineLoop:
         self._touched.clear()
 
     def _publish(self, seq: Sequence) -> None:
-        entry = self._watchers.get(seq.seq_id)
-        if entry is not None:
-            self._publish_entry(*entry)
+        watcher = self._watchers.get(seq.seq_id)
+        if watcher is not None:
+            self._publish_to(watcher)
 
-    def _publish_entry(self, seq: Sequence, updates, sent: int) -> None:
-        """``seq``'s tokens past the ``sent`` first to its watcher (every watched sequence, every step)."""
+    def _publish_to(self, watcher: "_Watcher") -> None:
+        """The watched sequence's tokens it has not sent yet (every watched sequence, every step:
+        kept to plain attribute work)."""
+        seq = watcher.seq
         if seq.error is not None:  # failed where it stood (e.g. it could not be rebuilt to recompute)
-            self._put(updates, TokenUpdate([], error=seq.error))
+            self._put(watcher, TokenUpdate([], error=seq.error))
             del self._watchers[seq.seq_id]
             return
         finished = seq.status is SequenceStatus.FINISHED
+        sent = watcher.sent
         first = seq.num_prompt_tokens + sent  # not seq.output_token_ids: a copy of every output, each step
         if len(seq.token_ids) > first or finished:
-            self._put(updates, TokenUpdate(seq.token_ids[first:], seq.output_logprobs[sent:] if seq.output_logprobs
+            self._put(watcher, TokenUpdate(seq.token_ids[first:], seq.output_logprobs[sent:] if seq.output_logprobs
                                            else [], seq.finish_reason if finished else None))
-            if finished:
-                del self._watchers[seq.seq_id]
-            else:
-                self._watchers[seq.seq_id] = (seq, updates, len(seq.token_ids) - seq.num_prompt_tokens)
-        elif finished:
+            watcher.sent = len(seq.token_ids) - seq.num_prompt_tokens
+        if finished:
             del self._watchers[seq.seq_id]
 
     def _fail_all(self, error: str) -> None:
-        for seq, updates, _ in list(self._watchers.values()):
-            if not seq.is_finished:
-                self.engine.abort(seq)
-            self._put(updates, TokenUpdate([], error=error))
+        for watcher in list(self._watchers.values()):
+            if not watcher.seq.is_finished:
+                self.engine.abort(watcher.seq)
+            self._put(watcher, TokenUpdate([], error=error))
         self._watchers.clear()
         self._flush_batches()  # the loop may sleep next: the failures must not wait for a wake-up

@@ -30,9 +30,16 @@ def settle_for_serving() -> None:
     again. Together that was ~10% of a busy router's CPU and ~5% of a decode worker's; now below
     what ``benchmarks/control_plane.py --collector`` resolves (docs/benchmarks.md)."""
     if _ours:
-        gc.collect()
-        gc.freeze()
+        freeze_loaded()
         gc.set_threshold(YOUNG_COLLECTION_OBJECTS, *gc.get_threshold()[1:])
+
+
+def freeze_loaded() -> None:
+    """What the process holds now, its garbage collected first, moved out of the collector's reach
+    for good (the zygote does this before it forks: its children then neither scan those objects
+    nor copy their pages by touching them)."""
+    gc.collect()
+    gc.freeze()
 
 
 def freeze_for_exit() -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import fcntl
-import gc
 import importlib
 import json
 import os
@@ -34,6 +33,8 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+
+from epd import heap
 
 ZYGOTE_READY = "EPD_ZYGOTE ready"
 MAX_PACKET_BYTES = 1 << 20
@@ -122,7 +123,7 @@ def serve(sock: socket.socket, steps: list[Callable[[], None]]) -> dict | None:
                 steps.pop(0)()
                 _refuse_after_cuda()
                 if not steps:
-                    _freeze()
+                    heap.freeze_loaded()  # what every child shares
                 continue
             if wake_r in readable:
                 _drain(wake_r)
@@ -163,13 +164,6 @@ def _refuse_after_cuda() -> None:
         print("epd zygote: CUDA was initialized while importing; a forked child could not use it: exiting",
               flush=True)
         os._exit(3)
-
-
-def _freeze() -> None:
-    """What every child shares, out of the collector's reach: no child scans it, or copies its
-    pages by touching it."""
-    gc.collect()
-    gc.freeze()
 
 
 def _drain(fd: int) -> None:
@@ -224,7 +218,6 @@ def become(request: dict) -> int:
     os.environ.update(request["env"])
     sys.argv = ["epd", *argv]
     _reseed()
-    from epd import heap
     heap.own()  # a forked child is the program, as a cold start is
     from epd.cli import main
     return main(argv)
@@ -272,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     while steps and steps[0] is not _ROUTER_STEP:  # the workers' code: before their start
         steps.pop(0)()
     _refuse_after_cuda()
-    _freeze()
+    heap.freeze_loaded()  # what every child shares
     print(ZYGOTE_READY, flush=True)
     request = serve(sock, steps)
     if request is None:  # nothing of its own to tidy: skip the interpreter's teardown of what it imported

@@ -1,8 +1,9 @@
 """``epd profile --pipeline``: what the serving path costs beyond the stages themselves, measured on
-a real ``epd serve`` here (the tiers, then ``--aggregated``) with one request at a time: the hops
-between processes, HTTP and streaming. For each: the TTFT of a text request and of one with an image,
+a real ``epd serve`` here (the tiers, then ``--aggregated``) with one request at a time, sent by
+``epd bench``'s own client as a bench run sends them (sampled: no temperature): the hops between
+processes, HTTP and streaming. For each: the TTFT of a text request and of one with an image,
 and the time per output token, minus what the profile's stage costs account for (a prefill of that
-prompt, the encoder's forward, a decode step), as three figures a simulator adds:
+prompt, the encoder's forward, a sampled decode step), as figures a simulator adds:
 
 - ``request_ms``: on every request's way to its first token;
 - ``image_ms``: per image, on its way from the router to prefill (the encode call and the push);
@@ -10,16 +11,23 @@ prompt, the encoder's forward, a decode step), as three figures a simulator adds
 - ``token_ms``: per streamed token, on the host beside the tiers (the router's work, the stream's),
   told from ``step_ms`` by the time per token of one stream against that of ``_STREAMS`` at once;
 - ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
-  a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs).
+  a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs);
+- ``router``, ``background``, ``client``: the CPU spent beyond all of the above, per request, per
+  image and per streamed token, from the processes' own counters (Linux): the router process's
+  (its one event loop: HTTP, the body, detokenization, SSE; requests wait for it), the other
+  processes' (their gRPC and IO threads, serialization, image decoding, health checks: host work
+  beside the requests, taking cores from whatever runs) and the client's (charged where the client
+  shares the host, as a benchmark's does). On a small host under load this is what slows every
+  stage down.
 """
 from __future__ import annotations
 
-import base64
-import json
+import asyncio
+import os
+import re
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 from epd.bench.local_server import LocalServer
@@ -29,53 +37,109 @@ _OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = 4
+_SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
+_IDLE_S = 2.0  # how long the idle cluster's own CPU is counted (subtracted from every figure)
 
 
-def _one(url: str, model: str, image: bytes | None) -> tuple[float, float, int]:
-    """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
-    content = [{"type": "text", "text": "Describe what you see in a few words, please, and be brief."}]
-    if image is not None:
-        content.insert(0, {"type": "image_url",
-                           "image_url": {"url": "data:image/png;base64," + base64.b64encode(image).decode()}})
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "stream": True,
-                       "max_tokens": _OUTPUT_TOKENS, "ignore_eos": True, "temperature": 0,
-                       "stream_options": {"include_usage": True}}).encode()
-    request = urllib.request.Request(f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"})
-    start, times, prompt_tokens = time.perf_counter(), [], 0
-    with urllib.request.urlopen(request, timeout=120) as reply:
-        for raw in reply:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                prompt_tokens = chunk["usage"]["prompt_tokens"]
-            if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                times.append(time.perf_counter())
-    ttft_ms = 1000 * (times[0] - start)
-    return ttft_ms, 1000 * (times[-1] - times[0]) / max(len(times) - 1, 1), prompt_tokens
+class _Client:
+    """``epd bench``'s own client (its OpenAI driver, on an event loop of its own), so what is
+    measured here is what a bench run's requests cost, its client's work included. Requests as the
+    bench makes them: no temperature (the API's default 1: sampled), ``max_tokens`` with
+    ``ignore_eos``, token ids in the stream."""
+
+    _PROMPT = "Describe what you see in a few words, please, and be brief."
+
+    def __init__(self, url: str, model: str) -> None:
+        from epd.bench.client import OpenAIDriver
+
+        self.loop = asyncio.new_event_loop()
+        self.driver = OpenAIDriver(url, model=model)
+        self._index = 0
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.driver.aclose())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())  # streams left at their [DONE]
+        self.loop.close()
+
+    def one(self, image: bytes | None, max_tokens: int = _OUTPUT_TOKENS) -> tuple[float, float, int]:
+        """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
+        return self.loop.run_until_complete(self._send(image, max_tokens))
+
+    def at_once(self, n: int) -> list[tuple[float, float, int]]:
+        async def all_of_them():
+            return await asyncio.gather(*(self._send(None, _OUTPUT_TOKENS) for _ in range(n)))
+        return self.loop.run_until_complete(all_of_them())
+
+    async def _send(self, image: bytes | None, max_tokens: int) -> tuple[float, float, int]:
+        from epd.bench.client import RequestRecord
+        from epd.bench.workload import RequestSpec
+
+        self._index += 1
+        spec = RequestSpec(self._index, self._PROMPT, [], max_tokens, 0.0, [image] if image is not None else [])
+        record = RequestRecord(index=self._index, rate=0.0, scheduled_s=0.0)
+        await self.driver.send(spec, record, time.perf_counter())
+        if not record.ok:
+            raise RuntimeError(f"a pipeline request failed: {record.error}")
+        return 1000 * record.ttft_s, 1000 * (record.tpot_s or 0.0), record.prompt_tokens or 0
 
 
-def _after_idle(url: str, model: str, gap_s: float, picture) -> tuple[float, float]:
+def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
     """Median TTFT (text, image) of requests each sent after the cluster idled ``gap_s``."""
     text, image = [], []
     for _ in range(_WAKE_REQUESTS):
         time.sleep(gap_s)
-        text.append(_one(url, model, None)[0])
+        text.append(client.one(None)[0])
         time.sleep(gap_s)
-        image.append(_one(url, model, next(picture))[0])
+        image.append(client.one(next(picture))[0])
     return statistics.median(text), statistics.median(image)
 
 
-def _concurrent_ms_per_token(url: str, model: str) -> float:
+def _concurrent_ms_per_token(client: _Client) -> float:
     """The median time per output token of ``_STREAMS`` text requests sent at once (three rounds)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     per_token = []
-    with ThreadPoolExecutor(_STREAMS) as pool:
-        for _ in range(3):
-            per_token += [s for _, s, _ in pool.map(lambda _: _one(url, model, None), range(_STREAMS))]
+    for _ in range(3):
+        per_token += [s for _, s, _ in client.at_once(_STREAMS)]
     return statistics.median(per_token)
+
+
+_ROUTER = re.compile(r"(^|\s)(-m )?epd router(\s|$)")  # a router's command line, cold or forked
+
+
+class CpuMeter:
+    """CPU per request of a serving process tree (``pid`` and everything below it, less what it
+    spends idle), of its router process, and of this process, the client: Linux's counters, None
+    elsewhere."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.available = os.path.exists(f"/proc/{pid}/stat")
+        self.idle_cores = (0.0, 0.0)  # the tree's and the router's
+
+    def _now_s(self) -> tuple[float, float]:
+        """CPU seconds so far: (the whole tree, its router processes)."""
+        from epd.server.parent import command_line, cpu_seconds, descendants
+        tree = {self.pid} | descendants(self.pid)
+        return cpu_seconds(tree), cpu_seconds(p for p in tree if _ROUTER.search(command_line(p)))
+
+    def measure_idle(self) -> None:
+        if self.available:
+            before = self._now_s()
+            time.sleep(_IDLE_S)
+            self.idle_cores = tuple((after - was) / _IDLE_S for after, was in zip(self._now_s(), before))
+
+    def per_request(self, send, n: int) -> tuple[float, float, float] | None:
+        """Run ``send()`` ``n`` times -> CPU ms per request of (the tree, the client, the router)."""
+        if not self.available:
+            for _ in range(n):
+                send()
+            return None
+        before, client, wall = self._now_s(), time.process_time(), time.perf_counter()
+        for _ in range(n):
+            send()
+        elapsed = time.perf_counter() - wall
+        tree_s, router_s = (max(after - was - idle * elapsed, 0.0)
+                            for after, was, idle in zip(self._now_s(), before, self.idle_cores))
+        return 1000 * tree_s / n, 1000 * (time.process_time() - client) / n, 1000 * router_s / n
 
 
 @dataclass
@@ -89,6 +153,58 @@ class Measured:
     per_token: float  # time per output token of one stream
     per_token_crowded: float  # of each of _STREAMS streams at once
     after_idle: dict  # idle seconds -> (TTFT text, TTFT image) after idling that long
+    # (cluster CPU ms, client CPU ms, the router's of the cluster's) per request: "text"
+    # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image); None where the
+    # host has no CPU counters
+    cpu: dict | None = None
+    engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
+
+
+def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0) -> float:
+    """The host CPU a simulator already charges one request alone: the router's work, the encoder,
+    the prefill, each decode step and the serving path's per step and per token work."""
+    steps = output_tokens - 1
+    context = tokens + output_tokens / 2
+    return (costs.router_ms(image_px ** 2 if image_px else 0, 0.0) + costs.prefill_ms(tokens)
+            + (costs.encoder_ms(image_px ** 2, 1) if image_px else 0.0)
+            + steps * (costs.decode_ms(1, context, sampled=True) + derived["step_ms"])
+            + output_tokens * derived["token_ms"])
+
+
+def _router_charged_ms(costs, derived: dict, output_tokens: int, image_px: int = 0) -> float:
+    """The router's share of ``_charged_ms``: its work before dispatch and per streamed token."""
+    return costs.router_ms(image_px ** 2 if image_px else 0, 0.0) + output_tokens * derived["token_ms"]
+
+
+def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None:
+    """What the processes spent beyond what is charged, split per request, per image and per token
+    (by the two output lengths): the router's (its one loop: work that requests wait for), the
+    other processes' (``background``: work beside them), the client's. Never below zero."""
+    if not m.cpu:
+        return None
+    long_n, short_n = _OUTPUT_TOKENS, _SHORT_TOKENS
+    shapes = {"text": (m.tokens_text, long_n, 0), "short": (m.tokens_text, short_n, 0),
+              "image": (m.tokens_image, long_n, image_px)}
+    router, unseen = {}, {}
+    for kind, (tree_ms, _, router_ms) in m.cpu.items():
+        tokens, n, px = shapes[kind]
+        everything = _charged_ms(costs, derived, tokens, n, px)
+        if m.engine_in_router:  # one process: what is beyond its stages runs beside its steps (torch's
+            router[kind], unseen[kind] = 0.0, max(tree_ms - everything, 0.0)  # kernels let go of the lock)
+            continue
+        on_router = _router_charged_ms(costs, derived, n, px)
+        # each process group's own never below zero (stage costs measured a little high must not
+        # make the differences below large)
+        router[kind] = max(router_ms - on_router, 0.0)
+        unseen[kind] = max(tree_ms - router_ms - (everything - on_router), 0.0)
+    client = {kind: m.cpu[kind][1] for kind in shapes}
+
+    def split(values: dict) -> dict:
+        token_ms = max((values["text"] - values["short"]) / (long_n - short_n), 0.0)
+        return {"request_ms": round(max(values["short"] - short_n * token_ms, 0.0), 3),
+                "image_ms": round(max(values["image"] - values["text"], 0.0), 3), "token_ms": round(token_ms, 3)}
+    return {"router": split(router), "background": split(unseen), "client": split(client),
+            "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()}}
 
 
 def derive(costs, m: Measured, image_px: int) -> dict:
@@ -97,17 +213,36 @@ def derive(costs, m: Measured, image_px: int) -> dict:
     image_ms = (m.ttft_image - m.ttft_text - costs.encoder_ms(image_px ** 2, 1)
                 - (costs.prefill_ms(m.tokens_image) - costs.prefill_ms(m.tokens_text)))
     context = m.tokens_text + _OUTPUT_TOKENS / 2
-    alone = m.per_token - costs.decode_ms(1, context)  # one step, one token: the path's per step and per token
-    crowded = m.per_token_crowded - costs.decode_ms(_STREAMS, context)  # one step, _STREAMS tokens
+    # one step, one token: the path's per step and per token
+    alone = m.per_token - costs.decode_ms(1, context, sampled=True)
+    crowded = m.per_token_crowded - costs.decode_ms(_STREAMS, context, sampled=True)  # one step, _STREAMS tokens
     token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
-    return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3),
-            "step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3),
+    derived = {"step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3)}
+    return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3), **derived,
+            **(_background(costs, m, derived, image_px) or {}),
             "wake": [{"idle_s": gap, "text_ms": round(max(t - m.ttft_text, 0.0), 3),
                       "image_ms": round(max(i - m.ttft_image, 0.0), 3)} for gap, (t, i) in m.after_idle.items()],
             "measured": {"ttft_text_ms": round(m.ttft_text, 2), "ttft_image_ms": round(m.ttft_image, 2),
                          "ms_per_token": round(m.per_token, 3),
                          f"ms_per_token_{_STREAMS}_streams": round(m.per_token_crowded, 3),
                          "prompt_tokens": [m.tokens_text, m.tokens_image]}}
+
+
+def _measure_path(pid: int, client: _Client, picture) -> tuple:
+    """One serving path's figures: (text runs, image runs, CPU per request, TTFTs after idling, ms
+    per token of _STREAMS streams at once)."""
+    for _ in range(2):  # warm: the first requests of a process pay for what it loads lazily
+        client.one(None)
+        client.one(next(picture))
+    meter = CpuMeter(pid)
+    meter.measure_idle()
+    text, image = [], []
+    cpu = {"text": meter.per_request(lambda: text.append(client.one(None)), _REQUESTS)}
+    pictures = iter([next(picture) for _ in range(_REQUESTS)])  # made before: a client's own work
+    cpu["image"] = meter.per_request(lambda: image.append(client.one(next(pictures))), _REQUESTS)
+    cpu["short"] = meter.per_request(lambda: client.one(None, _SHORT_TOKENS), _REQUESTS)
+    after_idle = {gap: _after_idle(client, gap, picture) for gap in _IDLE_GAPS_S}
+    return text, image, cpu, after_idle, _concurrent_ms_per_token(client)
 
 
 def measure(model: str, costs, image_px: int = 448) -> dict:
@@ -121,12 +256,14 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
         command = [sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0",
                    "--no-standby", *flags]
         with LocalServer(command, name=f"epd serve {' '.join(flags)}") as serve:
-            text = [_one(serve.url, model, None) for _ in range(_REQUESTS)][2:]
-            image = [_one(serve.url, model, next(picture)) for _ in range(_REQUESTS)][2:]
-            after_idle = {gap: _after_idle(serve.url, model, gap, picture) for gap in _IDLE_GAPS_S}
-            crowded_ms = _concurrent_ms_per_token(serve.url, model)
+            client = _Client(serve.url, model)
+            try:
+                text, image, cpu, after_idle, crowded_ms = _measure_path(serve.proc.pid, client, picture)
+            finally:
+                client.close()
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
         out[name] = derive(costs, Measured(ttft_text, ttft_image, text[-1][2], image[-1][2],
                                            statistics.median(s for _, s, _ in text + image), crowded_ms,
-                                           after_idle), image_px)
+                                           after_idle, cpu if None not in cpu.values() else None,
+                                           engine_in_router=bool(flags)), image_px)
     return out

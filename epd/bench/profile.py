@@ -6,7 +6,7 @@ Measured in this process, each point a median of ``--repeats`` runs after a warm
   encoder engine the workers run;
 - prefill: ms per chunk by prompt length, cold and with the prompt's prefix cached (a second request
   sharing all but its last block);
-- decode: ms per step by batch and context length;
+- decode: ms per step by batch and context length, greedy and sampled (temperature 1);
 - transfer: ms per MB of handing a tensor over by each transport this host has (export + import);
 - router: ms per request before dispatch (body, image, chat template, hash) by image size;
 - wake: the extra ms of the first work after idling, by how long (a virtual host's cold start);
@@ -27,6 +27,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+_WARM_STEPS = 5  # decode steps run before each decode point is timed
 
 
 def _ints(text: str) -> list[int]:
@@ -116,28 +118,38 @@ def _run_to_first_token(engine, prompt: list[int], request_id: str, params) -> N
         engine.step()
 
 
-def profile_decode(model_dir, device: str, batches: list[int], contexts: list[int], steps: int) -> list[dict]:
+def profile_decode(model_dir, device: str, batches: list[int], contexts: list[int], steps: int,
+                   temperatures: tuple[float, ...] = (0.0, 1.0)) -> list[dict]:
+    """ms per step by batch and context, greedy (temperature 0) and sampled (1, the OpenAI API's
+    default, what a client that sends none gets: a softmax and a draw over the vocabulary per row,
+    on the CPU a visible share of a small model's step)."""
     from epd.types import SamplingParams
 
     points = []
     for context in contexts:
         engine = _llm_engine(model_dir, device, max(batches), context + steps + 16)
-        for batch in batches:
+        for batch, temperature in ((b, t) for b in batches for t in temperatures):
             # past the steps timed and the ones spent prefilling the batch (chunked: decodes run beside them)
-            params = SamplingParams(max_tokens=steps + 16 + batch * context // 2048, ignore_eos=True, temperature=0.0)
+            params = SamplingParams(max_tokens=steps + 16 + _WARM_STEPS + batch * context // 2048, ignore_eos=True,
+                                    temperature=temperature)
             seqs = [engine.add_request([1000 + (b % 997)] + [1001 + (i % 5000) for i in range(context - 1)], params,
-                                       request_id=f"d{context}-{batch}-{b}") for b in range(batch)]
+                                       request_id=f"d{context}-{batch}-{temperature}-{b}") for b in range(batch)]
             while any(not s.output_token_ids for s in seqs):
                 engine.step()  # every request prefilled and decoding
-            start = time.perf_counter()
+            for _ in range(_WARM_STEPS):
+                engine.step()  # a batch's first steps allocate (the first point measured paid it: up to 2x)
+            times = []
             for _ in range(steps):
+                start = time.perf_counter()
                 engine.step()
-            seconds = (time.perf_counter() - start) / steps
+                times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)  # a step that a collection or the host stalled is no step's cost
             for s in seqs:
                 engine.abort(s)
             while engine.has_unfinished:
                 engine.step()
-            points.append({"batch": batch, "context_tokens": context, "ms_per_step": round(1000 * seconds, 3)})
+            points.append({"batch": batch, "context_tokens": context, "temperature": temperature,
+                           "ms_per_step": round(1000 * seconds, 3)})
     return points
 
 

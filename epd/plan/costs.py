@@ -44,7 +44,7 @@ class StageCosts:
     encoder: tuple[tuple[float, float, float], ...]  # (image pixels, batch, ms per item)
     prefill_cold: tuple[tuple[float, float], ...]  # (prompt tokens, ms)
     prefill_cached: tuple[tuple[float, float], ...]  # (prompt tokens, ms) with all but the last block cached
-    decode: tuple[tuple[float, float, float], ...]  # (batch, context tokens, ms per step)
+    decode: tuple[tuple[float, float, float], ...]  # (batch, context tokens, ms per step), greedy
     transfer: dict  # transport -> ((MB, ms per MB), ...)
     chunk_tokens: int = 2048
     router: tuple[tuple[float, float], ...] = ()  # (image pixels, ms per request before dispatch)
@@ -52,6 +52,7 @@ class StageCosts:
     wake_python: tuple[tuple[float, float], ...] = ()  # (idle ms, extra ms of the router's first work)
     pipeline: dict | None = None  # "epd" / "aggregated" -> request_ms, image_ms, step_ms (the serving path's own)
     shapes: dict | None = None  # row_bytes (one embedding row), kv_bytes_per_token
+    decode_sampled: tuple[tuple[float, float, float], ...] = ()  # the same, every row sampled (temperature 1)
 
     @classmethod
     def from_profile(cls, profile: dict | str | Path) -> StageCosts:
@@ -65,7 +66,10 @@ class StageCosts:
                 encoder=tuple((p["image_px"] ** 2, p["batch"], p["ms_per_item"]) for p in profile["encoder"]),
                 prefill_cold=tuple((p["prompt_tokens"], p["ms_total"]) for p in prefill if not p["prefix_cached"]),
                 prefill_cached=tuple((p["prompt_tokens"], p["ms_total"]) for p in prefill if p["prefix_cached"]),
-                decode=tuple((p["batch"], p["context_tokens"], p["ms_per_step"]) for p in profile["decode"]),
+                decode=tuple((p["batch"], p["context_tokens"], p["ms_per_step"]) for p in profile["decode"]
+                             if not p.get("temperature")),
+                decode_sampled=tuple((p["batch"], p["context_tokens"], p["ms_per_step"]) for p in profile["decode"]
+                                     if p.get("temperature")),
                 transfer={t: tuple((p["mb"], p["ms_per_mb"]) for p in profile["transfer"] if p["transport"] == t)
                           for t in {p["transport"] for p in profile["transfer"]}},
                 chunk_tokens=max((p.get("chunk_tokens", 2048) for p in prefill), default=2048),
@@ -88,9 +92,14 @@ class StageCosts:
         floor = interpolate(list(self.prefill_cached), tokens)  # the last block's compute and the step
         return max(floor, cold * (tokens - cached_tokens) / max(tokens, 1))
 
-    def decode_ms(self, batch: int, context_tokens: float) -> float:
-        """One decode step of ``batch`` sequences of ``context_tokens`` (mean) each."""
-        return _grid([(b, c, ms) for b, c, ms in self.decode], batch, context_tokens)
+    def decode_ms(self, batch: int, context_tokens: float, sampled: bool = False) -> float:
+        """One decode step of ``batch`` sequences of ``context_tokens`` (mean) each, greedy or
+        ``sampled`` (the greedy figures where the profile has no sampled ones)."""
+        points = self.decode_sampled if sampled and self.decode_sampled else self.decode
+        # below the shortest context measured, that one's cost: a step costs no less at a longer
+        # context, and a slope between two noisy points would make a shorter one cost more
+        shortest = min(c for _, c, _ in points)
+        return _grid(list(points), batch, max(context_tokens, shortest))
 
     def router_ms(self, pixels: float, default_ms: float) -> float:
         """The router's work on a request with ``pixels`` of images before dispatch (the profile's,
@@ -119,6 +128,19 @@ class StageCosts:
     def path_ms(self, aggregated: bool, what: str) -> float:
         """The serving path's own ``request_ms``, ``image_ms`` or ``step_ms`` (0 without them)."""
         return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get(what, 0.0)
+
+    def cpu_beyond_ms(self, aggregated: bool, part: str, what: str) -> float:
+        """The CPU beyond every cost above (``epd profile --pipeline``'s counters) that ``part``
+        spends per ``request_ms``, ``image_ms`` or ``token_ms``: "router" (its loop's, which requests
+        wait for), "background" (the other processes', beside the requests) or "client"; 0 without
+        the figures."""
+        return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get(part, {}).get(what, 0.0)
+
+    def host_cpu_ms(self, aggregated: bool, what: str, with_client: bool) -> float:
+        """The CPU beside the requests per request, image or token: the processes' other than the
+        router's, with the client's own when it runs on the same host."""
+        parts = ("background", "client") if with_client else ("background",)
+        return sum(self.cpu_beyond_ms(aggregated, part, what) for part in parts)
 
     @property
     def local_transport(self) -> str:

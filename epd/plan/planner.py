@@ -74,7 +74,7 @@ def capacity(costs: StageCosts, topology: Topology, workload, settings: SimSetti
     batch, context = settings.max_num_seqs, tokens + workload.output_len / 2
     encode_ms = images * costs.encoder_ms(pixels, 8)
     prefill_ms = costs.prefill_ms(int(tokens))
-    decode_ms = workload.output_len * costs.decode_ms(batch, context) / batch
+    decode_ms = workload.output_len * costs.decode_ms(batch, context, settings.sampled) / batch
     speed = lambda tp: 1.0 if tp == 1 else tp * settings.tp_efficiency  # noqa: E731
     if topology.aggregated:
         return 1000.0 / max(encode_ms + prefill_ms + decode_ms, 1e-3)

@@ -112,6 +112,7 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
 
     if topology.aggregated:
         engine = worker(Aggregated, "aggregated", router=router, on_finished=finished.append)
+        router.shares_lock_with = engine
         dispatch = engine.add
         workers = [engine]
     else:
@@ -145,7 +146,11 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
 
     cold = costs.path_wake_ms(topology.aggregated, 0.0, False) is not None  # measured end to end: per request
 
+    request_cpu_ms = costs.host_cpu_ms(topology.aggregated, "request_ms", settings.client_on_host)
+    image_cpu_ms = costs.host_cpu_ms(topology.aggregated, "image_ms", settings.client_on_host)
+
     def arrive(request: SimRequest, work_ms: float) -> None:
+        router.background(request_cpu_ms + len(request.images) * image_cpu_ms)
         # the hops' own time (no one's CPU), longer when the request finds the cluster cold
         path_ms = costs.path_ms(topology.aggregated, "request_ms")
         if cold:
@@ -155,8 +160,11 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
     for worker_ in workers:
         worker_.wakes = not cold  # without end-to-end wake figures, each process's own (the profile's "wake")
     router.wakes = not cold
+    router_request_ms = costs.cpu_beyond_ms(topology.aggregated, "router", "request_ms")
+    router_image_ms = costs.cpu_beyond_ms(topology.aggregated, "router", "image_ms")
     for request in requests:
-        work_ms = costs.router_ms(sum(pixels for _, pixels, _ in request.images), settings.router_ms_per_request)
+        work_ms = (costs.router_ms(sum(pixels for _, pixels, _ in request.images), settings.router_ms_per_request)
+                   + router_request_ms + len(request.images) * router_image_ms)
         clock.at(request.arrival_ms, lambda r=request, w=work_ms: arrive(r, w))
     clock.run()
     if len(finished) != len(requests):

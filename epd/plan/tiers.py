@@ -1,11 +1,16 @@
 """The simulated router and workers: what each does with a request, in the order EPD does it.
 
 - Router: one event loop; each request costs it ``ms_per_request`` (parsing, image headers, hashing)
-  before dispatch and each streamed token ``ms_per_token``; a token reaches the client when the
-  router has handled it, so a busy router delays every stream.
+  before dispatch and each streamed token ``ms_per_token``, each with the router process's CPU
+  beyond them that ``epd profile --pipeline`` counted; a token reaches the client when the router
+  has handled it, so a busy router delays every stream.
 - The serving path's own costs (``epd profile --pipeline``: hops, HTTP, streaming) are added where
   they fall: per request before dispatch (on the way to its first token), per image on its way to
   prefill, per decode step on the decode worker, per streamed token on the router.
+- The CPU the processes spend beyond all that (their gRPC and HTTP threads, serialization, image
+  decoding; and the client's, when it shares the host: ``SimSettings.client_on_host``) is work on
+  the host that gates no request: per request and image when it arrives, per streamed token when
+  the router emits it. It takes a share of the cores from whatever runs then.
 - Every process that starts working after idling pays the profile's wake-up cost for that long an
   idle (``StageCosts.wake_ms``: near zero on a dedicated host, tens of ms on a virtual one).
 - Encoder: items queue; an idle encoder takes every waiting item (up to ``encoder_batch_size``) as
@@ -17,7 +22,9 @@
 - Decode: continuous batching; every step gives each running request one token; a request joins at
   the next step after its KV arrived, up to ``max_num_seqs``.
 - Aggregated: one engine does all of it on one thread: images are encoded between steps, and a step
-  runs the decodes and a prefill chunk in the token budget left.
+  runs the decodes and a prefill chunk in the token budget left. The router's loop is in the same
+  process: its work per request and per token takes turns with the engine's steps (one interpreter
+  lock), where a router of its own runs beside the tiers.
 """
 from __future__ import annotations
 
@@ -67,6 +74,8 @@ class SimSettings:
     kv_bytes_per_token: int | None = None  # None: the profile's shapes (else 114,688)
     transport: str | None = None  # None: the profile's local transport (CUDA IPC, else shm)
     tp_efficiency: float = 0.8  # a TP-N worker's step: cost / (N x this), an assumption until measured
+    client_on_host: bool = False  # the client runs on the cluster's host (a benchmark here): its CPU counts
+    sampled: bool = True  # rows drawn at temperature > 0: the API's default 1 (epd bench sends no temperature)
 
 
 class Router:
@@ -74,14 +83,22 @@ class Router:
                  threads: float = 1.0, aggregated: bool = False) -> None:
         self.clock, self.device, self.costs, self.settings, self.threads = clock, device, costs, settings, threads
         # a streamed token's work beside the tiers: the profile's measured figure, else the setting
-        self.ms_per_token = costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token
+        self.ms_per_token = ((costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token)
+                             + costs.cpu_beyond_ms(aggregated, "router", "token_ms"))
+        self.background_ms_per_token = costs.host_cpu_ms(aggregated, "token_ms", settings.client_on_host)
         self._jobs: deque = deque()
         self._busy = False
         self._idle_since_ms = 0.0
         self.wakes = True  # pays the profile's wake-up cost after idling
+        # the aggregated engine, whose process the router's loop shares: one interpreter lock, so
+        # the loop's work and the engine's steps take turns instead of running side by side
+        self.shares_lock_with = None
 
     def handle(self, work_ms: float, then) -> None:
         """Run ``then`` once the router's loop did ``work_ms`` of work (after what it had queued)."""
+        if self.shares_lock_with is not None:
+            self.shares_lock_with.serial(work_ms, then)
+            return
         self._jobs.append((work_ms, then))
         self._kick()
 
@@ -106,6 +123,16 @@ class Router:
             for request in requests:
                 request.token_ms.append(self.clock.now_ms)
         self.handle(self.ms_per_token * len(requests), emit)
+        self.background(self.background_ms_per_token * len(requests))
+
+    def background(self, work_ms: float) -> None:
+        """CPU on the host that no request waits for (``host_cpu_ms``)."""
+        if work_ms > 0:
+            self.device.start(work_ms, 1.0, "background", _nothing)
+
+
+def _nothing() -> None:
+    pass
 
 
 class Worker:
@@ -261,7 +288,8 @@ class Decode(Worker):
                 self.running.remove(request)
                 self.load -= 1
                 self.on_finished(request)
-        self._compute(self.costs.decode_ms(len(batch), context) + self._path_step_ms(False), done)
+        self._compute(self.costs.decode_ms(len(batch), context, self.settings.sampled) + self._path_step_ms(False),
+                      done)
 
 
 class Aggregated(Worker):
@@ -276,6 +304,7 @@ class Aggregated(Worker):
         self.to_encode: deque = deque()
         self.prefilling: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.router_jobs: deque = deque()
 
     def add(self, request: SimRequest) -> None:
         self.load += 1
@@ -288,8 +317,16 @@ class Aggregated(Worker):
         self.prefilling.append(request)
         self.kick()
 
+    def serial(self, work_ms: float, then) -> None:
+        """The router's work in this process: between two steps, before the next one."""
+        self.router_jobs.append((work_ms, then))
+        self.kick()
+
     def kick(self) -> None:
         if self.busy:
+            return
+        if self.router_jobs:
+            self._compute(*self.router_jobs.popleft())
             return
         if self.to_encode:
             batch = [self.to_encode.popleft() for _ in range(min(len(self.to_encode), self.settings.encoder_batch_size))]
@@ -316,8 +353,8 @@ class Aggregated(Worker):
             return
         work_ms = self.costs.prefill_ms(sum(t for _, t in chunk)) if chunk else 0.0
         if decodes:
-            work_ms += (self.costs.decode_ms(len(decodes), sum(r.context for r in decodes) / len(decodes))
-                        + self._path_step_ms(True))
+            work_ms += (self.costs.decode_ms(len(decodes), sum(r.context for r in decodes) / len(decodes),
+                                             self.settings.sampled) + self._path_step_ms(True))
 
         def stepped() -> None:
             for request in decodes:

@@ -97,6 +97,29 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+def cpu_seconds(pids) -> float:
+    """User and system CPU seconds that the live processes among ``pids`` have spent so far (one that
+    is gone by now counts nothing)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def start_time(pid: int) -> int | None:
     """When ``pid`` started (clock ticks since boot), or None when it is gone: with the pid, the
     identity of a process (a pid alone may be reused by another)."""

@@ -201,3 +201,21 @@ def test_bad_workload_options_are_one_line_naming_them(args, said, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--base-url", "http://127.0.0.1:9", *args])
     assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_profiles_pipeline_client_is_the_bench_driver_and_times_what_it_sends(fake):
+    """``epd profile --pipeline`` sends its requests through ``epd bench``'s own driver, as a bench
+    run does (no temperature: the API's default, sampled), and reads TTFT and time per token the
+    way the bench does."""
+    from epd.bench.pipeline_costs import _Client
+
+    core, url, _ = fake
+    client = _Client(url, core.model_name)
+    try:
+        ttft_ms, per_token_ms, prompt_tokens = client.one(None, max_tokens=6)
+        assert FIRST_DELAY_S * 1000 <= ttft_ms < FIRST_DELAY_S * 1000 + 200
+        assert ITL_S * 1000 * 0.8 <= per_token_ms < ITL_S * 1000 + 20 and prompt_tokens == core.prompt_len
+        assert core.requests[-1].sampling.temperature == 1.0 and core.requests[-1].sampling.max_tokens == 6
+        assert len(client.at_once(3)) == 3
+    finally:
+        client.close()

@@ -5,6 +5,7 @@ devices of their own do not; a repeated image is encoded once; continuous batchi
 more as the batch grows; prefill is chunked; the figures a planner ranks by come out."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -112,6 +113,24 @@ def test_costs_interpolate_between_points_and_extend_along_the_outer_ones():
         StageCosts.from_profile({"encoder": []})
 
 
+def test_a_sampled_decode_step_costs_what_the_profile_measured_sampled():
+    """The profile's decode points come greedy and sampled (temperature 1: what a client that sends
+    none gets); the simulator takes the sampled ones unless told the workload is greedy, and a
+    profile without them (an older one) serves both."""
+    profile = {"encoder": [], "transfer": [{"transport": "shm", "mb": 1.0, "ms_per_mb": 0.0}],
+               "prefill": [{"prompt_tokens": 16, "prefix_cached": False, "ms_total": 0.0}],
+               "decode": [{"batch": 1, "context_tokens": 100, "ms_per_step": 2.0},
+                          {"batch": 1, "context_tokens": 100, "temperature": 1.0, "ms_per_step": 3.0}]}
+    c = StageCosts.from_profile(profile)
+    assert (c.decode_ms(1, 100), c.decode_ms(1, 100, sampled=True)) == (2.0, 3.0)
+    one = lambda: [SimRequest(0, 0.0, 16, 5)]
+    assert simulate(c, Topology(cores=None), one(), FREE).requests[0].tpot_ms == pytest.approx(3.0)
+    greedy = dataclasses.replace(FREE, sampled=False)
+    assert simulate(c, Topology(cores=None), one(), greedy).requests[0].tpot_ms == pytest.approx(2.0)
+    older = StageCosts.from_profile({**profile, "decode": profile["decode"][:1]})
+    assert older.decode_ms(1, 100, sampled=True) == 2.0
+
+
 def test_the_serving_paths_own_costs_and_a_cold_cluster_are_added_where_they_fall():
     """``epd profile --pipeline`` figures: per request before dispatch, per image on its way to
     prefill, per decode step on the decode worker (less the router's share), and a request that
@@ -131,6 +150,48 @@ def test_the_serving_paths_own_costs_and_a_cold_cluster_are_added_where_they_fal
     idle_s = (500.0 - got[0].token_ms[-1]) / 1000  # since the first request's last work
     assert got[1].ttft_ms == pytest.approx(got[0].ttft_ms + 40.0 * idle_s, abs=0.01)  # of 1 s measured: pro rata
     assert got[2].ttft_ms == pytest.approx(got[0].ttft_ms + 80.0 + 3.0 + 10.0, abs=0.1)  # idle past 1 s: all of it
+
+
+def test_cpu_beyond_the_stages_takes_cores_from_what_runs_beside_it_and_the_client_counts_only_on_the_host():
+    """The processes' CPU beyond the stages (``background``) and the client's: work on the host that
+    no request waits for. One request alone is as fast as without it; a second one arriving while
+    the first's 100 ms of background run shares the one core with it (its 10 ms of prefill take
+    20); the client's share counts only where the client runs on the cluster's host."""
+    base = costs(encoder_ms=0.0, prefill_ms_per_token=10.0 / 16)
+    path = {"epd": {"background": {"request_ms": 100.0, "image_ms": 0.0, "token_ms": 0.0},
+                    "client": {"request_ms": 0.0, "image_ms": 0.0, "token_ms": 50.0}}}
+    measured = StageCosts(**{**base.__dict__, "pipeline": path})
+    alone = simulate(measured, Topology(cores=1), [SimRequest(0, 0.0, 16, 1)], FREE).requests[0]
+    assert alone.ttft_ms == pytest.approx(20.0)  # its own background beside its prefill: both on the core
+    plain = simulate(base, Topology(cores=1), [SimRequest(0, 0.0, 16, 1)], FREE).requests[0]
+    assert plain.ttft_ms == pytest.approx(10.0)
+    two = lambda: [SimRequest(0, 0.0, 16, 1), SimRequest(1, 50.0, 16, 1)]
+    second = simulate(measured, Topology(cores=1), two(), FREE).requests[1]
+    # at 50 ms the first request's background has 60 ms left (half the core until 20 ms, all of it
+    # since): the second's own starts beside it, so its prefill gets a third of the core: 30 ms
+    assert second.ttft_ms == pytest.approx(30.0)
+    with_client = simulate(measured, Topology(cores=1), two(), dataclasses.replace(FREE, client_on_host=True))
+    # the first request's token (at 20 ms) costs the client 50 ms: a fourth job beside the second prefill
+    assert with_client.requests[1].ttft_ms == pytest.approx(40.0)
+    on_devices = simulate(measured, Topology(cores=None), two(), FREE).requests[1]
+    assert on_devices.ttft_ms == pytest.approx(10.0)  # a GPU host's CPU is not what its stages share
+
+
+def test_the_router_processs_cpu_beyond_its_costs_is_work_its_one_loop_does_in_turn():
+    """The router's CPU beyond its measured costs (per request, image and token) is on its one
+    loop: requests wait for it, each for whatever the loop took up before."""
+    base = costs(encoder_ms=0.0)
+    path = {"epd": {"router": {"request_ms": 7.0, "image_ms": 3.0, "token_ms": 0.0}}}
+    measured = StageCosts(**{**base.__dict__, "pipeline": path})
+    two = lambda: [SimRequest(0, 0.0, 16, 1), SimRequest(1, 0.0, 16, 1, ((5, 100.0, 4),))]
+    plain = simulate(base, Topology(cores=None), two(), FREE).requests
+    got = simulate(measured, Topology(cores=None), two(), FREE).requests
+    assert [r.ttft_ms for r in plain] == [pytest.approx(0.0), pytest.approx(0.0)]
+    # the loop dispatches the first (7 ms), then the second (7 + 3), and only then hands the first
+    # its token: both wait for all of it
+    assert [r.ttft_ms for r in got] == [pytest.approx(17.0), pytest.approx(17.0)]
+    alone = simulate(measured, Topology(cores=None), two()[1:], FREE).requests[0]
+    assert alone.ttft_ms == pytest.approx(10.0)
 
 
 def test_epd_plan_ranks_the_splits_of_a_device_budget_and_names_bad_input(tmp_path, capsys):
@@ -188,3 +249,42 @@ def test_the_serving_paths_own_costs_are_what_was_measured_less_what_the_stages_
     assert (got["step_ms"], got["token_ms"]) == (pytest.approx(1.0), pytest.approx(1.0))
     assert got["wake"] == [{"idle_s": 2.0, "text_ms": 30.0, "image_ms": 10.0},
                            {"idle_s": 0.1, "text_ms": 0.0, "image_ms": 1.0}]  # never below zero
+    assert "background" not in got  # no CPU counters: nothing made up
+
+
+def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_charged():
+    """The processes' CPU per request (16 and 2 output tokens, and with an image) less what the
+    simulator already charges one request alone (router, encoder, prefill, decode steps, the path's
+    per step and per token), split per request, per image and per token; the client's likewise."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    # step 1 and token 1 (as above); charged: text 16 tokens = 1 + 4 + 15 x (3 + 1) + 16 x 1 = 81,
+    # 2 tokens = 1 + 4 + 1 x 4 + 2 = 11, image 16 tokens = 1 + 14 + 20 + 60 + 16 = 111; of which
+    # the router's (1 before dispatch, 1 a token): 17, 3, 17. Beyond them the router spends 5 a
+    # request, 4 an image and 0.5 a token, the other processes 30, 25 and 2, the client 8, 15, 2.
+    router = {"text": 17.0 + 5.0 + 16 * 0.5, "short": 3.0 + 5.0 + 2 * 0.5, "image": 17.0 + 5.0 + 4.0 + 16 * 0.5}
+    others = {"text": 30.0 + 16 * 2.0, "short": 30.0 + 2 * 2.0, "image": 30.0 + 25.0 + 16 * 2.0}
+    charged = {"text": 81.0, "short": 11.0, "image": 111.0}
+    client = {"text": 40.0, "short": 12.0, "image": 55.0}
+    cpu = {kind: (charged[kind] + router[kind] - {"text": 17.0, "short": 3.0, "image": 17.0}[kind] + others[kind],
+                  client[kind], router[kind]) for kind in charged}
+    got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                             per_token_crowded=11.0, after_idle={}, cpu=cpu), 448)
+    assert got["router"] == {"request_ms": pytest.approx(5.0), "image_ms": pytest.approx(4.0),
+                             "token_ms": pytest.approx(0.5)}
+    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
+                                 "token_ms": pytest.approx(2.0)}
+    assert got["client"] == {"request_ms": pytest.approx(8.0), "image_ms": pytest.approx(15.0),
+                             "token_ms": pytest.approx(2.0)}
+    # --aggregated: the router's process runs every stage, so what is beyond them is that one
+    # process's, beside its steps (torch's kernels run without the interpreter lock), not its loop's
+    one = {kind: (charged[kind] + others[kind], client[kind], charged[kind] + others[kind]) for kind in charged}
+    got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                             per_token_crowded=11.0, after_idle={}, cpu=one, engine_in_router=True), 448)
+    assert got["router"] == {"request_ms": 0.0, "image_ms": 0.0, "token_ms": 0.0}
+    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
+                                 "token_ms": pytest.approx(2.0)}

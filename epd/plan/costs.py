@@ -119,22 +119,26 @@ class StageCosts:
     def path_wake_ms(self, aggregated: bool, idle_ms: float, with_images: bool) -> float | None:
         """How much longer a request's first token takes when it finds the cluster idle ``idle_ms``
         (measured end to end by ``epd profile --pipeline``); None when the profile has no such points."""
-        points = (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get("wake")
+        points = self._path(aggregated).get("wake")
         if not points:
             return None
         curve = [(1000 * p["idle_s"], p["image_ms" if with_images else "text_ms"]) for p in points]
         return interpolate([(0.0, 0.0), *curve], min(max(idle_ms, 0.0), max(curve)[0]))
 
+    def _path(self, aggregated: bool) -> dict:
+        """``epd profile --pipeline``'s figures for one serving path ({} without them)."""
+        return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {})
+
     def path_ms(self, aggregated: bool, what: str) -> float:
         """The serving path's own ``request_ms``, ``image_ms`` or ``step_ms`` (0 without them)."""
-        return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get(what, 0.0)
+        return self._path(aggregated).get(what, 0.0)
 
     def cpu_beyond_ms(self, aggregated: bool, part: str, what: str) -> float:
         """The CPU beyond every cost above (``epd profile --pipeline``'s counters) that ``part``
         spends per ``request_ms``, ``image_ms`` or ``token_ms``: "router" (its loop's, which requests
         wait for), "background" (the other processes', beside the requests) or "client"; 0 without
         the figures."""
-        return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {}).get(part, {}).get(what, 0.0)
+        return self._path(aggregated).get(part, {}).get(what, 0.0)
 
     def host_cpu_ms(self, aggregated: bool, what: str, with_client: bool) -> float:
         """The CPU beside the requests per request, image or token: the processes' other than the

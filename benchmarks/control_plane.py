@@ -45,7 +45,8 @@ from pathlib import Path
 
 from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the checkout on sys.path)
 
-_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+from epd.server.parent import cpu_seconds  # noqa: E402
+
 _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ()),
                # decode's tokens over its gRPC Stream call instead of the TCP link: the link's baseline
                "1d-grpc": ("epd", ("--decode-link", "grpc")),
@@ -75,12 +76,6 @@ def kv_bytes_per_token(model: str) -> int:
     text = config.get("text_config", config)
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
     return text["num_hidden_layers"] * 2 * text["num_key_value_heads"] * head_dim * 4
-
-
-def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
 
 
 # ---- the client --------------------------------------------------------------------------------
@@ -224,12 +219,12 @@ def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
     seeds = range(point.streams) if point.kind == "image" else [None] * point.streams
     bodies = [_body(cluster.model, point.tokens_per_stream, None if s is None else 1000 * point.streams + s)
               for s in seeds]
-    before = {name: cpu_s(pid) for name, pid in cluster.pids.items()}
+    before = {name: cpu_seconds([pid]) for name, pid in cluster.pids.items()}
     steps_before = cluster.decode_steps() if cluster.decode_metrics else 0.0
     start = time.monotonic()
     result = run_load(cluster.server.url, bodies, num_client_procs)
     point.wall_s = time.monotonic() - start
-    after = {name: cpu_s(pid) for name, pid in cluster.pids.items()}
+    after = {name: cpu_seconds([pid]) for name, pid in cluster.pids.items()}
     point.tokens, point.errors = result["tokens"], result["errors"]
     point.tokens_per_s = point.tokens / point.wall_s
     point.events_per_token = result["events"] / max(1, point.tokens)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -36,8 +35,8 @@ except ImportError:  # a checkout from before epd/server/ (measuring the old rou
     from epd.launch import LocalCluster  # noqa: E402
 from epd.models.locate import resolve_model  # noqa: E402
 from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
+from epd.server.parent import cpu_seconds  # noqa: E402
 
-_CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 _STORY = "Once upon a time, in a land far away, there lived a curious fox named Ada. "
 _CLIENT = """
 import httpx, json, sys
@@ -126,14 +125,8 @@ def http_ms_per_token(model_dir, token_ids: list[int]) -> float:
 
 
 # ---- 3: a real cluster -----------------------------------------------------------------------------
-def process_cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S  # utime, stime
-
-
-def stream_tokens(url: str, max_tokens: int) -> list[int]:
-    body = {"model": "bench", "messages": [{"role": "user", "content": "Write a very long story."}],
+def stream_tokens(url: str, model: str, max_tokens: int) -> list[int]:
+    body = {"model": model, "messages": [{"role": "user", "content": "Write a very long story."}],
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "return_token_ids": True}
     token_ids: list[int] = []
@@ -150,12 +143,13 @@ def cluster_ms_per_token(model_dir, num_tokens: int) -> tuple[float, list[int], 
     with LocalCluster(str(model_dir)) as cluster:
         router = cluster.start_router()
         url = router.ready_fields[0]
-        stream_tokens(url, 8)  # warm up every process
-        before = process_cpu_s(router.proc.pid)
+        model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]  # the name it serves
+        stream_tokens(url, model, 8)  # warm up every process
+        before = cpu_seconds([router.proc.pid])
         start = time.perf_counter()
-        token_ids = stream_tokens(url, num_tokens)
+        token_ids = stream_tokens(url, model, num_tokens)
         wall_s = time.perf_counter() - start
-        router_cpu_s = process_cpu_s(router.proc.pid) - before
+        router_cpu_s = cpu_seconds([router.proc.pid]) - before
     return 1e3 * router_cpu_s / len(token_ids), token_ids, wall_s
 
 

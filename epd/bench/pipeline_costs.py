@@ -165,10 +165,9 @@ def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px:
     the prefill, each decode step and the serving path's per step and per token work."""
     steps = output_tokens - 1
     context = tokens + output_tokens / 2
-    return (costs.router_ms(image_px ** 2 if image_px else 0, 0.0) + costs.prefill_ms(tokens)
+    return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens)
             + (costs.encoder_ms(image_px ** 2, 1) if image_px else 0.0)
-            + steps * (costs.decode_ms(1, context, sampled=True) + derived["step_ms"])
-            + output_tokens * derived["token_ms"])
+            + steps * (costs.decode_ms(1, context, sampled=True) + derived["step_ms"]))
 
 
 def _router_charged_ms(costs, derived: dict, output_tokens: int, image_px: int = 0) -> float:

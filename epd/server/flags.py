@@ -1,5 +1,5 @@
 """The one definition of every process's command-line flags: a flag is a config field
-(``epd/config.py``), named after it (``max_num_batched_tokens`` -> ``--max-num-batched-tokens``),
+(``epd/config/``), named after it (``max_num_batched_tokens`` -> ``--max-num-batched-tokens``),
 described by its description, parsed by the config's own validation. A command lists the config
 classes it takes; a name that appears in several (``--model``, ``--max-model-len``) is one flag
 that sets all of them, so no two commands can drift apart.

@@ -8,8 +8,15 @@ prompt, the encoder's forward, a sampled decode step), as figures a simulator ad
 - ``request_ms``: on every request's way to its first token;
 - ``image_ms``: per image, on its way from the router to prefill (the encode call and the push);
 - ``step_ms``: per decode step, on the decode worker (its output path);
+- ``handoff_ms``: once a request, between its first token (prefill's) and its first decode step,
+  beyond the KV transfer the simulator charges (the tiers only): told from ``step_ms`` by the time
+  per token of text requests of two output lengths (a 2-token request's one gap is all hand-off and
+  one step; a 16-token request spreads the hand-off over 15 gaps);
 - ``token_ms``: per streamed token, on the host beside the tiers (the router's work, the stream's),
   told from ``step_ms`` by the time per token of one stream against that of ``_STREAMS`` at once;
+- ``encoder_batch_ms``: of ``image_ms``, what keeps the encoder busy once per batch beyond its
+  forward (its results handed on, exported and pushed in the worker's one interpreter), told by
+  two image requests at once: the second waits for the first's batch (the tiers only);
 - ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
   a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs);
 - ``router``, ``background``, ``client``: the CPU spent beyond all of the above, per request, per
@@ -38,6 +45,7 @@ _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = 4
 _SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
+_PAIR_IDLE_S = 0.3  # before each pair of image requests sent at once
 _IDLE_S = 2.0  # how long the idle cluster's own CPU is counted (subtracted from every figure)
 
 
@@ -65,9 +73,10 @@ class _Client:
         """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
         return self.loop.run_until_complete(self._send(image, max_tokens))
 
-    def at_once(self, n: int) -> list[tuple[float, float, int]]:
+    def at_once(self, n: int, images: list[bytes] | None = None) -> list[tuple[float, float, int]]:
+        """``n`` text requests sent at once, or one per image of ``images``."""
         async def all_of_them():
-            return await asyncio.gather(*(self._send(None, _OUTPUT_TOKENS) for _ in range(n)))
+            return await asyncio.gather(*(self._send(image, _OUTPUT_TOKENS) for image in images or [None] * n))
         return self.loop.run_until_complete(all_of_them())
 
     async def _send(self, image: bytes | None, max_tokens: int) -> tuple[float, float, int]:
@@ -92,6 +101,18 @@ def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
         time.sleep(gap_s)
         image.append(client.one(next(picture))[0])
     return statistics.median(text), statistics.median(image)
+
+
+def _image_pair_gap_ms(client: _Client, picture) -> float:
+    """The median time between the first tokens of two image requests sent at once to a cluster
+    idle a little while (the second's image waits for the first's batch)."""
+    gaps = []
+    for _ in range(_WAKE_REQUESTS):
+        pair = [next(picture), next(picture)]  # made before: a client's own work
+        time.sleep(_PAIR_IDLE_S)
+        first, second = sorted(ttft for ttft, _, _ in client.at_once(2, pair))
+        gaps.append(second - first)
+    return statistics.median(gaps)
 
 
 def _concurrent_ms_per_token(client: _Client) -> float:
@@ -158,6 +179,12 @@ class Measured:
     # host has no CPU counters
     cpu: dict | None = None
     engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
+    # time per output token of text requests alone, with _OUTPUT_TOKENS and with _SHORT_TOKENS: they
+    # tell the once-a-request hand-off from the per-step cost (None: per_token is taken as per step)
+    per_token_text: float | None = None
+    per_token_short: float | None = None
+    # the first tokens of two image requests sent at once, the second's after the first's (None: unmeasured)
+    image_pair_gap: float | None = None
 
 
 def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0) -> float:
@@ -166,7 +193,7 @@ def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px:
     steps = output_tokens - 1
     context = tokens + output_tokens / 2
     return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens)
-            + (costs.encoder_ms(image_px ** 2, 1) if image_px else 0.0)
+            + (costs.encoder_ms(image_px ** 2, 1) + derived.get("encoder_batch_ms", 0.0) if image_px else 0.0)
             + steps * (costs.decode_ms(1, context, sampled=True) + derived["step_ms"]))
 
 
@@ -206,42 +233,68 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
             "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()}}
 
 
+def _handoff_ms(m: Measured) -> tuple[float | None, float]:
+    """(The hand-off, once a request, or None unmeasured; its share of each gap of a request of
+    _OUTPUT_TOKENS). A request of n tokens has n - 1 gaps: the first is the hand-off and one step,
+    each other one step, so its time per token is ``step + handoff / (n - 1)``; two lengths solve it."""
+    if m.per_token_text is None or m.per_token_short is None:
+        return None, 0.0
+    long_gaps, short_gaps = _OUTPUT_TOKENS - 1, _SHORT_TOKENS - 1
+    handoff = max((m.per_token_short - m.per_token_text) / (1 / short_gaps - 1 / long_gaps), 0.0)
+    return handoff, handoff / long_gaps
+
+
 def derive(costs, m: Measured, image_px: int) -> dict:
     """The path's own costs: what was measured less what the profile's stages account for."""
     request_ms = m.ttft_text - costs.prefill_ms(m.tokens_text) - costs.router_ms(0, 0.0)
     image_ms = (m.ttft_image - m.ttft_text - costs.encoder_ms(image_px ** 2, 1)
                 - (costs.prefill_ms(m.tokens_image) - costs.prefill_ms(m.tokens_text)))
     context = m.tokens_text + _OUTPUT_TOKENS / 2
-    # one step, one token: the path's per step and per token
-    alone = m.per_token - costs.decode_ms(1, context, sampled=True)
-    crowded = m.per_token_crowded - costs.decode_ms(_STREAMS, context, sampled=True)  # one step, _STREAMS tokens
+    handoff_ms, per_gap = _handoff_ms(m)
+    # one step, one token (text requests' time per token less their hand-off's share where it was
+    # told apart): the path's per step and per token; _STREAMS text streams: one step, _STREAMS tokens
+    one_stream = m.per_token if handoff_ms is None else m.per_token_text - per_gap
+    alone = one_stream - costs.decode_ms(1, context, sampled=True)
+    crowded = m.per_token_crowded - per_gap - costs.decode_ms(_STREAMS, context, sampled=True)
     token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
     derived = {"step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3)}
+    if handoff_ms is not None and not m.engine_in_router:  # beyond the KV transfer the simulator charges
+        kv_bytes = m.tokens_text * (costs.shapes or {}).get("kv_bytes_per_token", 0)
+        derived["handoff_ms"] = round(max(handoff_ms - costs.transfer_ms(costs.local_transport, kv_bytes), 0.0), 3)
+    if m.image_pair_gap is not None and not m.engine_in_router:
+        # the second image waits for the first's forward and for what the encoder does after it;
+        # that part of the image's path is the encoder's work, the rest a delay beside it
+        after_forward = m.image_pair_gap - costs.encoder_ms(image_px ** 2, 1)
+        derived["encoder_batch_ms"] = round(min(max(after_forward, 0.0), max(image_ms, 0.0)), 3)
     return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3), **derived,
             **(_background(costs, m, derived, image_px) or {}),
             "wake": [{"idle_s": gap, "text_ms": round(max(t - m.ttft_text, 0.0), 3),
                       "image_ms": round(max(i - m.ttft_image, 0.0), 3)} for gap, (t, i) in m.after_idle.items()],
             "measured": {"ttft_text_ms": round(m.ttft_text, 2), "ttft_image_ms": round(m.ttft_image, 2),
                          "ms_per_token": round(m.per_token, 3),
+                         **({"ms_per_token_text": round(m.per_token_text, 3),
+                             f"ms_per_token_{_SHORT_TOKENS}_tokens": round(m.per_token_short, 3)}
+                            if m.per_token_text is not None and m.per_token_short is not None else {}),
                          f"ms_per_token_{_STREAMS}_streams": round(m.per_token_crowded, 3),
-                         "prompt_tokens": [m.tokens_text, m.tokens_image]}}
+                         "prompt_tokens": [m.tokens_text, m.tokens_image],
+                         **({"image_pair_gap_ms": round(m.image_pair_gap, 2)} if m.image_pair_gap is not None else {})}}
 
 
 def _measure_path(pid: int, client: _Client, picture) -> tuple:
-    """One serving path's figures: (text runs, image runs, CPU per request, TTFTs after idling, ms
-    per token of _STREAMS streams at once)."""
+    """One serving path's figures: (text runs, image runs, short text runs, CPU per request, TTFTs
+    after idling, ms per token of _STREAMS streams at once, the gap between two images at once)."""
     for _ in range(2):  # warm: the first requests of a process pay for what it loads lazily
         client.one(None)
         client.one(next(picture))
     meter = CpuMeter(pid)
     meter.measure_idle()
-    text, image = [], []
+    text, image, short = [], [], []
     cpu = {"text": meter.per_request(lambda: text.append(client.one(None)), _REQUESTS)}
     pictures = iter([next(picture) for _ in range(_REQUESTS)])  # made before: a client's own work
     cpu["image"] = meter.per_request(lambda: image.append(client.one(next(pictures))), _REQUESTS)
-    cpu["short"] = meter.per_request(lambda: client.one(None, _SHORT_TOKENS), _REQUESTS)
+    cpu["short"] = meter.per_request(lambda: short.append(client.one(None, _SHORT_TOKENS)), _REQUESTS)
     after_idle = {gap: _after_idle(client, gap, picture) for gap in _IDLE_GAPS_S}
-    return text, image, cpu, after_idle, _concurrent_ms_per_token(client)
+    return text, image, short, cpu, after_idle, _concurrent_ms_per_token(client), _image_pair_gap_ms(client, picture)
 
 
 def measure(model: str, costs, image_px: int = 448) -> dict:
@@ -257,12 +310,16 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
         with LocalServer(command, name=f"epd serve {' '.join(flags)}") as serve:
             client = _Client(serve.url, model)
             try:
-                text, image, cpu, after_idle, crowded_ms = _measure_path(serve.proc.pid, client, picture)
+                text, image, short, cpu, after_idle, crowded_ms, pair_gap_ms = _measure_path(serve.proc.pid, client,
+                                                                                            picture)
             finally:
                 client.close()
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
         out[name] = derive(costs, Measured(ttft_text, ttft_image, text[-1][2], image[-1][2],
                                            statistics.median(s for _, s, _ in text + image), crowded_ms,
                                            after_idle, cpu if None not in cpu.values() else None,
-                                           engine_in_router=bool(flags)), image_px)
+                                           engine_in_router=bool(flags),
+                                           per_token_text=statistics.median(s for _, s, _ in text),
+                                           per_token_short=statistics.median(s for _, s, _ in short),
+                                           image_pair_gap=pair_gap_ms), image_px)
     return out

@@ -130,7 +130,8 @@ class StageCosts:
         return (self.pipeline or {}).get("aggregated" if aggregated else "epd", {})
 
     def path_ms(self, aggregated: bool, what: str) -> float:
-        """The serving path's own ``request_ms``, ``image_ms`` or ``step_ms`` (0 without them)."""
+        """The serving path's own ``request_ms``, ``image_ms``, ``step_ms``, ``handoff_ms`` or
+        ``encoder_batch_ms`` (0 without them)."""
         return self._path(aggregated).get(what, 0.0)
 
     def cpu_beyond_ms(self, aggregated: bool, part: str, what: str) -> float:

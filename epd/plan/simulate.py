@@ -126,7 +126,9 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
                 finished.append(request)
                 return
             decode = min(decodes, key=lambda d: d.load)
-            delay_ms = costs.transfer_ms(settings.transport, request.prompt_tokens * settings.kv_bytes_per_token)
+            # the KV's transfer, and what the hand-off costs beyond it (the profile's, measured end to end)
+            delay_ms = (costs.transfer_ms(settings.transport, request.prompt_tokens * settings.kv_bytes_per_token)
+                        + costs.path_ms(False, "handoff_ms"))
             decode.load += 1  # counted from the hand-off, as the router counts it
             clock.after(delay_ms, lambda: (setattr(decode, "load", decode.load - 1), decode.add(request)))
 

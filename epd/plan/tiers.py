@@ -194,7 +194,9 @@ class Encoder(Worker):
         if self.busy or not self.queue:
             return
         batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.settings.encoder_batch_size))]
-        work_ms = sum(self.costs.encoder_ms(pixels, len(batch)) for _, pixels, _ in batch)
+        # the forward, then the results handed on (the profile's, once a batch): the next batch waits
+        work_ms = (sum(self.costs.encoder_ms(pixels, len(batch)) for _, pixels, _ in batch)
+                   + self.costs.path_ms(False, "encoder_batch_ms"))
 
         def done() -> None:
             for identity, _, rows in batch:
@@ -220,8 +222,9 @@ class Prefill(Worker):
             self.arrived(request)
 
     def rows_arrived(self, request: SimRequest, rows: int) -> None:
+        # the rows' transfer and the image's path, less what of it the encoder already spent
         delay_ms = (self.costs.transfer_ms(self.settings.transport, rows * self.settings.row_bytes)
-                    + self.costs.path_ms(False, "image_ms"))
+                    + max(self.costs.path_ms(False, "image_ms") - self.costs.path_ms(False, "encoder_batch_ms"), 0.0))
 
         def landed() -> None:
             request.rows_waiting -= 1

@@ -145,6 +145,19 @@ def test_the_serving_paths_own_costs_and_a_cold_cluster_are_added_where_they_fal
                          FREE).requests[0]
     assert with_path.ttft_ms == pytest.approx(plain.ttft_ms + 5.0 + 3.0)  # a cluster just started is warm
     assert with_path.tpot_ms == pytest.approx(plain.tpot_ms + 1.0)
+    # the hand-off beyond the KV's transfer: once, between the first token and the first decode step
+    handed = StageCosts(**{**base.__dict__, "pipeline": {"epd": {**path["epd"], "handoff_ms": 6.0}}})
+    got = simulate(handed, Topology(cores=None), [SimRequest(0, 0.0, 16, 3, ((1, 100.0, 4),))], FREE).requests[0]
+    assert got.ttft_ms == pytest.approx(with_path.ttft_ms)
+    assert got.token_ms[1] - got.token_ms[0] == pytest.approx(with_path.token_ms[1] - with_path.token_ms[0] + 6.0)
+    assert got.token_ms[2] - got.token_ms[1] == pytest.approx(with_path.token_ms[2] - with_path.token_ms[1])
+    # of the image's path, what keeps the encoder busy once a batch: the same latency alone, but an
+    # image right behind waits for it too
+    busy = StageCosts(**{**base.__dict__, "pipeline": {"epd": {**path["epd"], "encoder_batch_ms": 2.0}}})
+    pair = lambda: [SimRequest(0, 0.0, 16, 3, ((1, 100.0, 4),)), SimRequest(1, 1.0, 16, 3, ((2, 100.0, 4),))]
+    apart, behind = (simulate(c, Topology(cores=None), pair(), FREE).requests for c in (measured, busy))
+    assert behind[0].ttft_ms == pytest.approx(apart[0].ttft_ms)
+    assert behind[1].ttft_ms == pytest.approx(apart[1].ttft_ms + 2.0)
     late = [SimRequest(0, 0.0, 16, 1), SimRequest(1, 500.0, 16, 1), SimRequest(2, 2000.0, 16, 1, ((2, 100.0, 4),))]
     got = simulate(measured, Topology(cores=None), late, FREE).requests
     idle_s = (500.0 - got[0].token_ms[-1]) / 1000  # since the first request's last work
@@ -250,6 +263,47 @@ def test_the_serving_paths_own_costs_are_what_was_measured_less_what_the_stages_
     assert got["wake"] == [{"idle_s": 2.0, "text_ms": 30.0, "image_ms": 10.0},
                            {"idle_s": 0.1, "text_ms": 0.0, "image_ms": 1.0}]  # never below zero
     assert "background" not in got  # no CPU counters: nothing made up
+    assert "handoff_ms" not in got  # one output length: the hand-off is not told apart
+
+
+def test_the_hand_off_is_told_from_the_per_step_cost_by_two_output_lengths():
+    """A request of n tokens has n - 1 gaps, the first the hand-off plus a step: with a hand-off of
+    15 ms and 5 ms a step, 16 tokens come 5 + 15 / 15 = 6 ms apart on average and 2 tokens 20 ms.
+    The per-step figures are those of the test above once its share is taken off; of the hand-off,
+    what the simulator does not already charge as the KV's transfer (1 MB at 1 ms a MB)."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)), shapes={"kv_bytes_per_token": 2**20 // 40})
+    measured = dict(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=7.0,
+                    per_token_crowded=12.0, after_idle={}, per_token_text=6.0, per_token_short=20.0)
+    got = derive(c, Measured(**measured), 448)
+    assert (got["step_ms"], got["token_ms"]) == (pytest.approx(1.0), pytest.approx(1.0))  # as above
+    assert got["handoff_ms"] == pytest.approx(15.0 - 1.0)
+    assert got["measured"]["ms_per_token_2_tokens"] == 20.0
+    assert "encoder_batch_ms" not in got  # no pair of images measured
+    # one process (--aggregated): no hand-off between workers to charge, the per-step figures alike
+    one = derive(c, Measured(**measured, engine_in_router=True), 448)
+    assert "handoff_ms" not in one and (one["step_ms"], one["token_ms"]) == (pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_what_the_encoder_spends_after_its_forward_is_told_by_two_images_at_once():
+    """The second of two image requests sent at once waits for the first's batch: its forward (20 ms
+    here) and what the encoder does after it; that part of the image's path (15 ms in all: 60 - 15
+    less 20 of forward less 10 of prefill) is charged to the encoder, never more than the path."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)})
+    measured = dict(ttft_text=15.0, ttft_image=60.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                    per_token_crowded=11.0, after_idle={})
+    assert derive(c, Measured(**measured, image_pair_gap=32.0), 448)["encoder_batch_ms"] == pytest.approx(12.0)
+    assert derive(c, Measured(**measured, image_pair_gap=90.0), 448)["encoder_batch_ms"] == pytest.approx(15.0)
+    assert derive(c, Measured(**measured, image_pair_gap=5.0), 448)["encoder_batch_ms"] == 0.0  # batched together
+    assert "encoder_batch_ms" not in derive(c, Measured(**measured, image_pair_gap=32.0, engine_in_router=True), 448)
 
 
 def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_charged():

@@ -79,18 +79,20 @@ def predict(profile_path: Path, topology_kwargs: dict, args: argparse.Namespace,
 
 def compare(profile_paths: list[Path], measured_rounds: list[dict], args: argparse.Namespace,
             cores: int) -> list[tuple]:
-    """-> (topology, rate, predicted, measured, measured range) for every measured point: each side
+    """-> ((topology, rate, predicted, measured, measured range) for every measured point: each side
     the median over the rounds (round k predicted from its own profile), the range over the rounds'
-    measurements."""
-    rows = []
+    measurements; and each round's own errors, its prediction against its sweeps)."""
+    rows, per_round = [], [[] for _ in profile_paths]
     for name, (_, topology_kwargs) in _TOPOLOGIES.items():
         predicted = [predict(path, topology_kwargs, args, cores) for path in profile_paths]
+        for k, (guesses, measured) in enumerate(zip(predicted, measured_rounds)):
+            per_round[k] += [(g[key] - m[key]) / m[key] for g, m in zip(guesses, measured[name]) for key in g if m[key]]
         for i, rate in enumerate(args.rates.split(",")):
             guesses = [one[i] for one in predicted]
             measured = [one[name][i] for one in measured_rounds]
             rows.append((name, rate, _median_of(guesses), _median_of(measured),
                          {key: (min(m[key] for m in measured), max(m[key] for m in measured)) for key in measured[0]}))
-    return rows
+    return rows, per_round
 
 
 def _median_of(figures: list[dict]) -> dict:
@@ -148,7 +150,7 @@ def main() -> int:
         ap.error(f"--rounds and --sweeps take 1 or more, got {args.rounds} and {args.sweeps}")
     if args.from_dir:
         cores, profile_paths, measured_rounds = load_kept(args)
-        rows = compare(profile_paths, measured_rounds, args, cores)
+        rows, per_round = compare(profile_paths, measured_rounds, args, cores)
     else:
         cores = len(os.sched_getaffinity(0))
         with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +162,7 @@ def main() -> int:
             (out_dir / "measured.json").write_text(json.dumps({
                 "args": kept_args, "cores": cores, "runs": _median_rounds(measured_rounds),
                 "rounds": [{"profile": path.name, "runs": runs} for path, runs in rounds]}, indent=1))
-            rows = compare(profile_paths, measured_rounds, args, cores)
+            rows, per_round = compare(profile_paths, measured_rounds, args, cores)
     threads = json.loads(profile_paths[0].read_text())["host"]["threads"]
     print(f"model={args.model} cores={cores} threads/worker={threads} rounds={args.rounds} "
           f"sweeps={args.sweeps} prompts={args.num_prompts} image={args.image_size} input={args.input_len} "
@@ -179,8 +181,16 @@ def main() -> int:
             low, high = spread[key]
             cells.append(f"{p:.1f} / {m:.1f} ({error:+.0%})" + (f" [{low:.1f}-{high:.1f}]" if args.rounds > 1 else ""))
         print(f"| {name} | {rate} | " + " | ".join(cells) + " |", flush=True)
-    print(f"largest error: {max(errors):.0%}, {sum(e <= 0.15 for e in errors)} of {len(errors)} within 15% (bar: 15%)")
+    print(f"largest error: {max(errors):.0%}, {_within(errors)} of {len(errors)} within 15% (bar: 15%)")
+    if len(per_round) > 1:  # each profile against the sweeps right beside it: how much the host moved
+        for k, round_errors in enumerate(per_round):
+            print(f"round {k}, its own profile against its own sweeps: {_within(round_errors)} of "
+                  f"{len(round_errors)} within 15%, largest {max(map(abs, round_errors)):.0%}")
     return 0
+
+
+def _within(errors: list[float], bar: float = 0.15) -> int:
+    return sum(abs(e) <= bar + 1e-9 for e in errors)
 
 
 def _median_rounds(measured_rounds: list[dict]) -> dict:

@@ -40,6 +40,13 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
 
 
+def readable_file(value: str | None, what: str) -> str | None:
+    """A path a config names must be a file there now (a typo fails at start, not at first use)."""
+    if value is not None and not Path(value).is_file():
+        raise ValueError(f"expected a readable {what}, got {value!r} (no such file)")
+    return value
+
+
 def cuda_indices(value: Any, example: str) -> Any:
     """CUDA device indices, comma-separated or a list, as a tuple of digit strings (the flags' form)."""
     indices = [a.strip() for a in value.split(",") if a.strip()] if isinstance(value, str) else value

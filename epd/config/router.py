@@ -1,12 +1,11 @@
 """The router's settings: its workers, admission limits, routing, media policy and listeners."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, NonNegativeInt, field_validator, model_validator
 
-from epd.config.base import FrozenConfig, MiB, Port, PositiveInt, parse_mapping
+from epd.config.base import FrozenConfig, MiB, Port, PositiveInt, parse_mapping, readable_file
 from epd.config.engine import EngineConfig
 from epd.config.worker import TlsConfig
 
@@ -189,9 +188,7 @@ class RouterConfig(FrozenConfig):
     @field_validator("api_key_file", "admin_token_file")
     @classmethod
     def _readable_key_file(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).is_file():
-            raise ValueError(f"expected a readable file of keys, got {value!r} (no such file)")
-        return value
+        return readable_file(value, "file of keys")
 
     @model_validator(mode="after")
     def _engine_only_when_aggregated(self) -> "RouterConfig":

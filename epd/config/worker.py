@@ -3,12 +3,11 @@ encoder, and mutual TLS between EPD's processes.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from epd.config.base import FrozenConfig, ModelDevice, ModelDtype, OnDevice, Port, PositiveInt
+from epd.config.base import FrozenConfig, ModelDevice, ModelDtype, OnDevice, Port, PositiveInt, readable_file
 from epd.config.engine import EngineConfig
 
 
@@ -93,9 +92,7 @@ class TlsConfig(FrozenConfig):
     @field_validator("tls_cert", "tls_key", "tls_ca")
     @classmethod
     def _readable_pem(cls, value: str | None) -> str | None:
-        if value is not None and not Path(value).is_file():
-            raise ValueError(f"expected a readable PEM file, got {value!r} (no such file)")
-        return value
+        return readable_file(value, "PEM file")
 
     @model_validator(mode="after")
     def _all_or_none(self) -> "TlsConfig":

@@ -45,6 +45,7 @@ _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = 4
 _SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
+_PAIRS = 4  # pairs of image requests sent at once
 _PAIR_IDLE_S = 0.3  # before each pair of image requests sent at once
 _IDLE_S = 2.0  # how long the idle cluster's own CPU is counted (subtracted from every figure)
 
@@ -107,7 +108,7 @@ def _image_pair_gap_ms(client: _Client, picture) -> float:
     """The median time between the first tokens of two image requests sent at once to a cluster
     idle a little while (the second's image waits for the first's batch)."""
     gaps = []
-    for _ in range(_WAKE_REQUESTS):
+    for _ in range(_PAIRS):
         pair = [next(picture), next(picture)]  # made before: a client's own work
         time.sleep(_PAIR_IDLE_S)
         first, second = sorted(ttft for ttft, _, _ in client.at_once(2, pair))

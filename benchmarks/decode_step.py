@@ -7,7 +7,9 @@ CPU ms per step (process time, all threads), wall ms per step, and where the wal
 (scheduler.schedule, runner.prepare, the forward and logits, the sampler, the scheduler's advance
 and complete; the rest is the step's own glue). The same numbers for the tiny preset, whose forward
 is real, put them beside a model that computes. ``--modes in_order,async``: each point also with
-async scheduling (on the CPU nothing runs beside the host, so this shows its bookkeeping's cost).
+async scheduling (on the CPU nothing runs beside the host, so this shows its bookkeeping's cost),
+or ``rebuilt``: in order with every step's inputs read again from the sequences (the engine's
+general step, as before it kept its decode batch from step to step).
 ``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy. ``--context N``:
 prompts of N tokens (every step's sequences span that much KV, as long chats' do).
 
@@ -33,7 +35,10 @@ from epd.models.tokenizer_loading import load_tokenizer  # noqa: E402
 from epd.types import SamplingParams  # noqa: E402
 
 PARTS = (("schedule", "scheduler", "schedule"), ("prepare", "runner", "prepare"), ("forward", "runner", "forward"),
-         ("sample", "sampler", "__call__"), ("advance", "scheduler", "advance"), ("complete", "scheduler", "complete"))
+         ("sample", "sampler", "__call__"), ("advance", "scheduler", "advance"), ("complete", "scheduler", "complete"),
+         # a step from the decode batch kept from the step before
+         ("schedule", "decode_batch", "usable"), ("schedule", "decode_batch", "take_pages"),
+         ("prepare", "runner", "prepare_decodes"), ("complete", "decode_batch", "advance"))
 
 
 class Timed:
@@ -78,6 +83,9 @@ class _CallTimer:
     def on_device(self, *args, **kwargs):
         return self._timed(self.inner.on_device, *args, **kwargs)
 
+    def sample(self, *args, **kwargs):
+        return self._timed(self.inner.sample, *args, **kwargs)
+
     def _timed(self, fn, *args, **kwargs):
         start = time.perf_counter()
         try:
@@ -86,7 +94,7 @@ class _CallTimer:
             self.seconds[self.name] += time.perf_counter() - start
 
 
-def measure(model: str, batch: int, steps: int, overlap: bool = False, temperature: float = 0.0,
+def measure(model: str, batch: int, steps: int, mode: str = "in_order", temperature: float = 0.0,
             context: int = 0) -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
@@ -94,7 +102,7 @@ def measure(model: str, batch: int, steps: int, overlap: bool = False, temperatu
     kv_bytes = max(1 << 30, batch * (context + steps + 128) * kv_bytes_per_token(model))
     config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * 64),
                           kv_cache_bytes=kv_bytes, max_model_len=max(4096, context + steps + 128),
-                          async_scheduling=overlap)
+                          async_scheduling=mode == "async")
     engine = LLMEngine(load_llm_for(model_dir, config), config,
                        eos_token_ids=(tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ())
     prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
@@ -107,6 +115,7 @@ def measure(model: str, batch: int, steps: int, overlap: bool = False, temperatu
         engine.step()  # prefill every request (and their first tokens)
     for _ in range(5):
         engine.step()  # warm: the decode path's first steps allocate
+    engine.keep_decode_batch = mode != "rebuilt"
     timed = Timed(engine)
     cpu, wall = time.process_time(), time.perf_counter()
     for _ in range(steps):
@@ -115,7 +124,7 @@ def measure(model: str, batch: int, steps: int, overlap: bool = False, temperatu
     running = len(engine.scheduler.running)
     parts = {name: 1000 * s / steps for name, s in timed.seconds.items()}
     parts["other"] = 1000 * wall / steps - sum(parts.values())
-    return {"model": model, "mode": "async" if overlap else "in_order", "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
+    return {"model": model, "mode": mode, "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
             "parts": parts}
 
 
@@ -124,7 +133,9 @@ def main() -> int:
     parser.add_argument("--models", default="null-qwen2-vl,tiny-qwen2-vl")
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--modes", default="in_order", help="in_order, async, or both (comma list)")
+    parser.add_argument("--modes", default="in_order",
+                        help="in_order, async, rebuilt (in order, every step's inputs read from the sequences, as "
+                             "before the decode batch was kept from step to step): a comma list")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (a tier on a small host gets 1; the step's own work is serial)")
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
@@ -134,13 +145,13 @@ def main() -> int:
     import torch
     torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
-    if set(modes) - {"in_order", "async"}:
-        parser.error(f"--modes: in_order and/or async, got {args.modes!r}")
+    if set(modes) - {"in_order", "async", "rebuilt"}:
+        parser.error(f"--modes: in_order, async and/or rebuilt, got {args.modes!r}")
     print(f"{'model':<15}{'mode':<10}{'batch':>6}{'CPU ms/step':>13}{'wall ms/step':>14}  wall ms by part", flush=True)
     for model in args.models.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             for mode in modes:
-                r = measure(model, batch, args.steps, overlap=mode == "async", temperature=args.temperature,
+                r = measure(model, batch, args.steps, mode=mode, temperature=args.temperature,
                             context=args.context)
                 parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
                 print(f"{r['model']:<15}{r['mode']:<10}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  "

@@ -6,6 +6,7 @@ mm hashes two different images would share cached KV.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,7 +31,9 @@ def compute_block_hash(prev_hash: str | None, token_ids: list[int], block_start:
     """Hash of one full block: prefix chain + tokens + (mm hash, offset) of overlapping items."""
     h = blake3.blake3()
     h.update((prev_hash or "").encode())
-    h.update(b"|t|" + ",".join(map(str, token_ids)).encode())
+    # fixed-width ids: unambiguous, and half the cost of formatting them (a decode batch of 256
+    # publishes 16 blocks a step)
+    h.update(b"|t|" + array("q", token_ids).tobytes())
     block_end = block_start + len(token_ids)
     for item in mm_items:
         if item.offset < block_end and item.end > block_start:

@@ -45,9 +45,7 @@ class BlockTableMirror:
                 continue
             table = seq.block_table
             if row.table is not table or row.written != len(table):
-                if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
-                    row.table, row.written = table, 0
-                self._write(row, table)
+                self._refresh(row, table)
             row.used = step
             out.append(row.index)
         if missing:
@@ -58,6 +56,15 @@ class BlockTableMirror:
                 self._write(row, seq.block_table)
                 out[i] = row.index
         return np.array(out, dtype=np.int64)
+
+    def refresh(self, seq) -> None:
+        """Bring the row of ``seq``, which has one here, up to its table (a page it just gained)."""
+        self._refresh(self._rows[seq.seq_id], seq.block_table)
+
+    def _refresh(self, row: _Row, table: list[int]) -> None:
+        if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
+            row.table, row.written = table, 0
+        self._write(row, table)
 
     def _write(self, row: _Row, table: list[int]) -> None:
         if len(table) > self.array.shape[1]:

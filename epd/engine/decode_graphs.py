@@ -116,7 +116,7 @@ class DecodeGraphRunner:
     def run(self, step) -> torch.Tensor | None:
         """Logits [B, V] of a pure-decode ``step`` from a graph, or None (run it eager)."""
         meta = step.meta
-        if step.mm_rows or meta.num_decodes != meta.num_seqs or len(step.sampling_chunks) != meta.num_seqs:
+        if step.mm_rows or meta.num_decodes != meta.num_seqs or len(step.sampling_seqs) != meta.num_seqs:
             return None
         bucket = smallest_bucket(self.buckets, meta.num_seqs)
         if bucket is None:

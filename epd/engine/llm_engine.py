@@ -9,6 +9,7 @@ import torch
 
 from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
+from epd.engine.decode_batch import DecodeBatch
 from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.grammar import GrammarCompiler
 from epd.engine.inflight import InflightTokens
@@ -61,7 +62,10 @@ class LLMEngine:
                                   attention_backend=config.attention_backend, mm_token_ids=mm_token_ids,
                                   decode_graph_sizes=graph_sizes, max_model_len=config.max_model_len)
         self.sampler = Sampler()
+        self.decode_batch = DecodeBatch(config.block_size)
         self.num_steps = 0
+        self.num_batch_steps = 0  # steps run from the decode batch kept from the step before
+        self.keep_decode_batch = True  # False: every step is the general one (benchmarks and tests compare)
         self.async_scheduling = config.async_scheduling
         self._inflight: InflightTokens | None = None  # the last step's tokens, still on the device
         self.num_overlapped_steps = 0  # steps launched while the one before had its tokens in flight
@@ -138,6 +142,12 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it. With async scheduling a
         step's tokens are known (appended, checked for stops) during the step after it."""
+        if self.keep_decode_batch and not self.async_scheduling \
+                and self.decode_batch.usable(self.scheduler, self.runner.block_tables):
+            finished = self._step_decode_batch()
+            if finished is not None:
+                return finished
+        self.decode_batch.invalidate()
         out = self.scheduler.schedule()
         for seq in out.imported:
             self.runner.write_kv(seq.block_table, seq.imported_kv, seq.imported_kv_source)
@@ -150,8 +160,7 @@ class LLMEngine:
             if self.scheduler.has_unfinished and out.num_waiting_on_inputs == 0:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
             return []
-        logits, chunks = self.runner.execute(out, fill=inflight.fill if inflight is not None else None)
-        seqs = [c.seq for c in chunks]
+        logits, seqs = self.runner.execute(out, fill=inflight.fill if inflight is not None else None)
         self.scheduler.advance(out)
         finished = []
         if inflight is not None:  # this step runs on the device meanwhile
@@ -164,6 +173,21 @@ class LLMEngine:
             finished += self.scheduler.complete(seqs, self.sampler(logits, seqs))
         _strip_finished_prompts(out)
         self.num_steps += 1
+        return finished
+
+    def _step_decode_batch(self) -> list[Sequence] | None:
+        """A step of decodes alone from the batch kept from the step before -> the sequences it
+        finished, or None when a sequence needs a page the cache has not got free (the general step
+        preempts)."""
+        batch, runner = self.decode_batch, self.runner
+        if not batch.take_pages(self.block_manager, runner.block_tables):
+            return None
+        step = runner.prepare_decodes(batch.starts, batch.deltas, batch.rows, batch.token_ids, batch.seqs)
+        tokens, logprobs = self.sampler.sample(runner.run(step), batch.seqs, batch.sample_rows)
+        finished = batch.advance(tokens, logprobs, self.block_manager)
+        self.scheduler.finish(finished)
+        self.num_steps += 1
+        self.num_batch_steps += 1
         return finished
 
     def run_until_done(self, seqs: list[Sequence], max_steps: int = 1_000_000) -> list[Sequence]:

@@ -3,6 +3,7 @@ sequences that sample. Everything index-like (positions, slots, which rows are e
 built on CPU and shipped once: searching ``input_ids`` on a device would sync with the host."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +35,7 @@ class StepInputs:
     mm_token_indices: torch.Tensor  # [sum rows] int64 flat positions the rows go to
     text_token_indices: torch.Tensor  # [T - sum rows] int64
     logits_indices: torch.Tensor  # [B] rows of the flat batch whose logits are sampled
-    sampling_chunks: list[ScheduledChunk]
+    sampling_seqs: list  # the sequences those rows belong to, in order
     every_row_samples: bool = False  # a decode step: logits of every row, no gather of the hidden states
     # async scheduling: (flat index, sequence) of inputs that are the previous step's tokens, still on
     # the device: ``input_ids`` has 0 there until the engine fills them in (``execute``'s ``fill``)
@@ -80,8 +81,8 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(self, graphs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, fill=None) -> tuple[torch.Tensor, list[ScheduledChunk]]:
-        """Run one step; returns logits [B, V] for the chunks that sample, and those chunks.
+    def execute(self, out: SchedulerOutput, fill=None) -> tuple[torch.Tensor, list]:
+        """Run one step; returns logits [B, V] for the sequences that sample, and those sequences.
         ``fill(step)``: writes the inputs that are still on the device (``StepInputs.pending``)."""
         step = self.prepare(out)
         if step.pending:
@@ -89,10 +90,15 @@ class ModelRunner:
                 raise RuntimeError(f"{len(step.pending)} input tokens of this step are not known, and nothing "
                                    "holds them")
             fill(step)
+        return self.run(step), step.sampling_seqs
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """A prepared step -> logits [B, V] of the rows that sample."""
         if self.ranks is None:
-            return self.forward(step), step.sampling_chunks
+            return self.forward(step)
         # tensor parallel: the other ranks run the same step with their part
-        return self._with_ranks(self._forward_in_ranks, step), step.sampling_chunks
+        return self._with_ranks(self._forward_in_ranks, step)
 
     def _forward_in_ranks(self, step: StepInputs) -> torch.Tensor:
         self.ranks.send_step(step)
@@ -254,10 +260,26 @@ class ModelRunner:
             mm_token_indices=self._to_device(mm_token_indices),
             text_token_indices=self._to_device(_complement(mm_token_indices, total)),
             logits_indices=self._to_device(torch.from_numpy(logits_idx)),
-            sampling_chunks=[c for c, sampled in zip(chunks, samples.tolist()) if sampled],
+            sampling_seqs=[c.seq for c, sampled in zip(chunks, samples.tolist()) if sampled],
             every_row_samples=len(logits_idx) == total,
             pending=pending,
         )
+
+    def prepare_decodes(self, starts: np.ndarray, deltas: np.ndarray, rows: np.ndarray, token_ids: np.ndarray,
+                        seqs: list) -> StepInputs:
+        """A step of decodes alone from arrays (a batch kept from step to step): sequence ``i`` computes
+        its token ``token_ids[i]`` at position ``starts[i]``, its pages in row ``rows[i]`` of the block
+        tables, its M-RoPE offset ``deltas[i]``. No Python per sequence."""
+        batch = len(starts)
+        host, slots = build_page_metadata(self.block_tables.array, starts, _ones(batch), self.block_size, rows)
+        every_row = _arange(batch)
+        return StepInputs(
+            input_ids=self._to_device(torch.from_numpy(token_ids)),
+            positions=self._to_device(torch.from_numpy(starts + deltas).expand(3, -1).clone()),
+            meta=metadata_on(host, slots, batch, self.block_size, self.kv_pages, self._to_device),
+            mm_rows=[], mm_token_indices=self._to_device(torch.empty(0, dtype=torch.long)),
+            text_token_indices=self._to_device(every_row), logits_indices=self._to_device(every_row),
+            sampling_seqs=seqs, every_row_samples=True, pending=[])
 
     def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, deltas: np.ndarray,
                    in_prompt: list[int]) -> torch.Tensor:
@@ -313,6 +335,17 @@ def _chunk_mm_rows(mm: SequenceMultimodal | None, chunk: ScheduledChunk,
     last = first + runtime.num_mm_tokens_in_chunk
     # slice before join: one item's rows stay a view, several items copy only the rows needed
     return mm.embeddings.rows(first, last), mm.embed_positions[first:last] - chunk.start
+
+
+@functools.cache
+def _ones(n: int) -> np.ndarray:
+    ones = np.ones(n, dtype=np.int64)
+    ones.flags.writeable = False  # shared by every step of this size
+    return ones
+
+
+def _arange(n: int) -> torch.Tensor:
+    return torch.arange(n)
 
 
 def _complement(indices: torch.Tensor, total: int) -> torch.Tensor:

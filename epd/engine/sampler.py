@@ -20,22 +20,32 @@ class Sampler:
         self._seeded = torch.Generator()
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-        """logits: [B, V] (one row per sequence that samples this step)."""
+        """logits: [B, V] (one row per sequence that samples this step) -> (token, logprobs) per row."""
+        tokens, logprobs = self.sample(logits, seqs, SampleRows(seqs))
+        out: list[tuple[int, TokenLogprobs | None]] = [(token, None) for token in tokens]
+        for i, row_logprobs in logprobs.items():
+            out[i] = (tokens[i], row_logprobs)
+        return out
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], rows: SampleRows
+               ) -> tuple[list[int], dict[int, TokenLogprobs | None]]:
+        """``rows``: ``seqs`` sorted by what they need (a batch kept from step to step keeps them)
+        -> (each row's token, the logprobs of the rows that asked for them, by row)."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
         logits = logits.float()
-        rows = _Rows(seqs)
         processed = apply_logits_processors(logits, seqs, rows.processed)  # bias and penalties; logprobs stay raw
         processed = apply_grammar_masks(processed, seqs, rows.grammars)  # structured output: what may come next
-        tokens: list[int | None] = [None] * len(seqs)
-        self._sample_batched(processed, seqs, tokens, rows)
-        for i in [i for i, token in enumerate(tokens) if token is None]:  # seeded: each from its own generator
-            tokens[i] = self._sample_one(processed[i], seqs[i])
+        if rows.greedy_only:  # the common batch: one argmax, already in order
+            tokens = greedy_tokens(processed).tolist()
+        else:
+            tokens = [None] * len(seqs)
+            self._sample_batched(processed, seqs, tokens, rows)
+            for i in [i for i, token in enumerate(tokens) if token is None]:  # seeded: each from its own generator
+                tokens[i] = self._sample_one(processed[i], seqs[i])
         advance_grammars(seqs, tokens, rows.grammars)
-        out: list[tuple[int, TokenLogprobs | None]] = [(token, None) for token in tokens]
-        for i in rows.logprobs:  # rows are indexed only where logprobs are asked for
-            out[i] = (tokens[i], self._logprobs(logits[i], tokens[i], seqs[i]))
-        return out
+        # rows are indexed only where logprobs are asked for
+        return tokens, {i: self._logprobs(logits[i], tokens[i], seqs[i]) for i in rows.logprobs}
 
     def on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor | None:
         """The step's tokens as one int64 tensor on the logits' device, with no host sync (async
@@ -43,7 +53,7 @@ class Sampler:
         host: a grammar, logits processors, logprobs or a seeded draw (``__call__`` samples those)."""
         if logits.shape[0] != len(seqs):
             raise ValueError(f"{logits.shape[0]} rows of logits for {len(seqs)} sequences")
-        rows = _Rows(seqs)
+        rows = SampleRows(seqs)
         if rows.processed or rows.grammars or rows.logprobs or rows.num_batched != len(seqs):
             return None
         picks = self._picks(logits.float(), seqs, rows)
@@ -58,13 +68,13 @@ class Sampler:
 
     @classmethod
     def _sample_batched(cls, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int | None],
-                        rows: _Rows) -> None:
+                        rows: SampleRows) -> None:
         for indices, picked in cls._picks(logits, seqs, rows):
             for i, token in zip(indices, picked.tolist()):
                 tokens[i] = token
 
     @staticmethod
-    def _picks(logits: torch.Tensor, seqs: list[Sequence], rows: _Rows) -> list[tuple[list[int], torch.Tensor]]:
+    def _picks(logits: torch.Tensor, seqs: list[Sequence], rows: SampleRows) -> list[tuple[list[int], torch.Tensor]]:
         """Greedy rows in one argmax, unseeded plain-temperature rows in one softmax and one draw,
         unseeded top-k / top-p rows in one top-k (or sort) and one draw: row by row, sampling a large
         batch over a large vocabulary costs more than the model's decode step itself, and on a GPU
@@ -242,15 +252,17 @@ _GREEDY, _PLAIN, _FILTERED, _SEEDED = "greedy", "plain", "filtered", "seeded"
 _ONLY_GREEDY = (_GREEDY, False, False)  # the common row: the maximum, nothing else to do
 
 
-class _Rows:
+class SampleRows:
     """A step's rows sorted by what they need, in one pass over the batch (a pass per question was
-    a visible share of a large decode batch's step). What a sequence needs never changes but its
-    grammar: its kind, logits processors and logprobs are read once (``_needs``)."""
+    a visible share of a large decode batch's step). What a sequence needs never changes: its
+    kind, logits processors and logprobs are read once (``_needs``), and a batch whose sequences
+    stay the same keeps this from step to step."""
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.greedy, self.plain, self.filtered = [], [], []
         self.processed, self.grammars, self.logprobs = [], [], []
         by_kind = {_GREEDY: self.greedy, _PLAIN: self.plain, _FILTERED: self.filtered}
+        self.size = len(seqs)
         for i, seq in enumerate(seqs):
             needs = seq.sample_needs or _needs(seq)
             if needs is _ONLY_GREEDY:
@@ -265,6 +277,10 @@ class _Rows:
                     self.logprobs.append(i)
             if seq.grammar is not None:
                 self.grammars.append(i)
+
+    @property
+    def greedy_only(self) -> bool:
+        return len(self.greedy) == self.size
 
     @property
     def num_batched(self) -> int:

@@ -74,6 +74,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.importing: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # counts every change to ``running`` (a batch kept from step to step is valid while it stays)
+        self.changes = 0
 
     def add(self, seq: Sequence) -> None:
         limit = self.config.max_model_len
@@ -98,6 +100,7 @@ class Scheduler:
         self.importing.append(seq)
 
     def abort(self, seq: Sequence) -> None:
+        self.changes += 1
         if seq in self.running:
             self.running.remove(seq)
             self.block_manager.free(seq)
@@ -128,6 +131,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq, num_tokens=seq.num_reserved_tokens):
                 break  # FIFO: a later, smaller one does not overtake (it would starve big ones)
             self.importing.popleft()
+            self.changes += 1
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = len(seq) - 1  # all but the first token, once the engine writes the KV
             self.running.append(seq)
@@ -187,6 +191,7 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.changes += 1
         self.running.remove(seq)
         self.block_manager.free(seq)
         out.preempted.append(seq)
@@ -205,6 +210,7 @@ class Scheduler:
             if not self.block_manager.allocate(seq):
                 break
             self.waiting.popleft()
+            self.changes += 1
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             n = seq.schedulable_tokens(budget)
@@ -259,6 +265,13 @@ class Scheduler:
                     mark_computed(seq)  # a block whose last token was in flight when it was computed
             if seq.check_stop():
                 finished.append(seq)
+        self.finish(finished)
+        return finished
+
+    def finish(self, finished: list[Sequence]) -> None:
+        """Sequences that their last token ended: the tier hears of each, then their blocks go."""
+        if finished:
+            self.changes += 1
         for seq in finished:
             if self.on_finish is not None:
                 self.on_finish(seq)
@@ -267,4 +280,3 @@ class Scheduler:
             else:
                 self.running.remove(seq)
                 self.block_manager.free(seq)
-        return finished

@@ -56,7 +56,7 @@ class Sequence:
         self.eos_token_ids = eos_token_ids
         # every token that can end this request before its length does: one set lookup per step
         # tells a decode step that did not stop (stop_reason decides the rest, min_tokens included)
-        self._ending_tokens = frozenset(sampling_params.stop_token_ids) | (
+        self.ending_tokens = frozenset(sampling_params.stop_token_ids) | (
             frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids))
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
@@ -134,7 +134,7 @@ class Sequence:
         """Mark the sequence finished if its last token ends it; return whether it did."""
         tokens = self.token_ids
         num_output_tokens = len(tokens) - self.num_prompt_tokens
-        if num_output_tokens < self.sampling_params.max_tokens and tokens[-1] not in self._ending_tokens:
+        if num_output_tokens < self.sampling_params.max_tokens and tokens[-1] not in self.ending_tokens:
             return False  # the common step: stop_reason would say None
         reason = stop_reason(self.sampling_params, self.eos_token_ids, num_output_tokens, tokens[-1])
         if reason is None:

@@ -115,7 +115,7 @@ def _receive_step(runner, header: list[int]) -> StepInputs:
     meta = metadata_on(host, host.slot_mapping, num_decodes, runner.block_size, runner.kv_pages, runner._to_device)
     return StepInputs(input_ids=input_ids, positions=positions.reshape(3, t), meta=meta,
                       mm_rows=[rows] if rows is not None else [], mm_token_indices=mm_idx, text_token_indices=text_idx,
-                      logits_indices=logits_idx, sampling_chunks=[], every_row_samples=bool(every_row))
+                      logits_indices=logits_idx, sampling_seqs=[], every_row_samples=bool(every_row))
 
 
 def rank_main(model_dir: str, config_json: str, mm_token_ids: tuple[int, ...], rank: int, size: int,

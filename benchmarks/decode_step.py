@@ -11,7 +11,9 @@ async scheduling (on the CPU nothing runs beside the host, so this shows its boo
 or ``rebuilt``: in order with every step's inputs read again from the sequences (the engine's
 general step, as before it kept its decode batch from step to step).
 ``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy. ``--context N``:
-prompts of N tokens (every step's sequences span that much KV, as long chats' do).
+prompts of N tokens (every step's sequences span that much KV, as long chats' do). ``--churn``: a
+decode worker's load, requests imported with their KV and finishing at different steps, each
+replaced by a new one.
 
     python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
 """
@@ -94,8 +96,30 @@ class _CallTimer:
             self.seconds[self.name] += time.perf_counter() - start
 
 
+class _Arrivals:
+    """Requests as a decode worker gets them: the prompt's KV computed elsewhere (zeros here: the
+    zero-cost model reads none of it), each with its own length, so some finish at most steps."""
+
+    def __init__(self, engine: LLMEngine, prompt: list[int], steps: int, temperature: float) -> None:
+        import torch
+        runner = engine.runner
+        k = runner.kv_cache.k[0]
+        self.kv = torch.zeros((len(runner.kv_cache.k), 2, len(prompt), runner.num_kv_heads_total, k.shape[2]),
+                              dtype=k.dtype)
+        self.engine, self.prompt, self.steps, self.temperature = engine, prompt, steps, temperature
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1
+        length = 16 + (self.count * 7919) % self.steps  # spread over 16 .. steps + 16 tokens
+        self.engine.add_imported(self.prompt, SamplingParams(max_tokens=length, ignore_eos=True,
+                                                             temperature=self.temperature),
+                                 first_token_id=self.prompt[-1], first_logprobs=None, kv=self.kv, mm=None,
+                                 eos_token_ids=(), request_id=f"r{self.count}")
+
+
 def measure(model: str, batch: int, steps: int, mode: str = "in_order", temperature: float = 0.0,
-            context: int = 0) -> dict:
+            context: int = 0, churn: bool = False) -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
     # room for every sequence's whole length: a preemption (and its prefix lookup) is not a decode step
@@ -108,20 +132,28 @@ def measure(model: str, batch: int, steps: int, mode: str = "in_order", temperat
     prompt = tokenizer.encode("Tell me a long story about a benchmark.", add_special_tokens=False)
     if context > len(prompt):  # every sequence's KV this long: what a step's page metadata spans
         prompt = (prompt * (context // len(prompt) + 1))[:context]
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=temperature)
-    for i in range(batch):
-        engine.add_request(prompt, params, request_id=f"r{i}")
-    while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill every request (and their first tokens)
+    engine.keep_decode_batch = mode != "rebuilt"
+    if churn:
+        arrive = _Arrivals(engine, prompt, steps, temperature)
+        for _ in range(batch):
+            arrive()
+    else:
+        params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=temperature)
+        for i in range(batch):
+            engine.add_request(prompt, params, request_id=f"r{i}")
+        while any(not s.output_token_ids for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()  # prefill every request (and their first tokens)
     for _ in range(5):
         engine.step()  # warm: the decode path's first steps allocate
-    engine.keep_decode_batch = mode != "rebuilt"
     timed = Timed(engine)
-    cpu, wall = time.process_time(), time.perf_counter()
+    cpu, wall, batches = time.process_time(), time.perf_counter(), 0
     for _ in range(steps):
-        engine.step()
+        finished = engine.step()
+        batches += len(engine.scheduler.running) + len(finished)
+        for _ in finished if churn else ():
+            arrive()  # one request arrives for each that finished: the batch stays full
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-    running = len(engine.scheduler.running)
+    running = round(batches / steps)
     parts = {name: 1000 * s / steps for name, s in timed.seconds.items()}
     parts["other"] = 1000 * wall / steps - sum(parts.values())
     return {"model": model, "mode": mode, "batch": running, "cpu_ms": 1000 * cpu / steps, "wall_ms": 1000 * wall / steps,
@@ -141,6 +173,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     parser.add_argument("--context", type=int, default=0,
                         help="prompt tokens per request (default: a one-line prompt); the KV a step spans")
+    parser.add_argument("--churn", action="store_true",
+                        help="a decode worker's load: requests arrive with their KV (imported) and one of their own "
+                             "length each, one arriving for each that finishes (the batch printed is the mean)")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)
@@ -152,7 +187,7 @@ def main() -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             for mode in modes:
                 r = measure(model, batch, args.steps, mode=mode, temperature=args.temperature,
-                            context=args.context)
+                            context=args.context, churn=args.churn)
                 parts = " ".join(f"{k}={v:.3f}" for k, v in r["parts"].items())
                 print(f"{r['model']:<15}{r['mode']:<10}{r['batch']:>6}{r['cpu_ms']:>13.3f}{r['wall_ms']:>14.3f}  "
                       f"{parts}", flush=True)

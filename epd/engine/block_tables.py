@@ -61,6 +61,16 @@ class BlockTableMirror:
         """Bring the row of ``seq``, which has one here, up to its table (a page it just gained)."""
         self._refresh(self._rows[seq.seq_id], seq.block_table)
 
+    def release(self, seq) -> None:
+        """``seq`` is gone (finished): its row, if it has one, is free for the next sequence."""
+        row = self._rows.pop(seq.seq_id, None)
+        if row is not None:
+            self._free.append(row.index)
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free)
+
     def _refresh(self, row: _Row, table: list[int]) -> None:
         if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
             row.table, row.written = table, 0

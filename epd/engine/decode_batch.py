@@ -8,9 +8,11 @@ filled a page (to publish for the prefix cache), which need a new one, which may
 What stays per sequence is what the sequences themselves hold: the token appended to its list
 and its computed count (every other part of the engine, the tiers and a migration read them).
 
-The batch is rebuilt from the scheduler's running list whenever that list changed
-(``Scheduler.changes``) or a step ran without it (``invalidate``): a step that admits, prefills or
-preempts is the scheduler's general case, and runs as one. Sequences the arrays cannot describe
+Sequences join and leave it as rows: an imported one (a decode worker's request, its KV written
+at admission) is appended, a finished one removed. The batch is rebuilt from the scheduler's
+running list when that list changed otherwise (an abort: ``Scheduler.changes``) or a step ran
+without it (``invalidate``): a step that prefills or preempts is the scheduler's general case, and
+runs as one. Sequences the arrays cannot describe
 (a token still on the device, inputs that arrive later, a KV still to import) leave it to the
 general case too.
 """
@@ -41,37 +43,75 @@ class DecodeBatch:
         self.stale = True
 
     def usable(self, scheduler: Scheduler, mirror: BlockTableMirror) -> bool:
-        """Whether this step can run from the arrays: nothing waits to be admitted, every running
-        sequence decodes, the token budget holds them all (rebuilt here when they changed)."""
-        running = scheduler.running
-        if scheduler.waiting or scheduler.importing or not running \
-                or len(running) > scheduler.config.max_num_batched_tokens:
+        """Whether this step can start from the arrays: nothing waits to be prefilled and every
+        running sequence decodes (rebuilt here when they changed). Imported sequences may wait:
+        the step admits them itself (``join``)."""
+        if scheduler.waiting:
             return False
         if self.stale or self.changes != scheduler.changes:
-            if not self._build(running, mirror):
+            if not self._build(scheduler.running, mirror):
                 return False
             self.changes, self.stale = scheduler.changes, False
         return True
 
+    def fits(self, scheduler: Scheduler) -> bool:
+        """Every sequence of the batch in this step's token budget, and at least one."""
+        return 0 < len(self.seqs) <= scheduler.config.max_num_batched_tokens
+
     def _build(self, running: list[Sequence], mirror: BlockTableMirror) -> bool:
         # the newest first: a sequence still prefilling is usually at the end, and ends the pass there
-        columns = []
-        for seq in reversed(running):
-            computed, known = seq.num_computed_tokens, len(seq.token_ids)
-            if known - computed != 1 or seq.num_pending_tokens or seq.inputs_ready_until is not None \
-                    or seq.imported_kv is not None or seq.status is not SequenceStatus.RUNNING:
-                return False
-            columns.append((computed, seq.mm.mrope_delta if seq.mm is not None else 0, len(seq.block_table),
-                            seq.token_ids[-1], seq.sampling_params.max_tokens - (known - seq.num_prompt_tokens)))
+        columns = _columns(reversed(running))
+        if columns is None:
+            return False
         columns.reverse()
         self.seqs = list(running)
-        self.starts, self.deltas, self.pages, self.token_ids, self.tokens_left = np.array(columns, dtype=np.int64).T.copy()
+        self._set_columns(np.array(columns, dtype=np.int64).reshape(-1, 5))
         self.rows = mirror.rows_for(self.seqs)
-        ending = frozenset().union(*(seq.ending_tokens for seq in self.seqs))
-        self.ending = np.zeros(max(ending, default=-1) + 2, dtype=bool)
-        self.ending[list(ending)] = True
+        self._may_end_with(self.seqs)
         self.sample_rows = SampleRows(self.seqs)
         return True
+
+    def _set_columns(self, columns: np.ndarray) -> None:
+        self.starts, self.deltas, self.pages, self.token_ids, self.tokens_left = columns.T.copy()
+
+    def _may_end_with(self, seqs: list[Sequence]) -> None:
+        ending = frozenset().union(*(seq.ending_tokens for seq in seqs))
+        if ending and max(ending) + 2 > len(self.ending):
+            self.ending = np.concatenate([self.ending[:-1], np.zeros(max(ending) + 3 - len(self.ending), dtype=bool)])
+        self.ending[list(ending)] = True  # may only grow: a token that ends none is checked exactly, once
+
+    def join(self, seqs: list[Sequence], scheduler: Scheduler, mirror: BlockTableMirror) -> bool:
+        """Sequences admitted to decode this step (imported, their KV written) become rows at the
+        end -> False when one cannot (the general step takes them)."""
+        columns = _columns(seqs)
+        if columns is None:
+            self.stale = True
+            return False
+        both = np.concatenate([np.stack([self.starts, self.deltas, self.pages, self.token_ids, self.tokens_left], 1),
+                               np.array(columns, dtype=np.int64)])
+        self._set_columns(both)
+        if mirror.num_free_rows >= len(seqs):  # rows of their own, no other's taken
+            self.rows = np.concatenate([self.rows, mirror.rows_for(seqs)])
+            self.seqs = self.seqs + seqs
+        else:  # the mirror must evict: every row this batch uses is marked first
+            self.seqs = self.seqs + seqs
+            self.rows = mirror.rows_for(self.seqs)
+        self._may_end_with(seqs)
+        self.sample_rows = self.sample_rows.joined(seqs)
+        self.changes = scheduler.changes
+        return True
+
+    def leave(self, finished: list[Sequence], scheduler: Scheduler, mirror: BlockTableMirror) -> None:
+        """Sequences that finished (the scheduler freed them): their rows go."""
+        gone = {seq.seq_id for seq in finished}
+        keep = np.array([seq.seq_id not in gone for seq in self.seqs], dtype=bool)
+        self.seqs = [seq for seq, kept in zip(self.seqs, keep.tolist()) if kept]
+        for name in ("starts", "deltas", "pages", "token_ids", "tokens_left", "rows"):
+            setattr(self, name, getattr(self, name)[keep])
+        for seq in finished:
+            mirror.release(seq)
+        self.sample_rows = self.sample_rows.kept(keep)
+        self.changes = scheduler.changes
 
     def take_pages(self, block_manager: BlockManager, mirror: BlockTableMirror) -> bool:
         """A page for each sequence whose token this step starts one -> False (and nothing taken)
@@ -108,3 +148,17 @@ class DecodeBatch:
         ending = self.ending
         may_end = (self.tokens_left <= 0) | ending[np.minimum(self.token_ids, len(ending) - 1)]
         return [seqs[i] for i in np.flatnonzero(may_end).tolist() if seqs[i].check_stop()]
+
+
+def _columns(seqs) -> list[tuple[int, int, int, int, int]] | None:
+    """Each decoding sequence's (position of its input token, M-RoPE delta, pages, input token,
+    tokens left before its length) -> None at the first that is not a plain decode."""
+    columns = []
+    for seq in seqs:
+        computed, known = seq.num_computed_tokens, len(seq.token_ids)
+        if known - computed != 1 or seq.num_pending_tokens or seq.inputs_ready_until is not None \
+                or seq.imported_kv is not None or seq.status is not SequenceStatus.RUNNING:
+            return None
+        columns.append((computed, seq.mm.mrope_delta if seq.mm is not None else 0, len(seq.block_table),
+                        seq.token_ids[-1], seq.sampling_params.max_tokens - (known - seq.num_prompt_tokens)))
+    return columns

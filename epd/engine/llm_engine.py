@@ -142,8 +142,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it. With async scheduling a
         step's tokens are known (appended, checked for stops) during the step after it."""
-        if self.keep_decode_batch and not self.async_scheduling \
-                and self.decode_batch.usable(self.scheduler, self.runner.block_tables):
+        if self.keep_decode_batch and not self.async_scheduling:
             finished = self._step_decode_batch()
             if finished is not None:
                 return finished
@@ -176,16 +175,26 @@ class LLMEngine:
         return finished
 
     def _step_decode_batch(self) -> list[Sequence] | None:
-        """A step of decodes alone from the batch kept from the step before -> the sequences it
-        finished, or None when a sequence needs a page the cache has not got free (the general step
-        preempts)."""
-        batch, runner = self.decode_batch, self.runner
-        if not batch.take_pages(self.block_manager, runner.block_tables):
+        """A step of decodes alone from the batch kept from the step before, imported sequences
+        admitted into it -> the sequences it finished, or None: the general step runs (a prompt to
+        prefill, a sequence the batch cannot describe, a page the cache has not got free)."""
+        batch, scheduler, mirror = self.decode_batch, self.scheduler, self.runner.block_tables
+        if not batch.usable(scheduler, mirror):
             return None
-        step = runner.prepare_decodes(batch.starts, batch.deltas, batch.rows, batch.token_ids, batch.seqs)
-        tokens, logprobs = self.sampler.sample(runner.run(step), batch.seqs, batch.sample_rows)
+        admitted = scheduler.admit_imported()
+        for seq in admitted:  # running from here whatever step runs next: their KV goes in now
+            self.runner.write_kv(seq.block_table, seq.imported_kv, seq.imported_kv_source)
+            seq.imported_kv = seq.imported_kv_source = None
+        if admitted and not batch.join(admitted, scheduler, mirror):
+            return None
+        if not batch.fits(scheduler) or not batch.take_pages(self.block_manager, mirror):
+            return None
+        step = self.runner.prepare_decodes(batch.starts, batch.deltas, batch.rows, batch.token_ids, batch.seqs)
+        tokens, logprobs = self.sampler.sample(self.runner.run(step), batch.seqs, batch.sample_rows)
         finished = batch.advance(tokens, logprobs, self.block_manager)
-        self.scheduler.finish(finished)
+        if finished:
+            scheduler.finish(finished)
+            batch.leave(finished, scheduler, mirror)
         self.num_steps += 1
         self.num_batch_steps += 1
         return finished

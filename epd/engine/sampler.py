@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from functools import cache
 
+import numpy as np
 import torch
 
 from epd.engine.grammar import advance_grammars, apply_grammar_masks
@@ -277,6 +278,27 @@ class SampleRows:
                     self.logprobs.append(i)
             if seq.grammar is not None:
                 self.grammars.append(i)
+
+    _GROUPS = ("greedy", "plain", "filtered", "processed", "grammars", "logprobs")
+
+    def kept(self, keep: np.ndarray) -> SampleRows:
+        """The same rows less those ``keep`` (bool, one per row) drops, renumbered: no sequence read."""
+        renumbered = np.cumsum(keep) - 1
+        out = SampleRows([])
+        out.size = int(renumbered[-1]) + 1 if len(keep) else 0
+        for name in self._GROUPS:
+            if rows := getattr(self, name):
+                rows = np.asarray(rows)
+                setattr(out, name, renumbered[rows[keep[rows]]].tolist())
+        return out
+
+    def joined(self, seqs: list[Sequence]) -> SampleRows:
+        """These rows, then one for each of ``seqs``."""
+        new = SampleRows(seqs)
+        for name in self._GROUPS:
+            setattr(new, name, getattr(self, name) + [self.size + i for i in getattr(new, name)])
+        new.size += self.size
+        return new
 
     @property
     def greedy_only(self) -> bool:

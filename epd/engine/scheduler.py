@@ -117,15 +117,16 @@ class Scheduler:
         return bool(self.waiting or self.running or self.importing)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        self._admit_imported(out)
+        out = SchedulerOutput(imported=self.admit_imported())
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _admit_imported(self, out: SchedulerOutput) -> None:
+    def admit_imported(self) -> list[Sequence]:
+        """The imported sequences that fit now, running from here: their KV is to be written first."""
+        admitted = []
         while self.importing and len(self.running) < self.config.max_num_seqs:
             seq = self.importing[0]
             if not self.block_manager.allocate(seq, num_tokens=seq.num_reserved_tokens):
@@ -135,7 +136,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = len(seq) - 1  # all but the first token, once the engine writes the KV
             self.running.append(seq)
-            out.imported.append(seq)
+            admitted.append(seq)
+        return admitted
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # decodes first: they are latency-bound and cost one token each; each group in its running

@@ -130,3 +130,39 @@ def test_pages_a_kept_batch_filled_are_found_by_the_prefix_cache(model):
         counts[keep] = (twin.num_cached_tokens, twin.output_token_ids)
     # the last token of the first request was never computed: its full pages before it are cached
     assert counts[True] == counts[False] and counts[True][0] == BLOCK * ((10 + 50 - 1) // BLOCK)
+
+
+def test_imported_requests_join_the_kept_batch_as_they_arrive(model):
+    """A decode worker's load: requests arrive with their prompt's KV computed elsewhere and join
+    the running batch between steps; each joins and leaves as a row, no step is the general one,
+    and the answers are the general step's."""
+    runner_kv = {}
+
+    def arrivals(engine):
+        shape = (len(engine.runner.kv_cache.k), 2, 0, engine.runner.num_kv_heads_total,
+                 engine.runner.kv_cache.k[0].shape[2])
+        for i in range(6):
+            n = 12 + 5 * i
+            if i not in runner_kv:
+                runner_kv[i] = torch.randn((*shape[:2], n, *shape[3:]), generator=torch.Generator().manual_seed(i))
+            yield i, _prompt(30 + i, n), runner_kv[i]
+
+    answers, engines = {}, {}
+    for keep in (True, False):
+        engine = engines[keep] = _engine(model, keep=keep)
+        pending, seqs = list(arrivals(engine)), []
+        arrive_at = {0: 0, 1: 0, 2: 0, 3: 4, 4: 9, 5: 9}  # request -> the step before which it arrives
+        for step in range(200):
+            for i, prompt, kv in [p for p in pending if arrive_at[p[0]] == step]:
+                seqs.append(engine.add_imported(prompt, SamplingParams(max_tokens=20 + 3 * i, ignore_eos=True),
+                                                first_token_id=100 + i, first_logprobs=None, kv=kv, mm=None,
+                                                eos_token_ids=(7,)))
+            if step > max(arrive_at.values()) and not engine.has_unfinished:
+                break
+            engine.step()
+        answers[keep] = [(seq.output_token_ids, seq.finish_reason) for seq in seqs]
+    assert answers[True] == answers[False] and len(answers[True]) == 6
+    assert engines[True].num_batch_steps == engines[True].num_steps > 0
+    assert engines[False].num_batch_steps == 0
+    for engine in engines.values():
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks

@@ -157,3 +157,21 @@ def test_flashinfers_sampling_kernels_honour_temperature_top_k_and_top_p():
         assert out[0] == best[0] and out[1] == best[1] and out[5] == best[5]  # top-1, a tiny top-p, greedy
         assert out[2] in top5[2] and out[3] in top5[3]
         assert 0 <= out[4] < 50_000
+
+
+def test_sample_rows_kept_and_joined_are_what_sorting_the_rows_again_gives():
+    """A batch kept from step to step renumbers its rows when sequences leave and join, without
+    reading every sequence again: the groups must be those a fresh sort would make."""
+    import numpy as np
+
+    from epd.engine.sampler import SampleRows
+    kinds = [SamplingParams(max_tokens=5), SamplingParams(max_tokens=5, temperature=0.5),
+             SamplingParams(max_tokens=5, temperature=0.5, top_k=3), SamplingParams(max_tokens=5, logprobs=1),
+             SamplingParams(max_tokens=5, repetition_penalty=1.2), SamplingParams(max_tokens=5, seed=3, temperature=1.0)]
+    seqs = [Sequence([1, 2], kinds[i % 6]) for i in range(20)]
+    rows = SampleRows(seqs)
+    keep = np.array([i % 3 != 1 for i in range(20)])
+    assert vars(rows.kept(keep)) == vars(SampleRows([s for s, k in zip(seqs, keep) if k]))
+    assert vars(rows.kept(np.zeros(20, dtype=bool))) == vars(SampleRows([]))
+    assert vars(rows.joined(seqs[:7])) == vars(SampleRows(seqs + seqs[:7]))
+    assert vars(SampleRows([]).joined(seqs[:3])) == vars(SampleRows(seqs[:3]))

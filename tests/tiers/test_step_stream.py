@@ -92,6 +92,7 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
             with SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                          decodes=cluster.decodes, decode_link=decode_link) as router:
                 steps_before = sample_sum(scrape(metrics), "epd_engine_steps_total")
+                batch_steps_before = sample_sum(scrape(metrics), "epd_engine_batch_steps_total")
 
                 async def one(i: int) -> int:
                     request = ChatRequest(messages=[{"role": "user", "content": f"Story {i}, please."}],
@@ -103,10 +104,15 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
 
                 counts = router.run(all_of_them())
                 steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
+                batch_steps = sample_sum(scrape(metrics), "epd_engine_batch_steps_total") - batch_steps_before
                 link = router.pipeline.backend.decode_links[cluster.decodes[0]]
-                seen[decode_link] = (counts, steps, link.num_batches, isinstance(link._call, TcpStreamCall))
-    for decode_link, (counts, steps, num_batches, over_tcp) in seen.items():
+                seen[decode_link] = (counts, steps, batch_steps, link.num_batches,
+                                     isinstance(link._call, TcpStreamCall))
+    for decode_link, (counts, steps, batch_steps, num_batches, over_tcp) in seen.items():
         assert counts == [num_tokens] * num_requests, decode_link
+        # every request reaches decode with its KV: each joins the batch kept from step to step, and
+        # no step is the scheduler's general one
+        assert batch_steps == steps, (decode_link, batch_steps, steps)
         # a message per request per step would be one per token from decode whatever the steps; with
         # any two requests sharing a step (steps < those tokens) the counts tell the designs apart
         tokens_from_decode = num_requests * (num_tokens - 1)  # the first of each came from prefill

@@ -56,6 +56,7 @@ from epd.router.backends.moves import (
     blaming_producer,
     unless_lost,
 )
+from epd.router.backends.picking import Picker
 from epd.router.backends.store_reads import StoreReads
 from epd.router.discovery import DnsDiscovery, Resolver, resolve_service
 from epd.router.routing import ROUTING_POLICIES
@@ -90,6 +91,7 @@ class DisaggregatedBackend:
                                       stall_timeout_s=config.stall_timeout_s,
                                       tls=MutualTls.from_config(config.tls))
         self.policies = {tier: ROUTING_POLICIES.get(getattr(config, f"{tier}_policy"))() for tier in TIERS}
+        self.picker = Picker(self.workers, self.policies)
         # content hash -> (encoder address, number of encode calls carrying it now): an item already
         # being encoded goes to that encoder, where it waits on the one producer instead of being
         # encoded again elsewhere because its home looked busy
@@ -176,7 +178,7 @@ class DisaggregatedBackend:
         before, or any request lately)."""
         while True:
             # prefill stays counted (and reachable while drained) until decode took its KV or let go
-            with self._holding("prefill", _prefix_key(job.prompt)) as prefill:
+            with self.picker.holding("prefill", _prefix_key(job.prompt)) as prefill:
                 try:
                     result = await self._prefill(job, prefill, backoff, avoid)
                 except Overloaded as err:  # that prefill is full: wait its hint, then ask again
@@ -222,9 +224,9 @@ class DisaggregatedBackend:
                                 output_token_ids=job.output_token_ids)
         release_key = secrets.token_hex(16)  # names this call's KV export at prefill (see the finally)
         stored = self.store_reads.pick(job.request_id, [item.mm_hash for item in job.prompt.items], prefill,
-                                       self._encoder_hosts) if job.prompt.items else []
+                                       self.picker.encoder_hosts) if job.prompt.items else []
         request = prefill_pb2.PrefillRequest(request=meta, kv_transport=self.config.transport,
-                                             kv_consumer_host_id=self._kv_consumer_host(prefill),
+                                             kv_consumer_host_id=self.picker.kv_consumer_host(prefill),
                                              kv_release_key=release_key, stored=stored)
         self.handoffs["embeddings", "store"] += len(stored)
         call = prefill.stub.Prefill(request, timeout=job.remaining_s())
@@ -280,11 +282,11 @@ class DisaggregatedBackend:
         """Items (``indices``, default all) by the encoder their content hash routes to: a repeated
         image finds its cache. Encoders in ``avoid`` are passed over while another one is in rotation."""
         groups: dict[str, list[int]] = {}
-        healthy = {c.address for c in self._encoders(avoid)}
+        healthy = {c.address for c in self.picker.encoders(avoid)}
         for index in range(len(prompt.items)) if indices is None else indices:
             item = prompt.items[index]
             producing = self._encoding.get(item.mm_hash, ("", 0))[0]
-            address = producing if producing in healthy else self._pick("encoder", item.mm_hash, is_started=True,
+            address = producing if producing in healthy else self.picker.pick("encoder", item.mm_hash, is_started=True,
                                                                          avoid=avoid)
             groups.setdefault(address, []).append(index)
         return groups
@@ -311,7 +313,7 @@ class DisaggregatedBackend:
         unavailable = 0
         while True:
             encoded_on.update(dict.fromkeys(indices, address))
-            with self._holding("encoder", address=address) as encoder:
+            with self.picker.holding("encoder", address=address) as encoder:
                 self.handoffs["embeddings", _placement(encoder.host_id, prefill_host)] += len(indices)
                 try:
                     reply = await unless_lost(encoder, encoder.stub.Encode(request, timeout=job.remaining_s()))
@@ -329,7 +331,7 @@ class DisaggregatedBackend:
                 raise error
             # a restarted worker's first call can fail on the old connection; try again, on another
             # encoder when one is healthy
-            others = [c for c in self._encoders(avoid) if c.address != address]
+            others = [c for c in self.picker.encoders(avoid) if c.address != address]
             if others:
                 address = self.policies["encoder"].pick(job.prompt.items[indices[0]].mm_hash, others)
 
@@ -341,7 +343,7 @@ class DisaggregatedBackend:
         # KV in prefill's shared memory (or GPU) can only go to a decode worker on prefill's host
         host_id = prefill.host_id if needs_same_host(result.kv) else None
         while True:
-            with self._holding("decode", job.request_id, host_id=host_id, is_started=True) as decode:
+            with self.picker.holding("decode", job.request_id, host_id=host_id, is_started=True) as decode:
                 self.handoffs["kv", _placement(prefill.host_id, decode.host_id)] += 1
                 link = self._link(decode)
                 channel = link.start(request, job.remaining_s())
@@ -372,51 +374,6 @@ class DisaggregatedBackend:
                 over_tcp=self.config.decode_link == "tcp")
         return link
 
-    # ---- workers --------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _holding(self, tier: str, key: str = "", *, address: str | None = None, host_id: str | None = None,
-                 is_started: bool = False):
-        """Pick a worker (or take ``address``; with ``host_id``, one on that host) and count the
-        request on it while the block runs. The state itself is held: a worker being drained stays
-        reachable until we let go."""
-        worker = self.workers.get(tier, address or self._pick(tier, key, host_id, is_started=is_started))
-        worker.in_flight += 1
-        try:
-            yield worker
-        finally:
-            worker.in_flight -= 1
-
-    def _encoder_hosts(self) -> dict[str, str]:
-        """The encoders in rotation: address -> host id."""
-        return {c.address: self.workers.get("encoder", c.address).host_id for c in self.workers.candidates("encoder")}
-
-    def _encoders(self, avoid: set[str]) -> list:
-        return _passing_over(self.workers.candidates("encoder"), avoid)
-
-    def _pick(self, tier: str, key: str, host_id: str | None = None, *, is_started: bool = False,
-              avoid: set[str] = frozenset()) -> str:
-        """A worker of ``tier`` in rotation (on ``host_id``'s host when given). Requests wait for every
-        tier they need before they start, so none here means the tier went out since: a request
-        already holding work elsewhere (``is_started``: its rows being encoded, its KV waiting)
-        moves, so it is dispatched again once a worker is back, within its queue budget and
-        deadline; one not started yet is refused (503)."""
-        candidates = _passing_over(self.workers.candidates(tier, host_id), avoid)
-        if not candidates and host_id is not None and self.workers.candidates(tier):
-            # the tensor handed over cannot reach the others: dispatch the request again
-            raise UpstreamError(f"no {tier} worker in rotation on host {host_id}, where the request's tensors are")
-        if not candidates and is_started:
-            raise UpstreamError(f"no {tier} worker in rotation to go on with the request")
-        if not candidates:
-            raise Unavailable(f"no healthy {tier} worker ({len(self.workers.workers[tier])} configured)")
-        return self.policies[tier].pick(key, candidates)
-
-    def _kv_consumer_host(self, prefill: WorkerState) -> str:
-        """Where prefill's KV will go: its own host when a decode worker is there (shm / CUDA IPC
-        then), else another decode worker's (inline / NCCL); decode follows what prefill chose."""
-        decodes = {w.address: w.host_id for w in self.workers.workers.get("decode", [])}
-        hosts = [decodes[c.address] for c in self.workers.candidates("decode")]
-        return prefill.host_id if prefill.host_id in hosts or not hosts else hosts[0]
-
     def _rpc_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:
         return self._tier_error(tier, address, err.code(), err.details(), retry_after_s(err))
 
@@ -433,11 +390,6 @@ class DisaggregatedBackend:
             log.info("%s %s refused a request: %s", tier, address, details)
             return error_type(f"{tier}: {details}")
         return UpstreamError(f"{tier} {address} failed the request: {details}")
-
-
-def _passing_over(candidates: list, avoid: set[str]) -> list:
-    """The candidates not in ``avoid``, or all of them when that leaves none (a preference)."""
-    return [c for c in candidates if c.address not in avoid] or candidates
 
 
 def _placement(producer_host_id: str, consumer_host_id: str) -> str:

@@ -11,9 +11,10 @@ async scheduling (on the CPU nothing runs beside the host, so this shows its boo
 or ``rebuilt``: in order with every step's inputs read again from the sequences (the engine's
 general step, as before it kept its decode batch from step to step).
 ``--temperature 1``: every row sampled (the OpenAI API's default) instead of greedy. ``--context N``:
-prompts of N tokens (every step's sequences span that much KV, as long chats' do). ``--churn``: a
-decode worker's load, requests imported with their KV and finishing at different steps, each
-replaced by a new one.
+prompts of N tokens (every step's sequences span that much KV, as long chats' do). ``--churn imported``:
+a decode worker's load, requests imported with their KV and finishing at different steps, each
+replaced by a new one; ``--churn prompts``: the same with prompts to prefill (the in-process
+engine's load).
 
     python benchmarks/decode_step.py [--batches 64,256] [--steps 200] [--models null-qwen2-vl,tiny-qwen2-vl]
 """
@@ -39,8 +40,8 @@ from epd.types import SamplingParams  # noqa: E402
 PARTS = (("schedule", "scheduler", "schedule"), ("prepare", "runner", "prepare"), ("forward", "runner", "forward"),
          ("sample", "sampler", "__call__"), ("advance", "scheduler", "advance"), ("complete", "scheduler", "complete"),
          # a step from the decode batch kept from the step before
-         ("schedule", "decode_batch", "usable"), ("schedule", "decode_batch", "take_pages"),
-         ("prepare", "runner", "prepare_decodes"), ("complete", "decode_batch", "advance"))
+         ("schedule", "decode_batch", "refresh"), ("schedule", "decode_batch", "take_pages"),
+         ("complete", "decode_batch", "advance"), ("schedule", "scheduler", "schedule_beside"))
 
 
 class Timed:
@@ -100,26 +101,28 @@ class _Arrivals:
     """Requests as a decode worker gets them: the prompt's KV computed elsewhere (zeros here: the
     zero-cost model reads none of it), each with its own length, so some finish at most steps."""
 
-    def __init__(self, engine: LLMEngine, prompt: list[int], steps: int, temperature: float) -> None:
+    def __init__(self, engine: LLMEngine, prompt: list[int], steps: int, temperature: float, prompts: bool) -> None:
         import torch
         runner = engine.runner
         k = runner.kv_cache.k[0]
         self.kv = torch.zeros((len(runner.kv_cache.k), 2, len(prompt), runner.num_kv_heads_total, k.shape[2]),
                               dtype=k.dtype)
         self.engine, self.prompt, self.steps, self.temperature = engine, prompt, steps, temperature
-        self.count = 0
+        self.count, self.prompts = 0, prompts
 
     def __call__(self) -> None:
         self.count += 1
         length = 16 + (self.count * 7919) % self.steps  # spread over 16 .. steps + 16 tokens
-        self.engine.add_imported(self.prompt, SamplingParams(max_tokens=length, ignore_eos=True,
-                                                             temperature=self.temperature),
-                                 first_token_id=self.prompt[-1], first_logprobs=None, kv=self.kv, mm=None,
-                                 eos_token_ids=(), request_id=f"r{self.count}")
+        params = SamplingParams(max_tokens=length, ignore_eos=True, temperature=self.temperature)
+        if self.prompts:  # the in-process engine's (and --aggregated's): prompts to prefill
+            self.engine.add_request(self.prompt, params, request_id=f"r{self.count}")
+            return
+        self.engine.add_imported(self.prompt, params, first_token_id=self.prompt[-1], first_logprobs=None, kv=self.kv,
+                                 mm=None, eos_token_ids=(), request_id=f"r{self.count}")
 
 
 def measure(model: str, batch: int, steps: int, mode: str = "in_order", temperature: float = 0.0,
-            context: int = 0, churn: bool = False) -> dict:
+            context: int = 0, churn: str = "") -> dict:
     model_dir = resolve_model(model)
     tokenizer = load_tokenizer(model_dir)
     # room for every sequence's whole length: a preemption (and its prefix lookup) is not a decode step
@@ -134,7 +137,7 @@ def measure(model: str, batch: int, steps: int, mode: str = "in_order", temperat
         prompt = (prompt * (context // len(prompt) + 1))[:context]
     engine.keep_decode_batch = mode != "rebuilt"
     if churn:
-        arrive = _Arrivals(engine, prompt, steps, temperature)
+        arrive = _Arrivals(engine, prompt, steps, temperature, prompts=churn == "prompts")
         for _ in range(batch):
             arrive()
     else:
@@ -173,9 +176,10 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy)")
     parser.add_argument("--context", type=int, default=0,
                         help="prompt tokens per request (default: a one-line prompt); the KV a step spans")
-    parser.add_argument("--churn", action="store_true",
-                        help="a decode worker's load: requests arrive with their KV (imported) and one of their own "
-                             "length each, one arriving for each that finishes (the batch printed is the mean)")
+    parser.add_argument("--churn", choices=("imported", "prompts"), default="",
+                        help="requests of different lengths, one arriving for each that finishes (the batch printed "
+                             "is the mean): imported (a decode worker's: their KV computed elsewhere) or prompts (the "
+                             "in-process engine's: prefilled beside the decodes)")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)

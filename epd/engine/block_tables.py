@@ -67,9 +67,14 @@ class BlockTableMirror:
         if row is not None:
             self._free.append(row.index)
 
-    @property
-    def num_free_rows(self) -> int:
-        return len(self._free)
+    def ensure_free(self, n: int) -> None:
+        """At least ``n`` free rows, the array grown if need be: placing that many new sequences then
+        evicts no row (a batch kept elsewhere holds row indices)."""
+        if n > len(self._free):
+            old = self.array.shape[0]
+            new = max(old * 2, old + n - len(self._free))
+            self.array = np.concatenate([self.array, np.zeros((new - old, self.array.shape[1]), dtype=np.int32)])
+            self._free.extend(range(new - 1, old - 1, -1))
 
     def _refresh(self, row: _Row, table: list[int]) -> None:
         if row.table is not table or row.written > len(table):  # replaced or shrunk: rewrite
@@ -94,8 +99,4 @@ class BlockTableMirror:
                 if missing <= len(self._free):
                     break
                 self._free.append(self._rows.pop(seq_id).index)
-        if missing > len(self._free):
-            old = self.array.shape[0]
-            new = max(old * 2, old + missing - len(self._free))
-            self.array = np.concatenate([self.array, np.zeros((new - old, self.array.shape[1]), dtype=np.int32)])
-            self._free.extend(range(new - 1, old - 1, -1))
+        self.ensure_free(missing)

@@ -1,20 +1,19 @@
 """The decode batch kept from step to step (what vLLM calls its persistent batch).
 
-While every running sequence is decoding and none joins or leaves, a step differs from the one
-before in one way: each sequence is one token further. So its inputs are the last step's arrays
-moved on by one (positions, the tokens just sampled, the same block-table rows), not read again
-from every sequence, and what the step's tokens change is array arithmetic too: which sequences
-filled a page (to publish for the prefix cache), which need a new one, which may have stopped.
-What stays per sequence is what the sequences themselves hold: the token appended to its list
-and its computed count (every other part of the engine, the tiers and a migration read them).
+While a running sequence decodes, a step differs from the one before in one way for it: it is one
+token further. So the decoding sequences are kept as arrays whose rows move on by one each step
+(positions, the tokens just sampled, the same block-table rows), not read again from every
+sequence, and what the step's tokens change is array arithmetic too: which rows filled a page (to
+publish for the prefix cache), which need a new one, which may have stopped. What stays per
+sequence is what the sequences themselves hold: the token appended to its list and its computed
+count (every other part of the engine, the tiers and a migration read them).
 
-Sequences join and leave it as rows: an imported one (a decode worker's request, its KV written
-at admission) is appended, a finished one removed. The batch is rebuilt from the scheduler's
-running list when that list changed otherwise (an abort: ``Scheduler.changes``) or a step ran
-without it (``invalidate``): a step that prefills or preempts is the scheduler's general case, and
-runs as one. Sequences the arrays cannot describe
-(a token still on the device, inputs that arrive later, a KV still to import) leave it to the
-general case too.
+Sequences join as rows when they start decoding (an imported one at admission, a prompt after its
+last chunk) and leave as rows when they finish. Prompts still to compute and new arrivals are
+scheduled beside the rows, one by one, in the same step. The batch is rebuilt from the
+scheduler's running list when that list changed otherwise (an abort: ``Scheduler.changes``) or a
+step ran without it (``invalidate``): a step that must preempt is the scheduler's general case,
+and runs as one.
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ class DecodeBatch:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self.seqs: list[Sequence] = []
+        self.ids: set[int] = set()  # the rows' sequence ids
         self.changes = -1  # the scheduler's count of changes when the arrays were built
         self.stale = True
         self.starts = self.deltas = self.rows = self.pages = self.token_ids = self.tokens_left = np.zeros(0, np.int64)
@@ -42,34 +42,25 @@ class DecodeBatch:
         """A step ran without this batch: the sequences moved on, the arrays did not."""
         self.stale = True
 
-    def usable(self, scheduler: Scheduler, mirror: BlockTableMirror) -> bool:
-        """Whether this step can start from the arrays: nothing waits to be prefilled and every
-        running sequence decodes (rebuilt here when they changed). Imported sequences may wait:
-        the step admits them itself (``join``)."""
-        if scheduler.waiting:
-            return False
+    def refresh(self, scheduler: Scheduler, mirror: BlockTableMirror) -> None:
+        """Rebuild the rows if the running sequences changed since. The running sequences the
+        arrays cannot describe (a prompt still to compute) and the waiting ones are scheduled beside
+        them, one by one (``Scheduler.schedule_beside``)."""
         if self.stale or self.changes != scheduler.changes:
-            if not self._build(scheduler.running, mirror):
-                return False
+            self._build(scheduler.running, mirror)
             self.changes, self.stale = scheduler.changes, False
-        return True
 
     def fits(self, scheduler: Scheduler) -> bool:
-        """Every sequence of the batch in this step's token budget, and at least one."""
+        """At least one row, and every row within this step's token budget."""
         return 0 < len(self.seqs) <= scheduler.config.max_num_batched_tokens
 
-    def _build(self, running: list[Sequence], mirror: BlockTableMirror) -> bool:
-        # the newest first: a sequence still prefilling is usually at the end, and ends the pass there
-        columns = _columns(reversed(running))
-        if columns is None:
-            return False
-        columns.reverse()
-        self.seqs = list(running)
-        self._set_columns(np.array(columns, dtype=np.int64).reshape(-1, 5))
+    def _build(self, running: list[Sequence], mirror: BlockTableMirror) -> None:
+        self.seqs = [seq for seq in running if _decodes(seq)]
+        self.ids = {seq.seq_id for seq in self.seqs}
+        self._set_columns(np.array(_columns(self.seqs), dtype=np.int64).reshape(-1, 5))
         self.rows = mirror.rows_for(self.seqs)
         self._may_end_with(self.seqs)
         self.sample_rows = SampleRows(self.seqs)
-        return True
 
     def _set_columns(self, columns: np.ndarray) -> None:
         self.starts, self.deltas, self.pages, self.token_ids, self.tokens_left = columns.T.copy()
@@ -80,37 +71,37 @@ class DecodeBatch:
             self.ending = np.concatenate([self.ending[:-1], np.zeros(max(ending) + 3 - len(self.ending), dtype=bool)])
         self.ending[list(ending)] = True  # may only grow: a token that ends none is checked exactly, once
 
-    def join(self, seqs: list[Sequence], scheduler: Scheduler, mirror: BlockTableMirror) -> bool:
-        """Sequences admitted to decode this step (imported, their KV written) become rows at the
-        end -> False when one cannot (the general step takes them)."""
-        columns = _columns(seqs)
-        if columns is None:
-            self.stale = True
-            return False
+    def join(self, seqs: list[Sequence], mirror: BlockTableMirror) -> None:
+        """Sequences that decode from this step on (imported ones admitted, their KV written; prompts
+        whose last chunk just ran) become rows at the end; one the arrays cannot describe stays
+        beside them."""
+        seqs = [seq for seq in seqs if _decodes(seq)]
+        if not seqs:
+            return
         both = np.concatenate([np.stack([self.starts, self.deltas, self.pages, self.token_ids, self.tokens_left], 1),
-                               np.array(columns, dtype=np.int64)])
+                               np.array(_columns(seqs), dtype=np.int64)])
         self._set_columns(both)
-        if mirror.num_free_rows >= len(seqs):  # rows of their own, no other's taken
-            self.rows = np.concatenate([self.rows, mirror.rows_for(seqs)])
-            self.seqs = self.seqs + seqs
-        else:  # the mirror must evict: every row this batch uses is marked first
-            self.seqs = self.seqs + seqs
-            self.rows = mirror.rows_for(self.seqs)
+        mirror.ensure_free(len(seqs))  # rows of their own: no row of this batch is taken
+        self.rows = np.concatenate([self.rows, mirror.rows_for(seqs)])
+        self.seqs = self.seqs + seqs
+        self.ids.update(seq.seq_id for seq in seqs)
         self._may_end_with(seqs)
         self.sample_rows = self.sample_rows.joined(seqs)
-        self.changes = scheduler.changes
-        return True
 
-    def leave(self, finished: list[Sequence], scheduler: Scheduler, mirror: BlockTableMirror) -> None:
+    def leave(self, finished: list[Sequence]) -> None:
         """Sequences that finished (the scheduler freed them): their rows go."""
+        if not finished:
+            return
         gone = {seq.seq_id for seq in finished}
         keep = np.array([seq.seq_id not in gone for seq in self.seqs], dtype=bool)
         self.seqs = [seq for seq, kept in zip(self.seqs, keep.tolist()) if kept]
+        self.ids -= gone
         for name in ("starts", "deltas", "pages", "token_ids", "tokens_left", "rows"):
             setattr(self, name, getattr(self, name)[keep])
-        for seq in finished:
-            mirror.release(seq)
         self.sample_rows = self.sample_rows.kept(keep)
+
+    def synced(self, scheduler: Scheduler) -> None:
+        """Every change to the running sequences this step made is in the arrays."""
         self.changes = scheduler.changes
 
     def take_pages(self, block_manager: BlockManager, mirror: BlockTableMirror) -> bool:
@@ -136,8 +127,8 @@ class DecodeBatch:
         for seq, token in zip(seqs, tokens):
             seq.token_ids.append(token)
             seq.num_computed_tokens += 1
-        for i, row_logprobs in logprobs.items():
-            if row_logprobs is not None:
+        for i, row_logprobs in logprobs.items():  # rows past the batch's are other sequences'
+            if row_logprobs is not None and i < len(seqs):
                 seqs[i].output_logprobs.append(row_logprobs)
         self.starts = self.starts + 1
         self.token_ids = np.array(tokens, dtype=np.int64)
@@ -150,15 +141,15 @@ class DecodeBatch:
         return [seqs[i] for i in np.flatnonzero(may_end).tolist() if seqs[i].check_stop()]
 
 
-def _columns(seqs) -> list[tuple[int, int, int, int, int]] | None:
+def _decodes(seq: Sequence) -> bool:
+    """A plain decode, which a row describes: one token to compute, known here, nothing else to wait on."""
+    return len(seq.token_ids) - seq.num_computed_tokens == 1 and not seq.num_pending_tokens \
+        and seq.inputs_ready_until is None and seq.imported_kv is None and seq.status is SequenceStatus.RUNNING
+
+
+def _columns(seqs: list[Sequence]) -> list[tuple[int, int, int, int, int]]:
     """Each decoding sequence's (position of its input token, M-RoPE delta, pages, input token,
-    tokens left before its length) -> None at the first that is not a plain decode."""
-    columns = []
-    for seq in seqs:
-        computed, known = seq.num_computed_tokens, len(seq.token_ids)
-        if known - computed != 1 or seq.num_pending_tokens or seq.inputs_ready_until is not None \
-                or seq.imported_kv is not None or seq.status is not SequenceStatus.RUNNING:
-            return None
-        columns.append((computed, seq.mm.mrope_delta if seq.mm is not None else 0, len(seq.block_table),
-                        seq.token_ids[-1], seq.sampling_params.max_tokens - (known - seq.num_prompt_tokens)))
-    return columns
+    tokens left before its length)."""
+    return [(seq.num_computed_tokens, seq.mm.mrope_delta if seq.mm is not None else 0, len(seq.block_table),
+             seq.token_ids[-1], seq.sampling_params.max_tokens - (len(seq.token_ids) - seq.num_prompt_tokens))
+            for seq in seqs]

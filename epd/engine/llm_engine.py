@@ -102,6 +102,7 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+        self.runner.block_tables.release(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -171,33 +172,46 @@ class LLMEngine:
         else:  # a row needs the host (grammar, penalties, logprobs, a seed), or no async scheduling
             finished += self.scheduler.complete(seqs, self.sampler(logits, seqs))
         _strip_finished_prompts(out)
+        for seq in finished:
+            self.runner.block_tables.release(seq)
         self.num_steps += 1
         return finished
 
     def _step_decode_batch(self) -> list[Sequence] | None:
-        """A step of decodes alone from the batch kept from the step before, imported sequences
-        admitted into it -> the sequences it finished, or None: the general step runs (a prompt to
-        prefill, a sequence the batch cannot describe, a page the cache has not got free)."""
+        """A step from the decodes kept as rows from the step before (imported sequences admitted
+        among them), the other chunks scheduled beside them -> the sequences it finished, or None:
+        the general step runs (no rows, a page or a prompt's room only a preemption would free)."""
         batch, scheduler, mirror = self.decode_batch, self.scheduler, self.runner.block_tables
-        if not batch.usable(scheduler, mirror):
-            return None
+        batch.refresh(scheduler, mirror)
         admitted = scheduler.admit_imported()
         for seq in admitted:  # running from here whatever step runs next: their KV goes in now
             self.runner.write_kv(seq.block_table, seq.imported_kv, seq.imported_kv_source)
             seq.imported_kv = seq.imported_kv_source = None
-        if admitted and not batch.join(admitted, scheduler, mirror):
-            return None
+        batch.join(admitted, mirror)
+        batch.synced(scheduler)
         if not batch.fits(scheduler) or not batch.take_pages(self.block_manager, mirror):
             return None
-        step = self.runner.prepare_decodes(batch.starts, batch.deltas, batch.rows, batch.token_ids, batch.seqs)
-        tokens, logprobs = self.sampler.sample(self.runner.run(step), batch.seqs, batch.sample_rows)
-        finished = batch.advance(tokens, logprobs, self.block_manager)
-        if finished:
-            scheduler.finish(finished)
-            batch.leave(finished, scheduler, mirror)
+        out = scheduler.schedule_beside(batch.ids, len(batch.seqs))
+        if out is None:
+            return None
+        logits, seqs = self.runner.execute(out, kept=batch)
+        num_kept = len(batch.seqs)
+        prompts = scheduler.advance(out)  # chunks beside the rows that sampled: their prompts are done
+        rows = batch.sample_rows.joined(prompts) if prompts else batch.sample_rows
+        tokens, logprobs = self.sampler.sample(logits, seqs, rows)
+        finished = batch.advance(tokens[:num_kept], logprobs, self.block_manager)
+        done = scheduler.complete(prompts, [(token, logprobs.get(num_kept + i))
+                                            for i, token in enumerate(tokens[num_kept:])]) if prompts else []
+        _strip_finished_prompts(out)
+        scheduler.finish(finished)
+        batch.leave(finished)
+        batch.join(prompts, mirror)  # those still running decode from the next step on
+        batch.synced(scheduler)
+        for seq in finished + done:
+            mirror.release(seq)
         self.num_steps += 1
         self.num_batch_steps += 1
-        return finished
+        return finished + done
 
     def run_until_done(self, seqs: list[Sequence], max_steps: int = 1_000_000) -> list[Sequence]:
         for _ in range(max_steps):

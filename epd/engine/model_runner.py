@@ -81,10 +81,11 @@ class ModelRunner:
             self.graphs = DecodeGraphRunner(self, graphs)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, fill=None) -> tuple[torch.Tensor, list]:
+    def execute(self, out: SchedulerOutput, fill=None, kept=None) -> tuple[torch.Tensor, list]:
         """Run one step; returns logits [B, V] for the sequences that sample, and those sequences.
-        ``fill(step)``: writes the inputs that are still on the device (``StepInputs.pending``)."""
-        step = self.prepare(out)
+        ``fill(step)``: writes the inputs that are still on the device (``StepInputs.pending``);
+        ``kept``: decodes kept as rows from step to step, run first."""
+        step = self.prepare(out, kept)
         if step.pending:
             if fill is None:
                 raise RuntimeError(f"{len(step.pending)} input tokens of this step are not known, and nothing "
@@ -207,18 +208,25 @@ class ModelRunner:
             v.index_copy_(0, slots, kv[layer, 1])
 
     # ---- input preparation (CPU) -------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput) -> StepInputs:
+    def prepare(self, out: SchedulerOutput, kept=None) -> StepInputs:
         """The step's inputs, decodes first. Per chunk only what Python must read from the
         sequence (its token ids, its M-RoPE delta, its rows); positions, slots and every piece of
-        page metadata come from array operations over the whole batch."""
+        page metadata come from array operations over the whole batch. ``kept``: decodes kept as
+        rows from step to step (``epd.engine.decode_batch``), which come first, the chunks after."""
+        if kept is not None and not out.chunks:
+            return self.prepare_decodes(kept.starts, kept.deltas, kept.rows, kept.token_ids, kept.seqs)
         decodes, others = [], []
-        for c in out.chunks:
-            (decodes if c.num_tokens == 1 else others).append(c)
+        if kept is None:
+            for c in out.chunks:
+                (decodes if c.num_tokens == 1 else others).append(c)
+        else:  # every chunk goes after the rows (a one-token chunk may take the prefill path: any length may)
+            others = out.chunks
         chunks, num_decodes = decodes + others, len(decodes)
+        first = len(kept.seqs) if kept is not None else 0  # the chunks' place in the step, after the rows
         # one pass over the chunks for what Python must read of each sequence (a pass per field was
         # a visible share of a large decode batch's step)
         seqs, starts, deltas, ids, in_prompt, samples, pending = [], [], [], [], [], [], []
-        for n, c in enumerate(chunks):
+        for n, c in enumerate(chunks, start=first):
             seq = c.seq
             seqs.append(seq)
             starts.append(c.start)
@@ -234,16 +242,23 @@ class ModelRunner:
             if c.start < seq.num_prompt_tokens:  # only these can need embedding rows or positions of their own
                 in_prompt.append(n)
             samples.append(c.samples)
-        starts = np.array(starts, dtype=np.int64)
         query_lens = np.ones(len(chunks), dtype=np.int64)
         query_lens[num_decodes:] = [c.num_tokens for c in others]
+        if kept is not None:
+            self.block_tables.ensure_free(len(seqs))  # the chunks' sequences take no row of the kept ones
         rows = self.block_tables.rows_for(seqs)  # may grow the array: index it after
+        starts, deltas = np.array(starts, dtype=np.int64), np.array(deltas, dtype=np.int64)
+        ids = torch.tensor(ids, dtype=torch.long)
+        if kept is not None:
+            starts, deltas = np.concatenate([kept.starts, starts]), np.concatenate([kept.deltas, deltas])
+            query_lens, rows = np.concatenate([_ones(first), query_lens]), np.concatenate([kept.rows, rows])
+            ids, samples, num_decodes = torch.cat([torch.from_numpy(kept.token_ids), ids]), [True] * first + samples, first
         host, slots = build_page_metadata(self.block_tables.array, starts, query_lens, self.block_size, rows)
         meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
-        positions = self._positions(chunks, host, starts, np.array(deltas, dtype=np.int64), in_prompt)
+        positions = self._positions(chunks, first, host, starts, deltas, in_prompt)
         mm_rows, mm_idx = [], []
         for n in in_prompt:
-            chunk = chunks[n]
+            chunk = chunks[n - first]
             rows, local_idx = _chunk_mm_rows(chunk.seq.mm, chunk, chunk.seq.num_prompt_tokens)
             if rows is not None:
                 mm_rows.append(rows)
@@ -252,15 +267,16 @@ class ModelRunner:
         samples = np.array(samples, dtype=bool)
         logits_idx = host.query_start_loc[1:][samples].astype(np.int64) - 1
         total = int(host.query_start_loc[-1])
+        sampling = [c.seq for c, sampled in zip(chunks, samples[first:].tolist()) if sampled]
         return StepInputs(
-            input_ids=self._to_device(torch.tensor(ids, dtype=torch.long)),
+            input_ids=self._to_device(ids),
             positions=self._to_device(positions),
             meta=meta,
             mm_rows=[r.to(self.device, non_blocking=True) for r in mm_rows],
             mm_token_indices=self._to_device(mm_token_indices),
             text_token_indices=self._to_device(_complement(mm_token_indices, total)),
             logits_indices=self._to_device(torch.from_numpy(logits_idx)),
-            sampling_seqs=[c.seq for c, sampled in zip(chunks, samples.tolist()) if sampled],
+            sampling_seqs=kept.seqs + sampling if kept is not None else sampling,
             every_row_samples=len(logits_idx) == total,
             pending=pending,
         )
@@ -281,21 +297,21 @@ class ModelRunner:
             text_token_indices=self._to_device(every_row), logits_indices=self._to_device(every_row),
             sampling_seqs=seqs, every_row_samples=True, pending=[])
 
-    def _positions(self, chunks: list[ScheduledChunk], host, starts: np.ndarray, deltas: np.ndarray,
+    def _positions(self, chunks: list[ScheduledChunk], first: int, host, starts: np.ndarray, deltas: np.ndarray,
                    in_prompt: list[int]) -> torch.Tensor:
         """[3, T] int64 M-RoPE positions: ``position + mrope_delta`` for every token, then the
-        prompt tokens of multimodal prefill chunks (among ``in_prompt``) overwritten by their
-        sequence's own."""
+        prompt tokens of multimodal prefill chunks (among ``in_prompt``: their place in the step,
+        ``chunks`` starting at ``first``) overwritten by their sequence's own."""
         query_lens = np.diff(host.query_start_loc)
-        owner = np.repeat(np.arange(len(chunks)), query_lens)
+        owner = np.repeat(np.arange(len(starts)), query_lens)
         flat = np.arange(int(host.query_start_loc[-1])) - host.query_start_loc[owner] + starts[owner] + deltas[owner]
         positions = torch.from_numpy(flat).expand(3, -1).clone()
         for n in in_prompt:
-            chunk = chunks[n]
+            chunk = chunks[n - first]
             mm = chunk.seq.mm
             if mm is not None and mm.mrope_positions is not None:
-                first = int(host.query_start_loc[n])
-                positions[:, first:first + chunk.num_tokens] = positions_for_range(
+                row = int(host.query_start_loc[n])
+                positions[:, row:row + chunk.num_tokens] = positions_for_range(
                     mm, chunk.start, chunk.end, chunk.seq.num_prompt_tokens)
         return positions
 

@@ -124,6 +124,25 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def schedule_beside(self, kept: set[int], num_kept: int) -> SchedulerOutput | None:
+        """A step's chunks beside ``num_kept`` decodes kept as rows elsewhere (``kept``: their
+        sequence ids): the other running sequences' chunks, then admissions, in the budget the rows
+        leave -> None when that needed a preemption (which may have taken a row: the general
+        ``schedule`` takes the step over)."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens - num_kept
+        if len(self.running) > num_kept:
+            running = SequenceStatus.RUNNING
+            for seq in [seq for seq in self.running if seq.seq_id not in kept]:
+                if budget == 0:
+                    break
+                if seq.status is running:
+                    budget = self._schedule_one(seq, out, budget)
+            if out.preempted:
+                return None
+        self._schedule_waiting(out, budget)
+        return out
+
     def admit_imported(self) -> list[Sequence]:
         """The imported sequences that fit now, running from here: their KV is to be written first."""
         admitted = []

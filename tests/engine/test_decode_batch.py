@@ -1,18 +1,19 @@
-"""The decode batch kept from step to step (``epd.engine.decode_batch``): while every running
-sequence decodes and none joins or leaves, a step runs from the last step's arrays. Its answers are
-the general step's, token for token, whatever the requests ask (greedy, seeded and filtered draws,
-logprobs, penalties, stop tokens, min_tokens, lengths), across page boundaries, preemption, aborts
-and the prefix cache; and a steady batch never goes back through the per-sequence scheduler and
-input preparation (the regression guard on what the kept batch is for)."""
+"""The decode batch kept from step to step (``epd.engine.decode_batch``): decoding sequences are
+rows moved on by one each step, prompts are prefilled beside them, imported requests join and
+finished ones leave as rows. Its answers are the general step's, token for token, whatever the
+requests ask (greedy, seeded and filtered draws, logprobs, penalties, stop tokens, min_tokens,
+lengths), across page boundaries, preemption, aborts, the prefix cache and arrivals (images beside
+the rows: the fidelity suite against transformers); and a steady batch never goes back through the
+per-sequence scheduler and input preparation (the regression guard on what the kept batch is for)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from epd.config import EngineConfig
+from epd.engine.block_tables import BlockTableMirror
 from epd.engine.llm_engine import LLMEngine
-from epd.engine.model_runner import ModelRunner
-from epd.engine.scheduler import Scheduler
+from epd.engine.scheduler import ScheduledChunk, Scheduler
 from epd.models.locate import resolve_model
 from epd.models.registry import load_llm_for
 from epd.types import SamplingParams
@@ -86,8 +87,9 @@ def test_a_steady_batch_skips_the_per_sequence_scheduler_and_input_preparation(m
     seqs = [engine.add_request(_prompt(i, 10 + i), SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(6)]
     for _ in range(3):  # prefill, then the first steady steps
         engine.step()
-    calls = {"schedule": 0, "prepare": 0}
-    for owner, name in ((Scheduler, "schedule"), (ModelRunner, "prepare")):
+    # nothing made or looked up per sequence: no chunk, no block-table row lookup, no general schedule
+    calls = {"schedule": 0, "__init__": 0, "rows_for": 0}
+    for owner, name in ((Scheduler, "schedule"), (ScheduledChunk, "__init__"), (BlockTableMirror, "rows_for")):
         real = getattr(owner, name)
 
         def counted(self, *args, _real=real, _name=name, **kwargs):
@@ -97,7 +99,7 @@ def test_a_steady_batch_skips_the_per_sequence_scheduler_and_input_preparation(m
     before = engine.num_batch_steps
     for _ in range(40):  # crosses two page boundaries for every sequence
         engine.step()
-    assert calls == {"schedule": 0, "prepare": 0}
+    assert calls == {"schedule": 0, "__init__": 0, "rows_for": 0}
     assert engine.num_batch_steps - before == 40
     assert all(len(seq.output_token_ids) == 43 for seq in seqs)
 
@@ -166,3 +168,31 @@ def test_imported_requests_join_the_kept_batch_as_they_arrive(model):
     assert engines[False].num_batch_steps == 0
     for engine in engines.values():
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_total_blocks
+
+
+def test_prompts_arriving_mid_run_are_prefilled_beside_the_kept_rows(model):
+    """The in-process engine's load: new prompts (one longer than a step's budget, cut into chunks)
+    arrive while others decode; their chunks run in the same steps as the kept rows, they join as
+    rows once their prompt is done, and every answer is the general step's."""
+    budget = 64
+    arrivals = {0: [(_prompt(40, 20), 30), (_prompt(41, 9), 25)],
+                3: [(_prompt(42, 150), 20)],  # three chunks beside the rows
+                5: [(_prompt(43, 12), 1)],  # done at its first token
+                8: [(_prompt(44, 30), 40), (_prompt(45, 5), 35)]}
+    answers, engines = {}, {}
+    for keep in (True, False):
+        engine = engines[keep] = _engine(model, keep=keep, max_num_batched_tokens=budget)
+        seqs = []
+        for step in range(300):
+            for prompt, max_tokens in arrivals.get(step, []):
+                seqs.append(engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+            if step > max(arrivals) and not engine.has_unfinished:
+                break
+            engine.step()
+        answers[keep] = [(seq.output_token_ids, seq.finish_reason) for seq in seqs]
+    assert answers[True] == answers[False]
+    assert [len(tokens) for tokens, _ in answers[True]] == [30, 25, 20, 1, 40, 35]
+    kept = engines[True]
+    # only the first step (nothing decodes yet: no rows) is the general one
+    assert kept.num_batch_steps == kept.num_steps - 1, (kept.num_batch_steps, kept.num_steps)
+    assert kept.block_manager.num_free_blocks == kept.block_manager.num_total_blocks

@@ -55,13 +55,16 @@ def text_chat(model: str, n: int, max_tokens: int = 48) -> dict:
             "messages": [{"role": "user", "content": f"Tell me a story, number {n}."}]}
 
 
-def image_chat(model: str, n: int, images: int = 3, side: int = 448, max_tokens: int = 2) -> dict:
-    """A streamed chat with ``images`` distinct noise images (none seen before: no cache hit) and a
-    short answer: the encoders' load."""
+def image_chat(model: str, n: int, images: int = 3, side: int = 448, max_tokens: int = 2,
+               kind: str = "noise") -> dict:
+    """A streamed chat with ``images`` distinct images (none seen before: no cache hit) and a short
+    answer: the encoders' load. ``kind``: noise (large, incompressible files: the client and the
+    router pay for them too) or gradient (small files of the same size in pixels: the encoder's
+    work, little else's)."""
     from epd.bench.workload import ImageSpec, data_url, render_image
 
     parts = [{"type": "image_url", "image_url": {"url": data_url(render_image(ImageSpec(side, side, images * n + i,
-                                                                                          "noise")))}}
+                                                                                          kind)))}}
              for i in range(images)]
     return {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare them."}]}]}

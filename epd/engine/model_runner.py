@@ -214,7 +214,7 @@ class ModelRunner:
         page metadata come from array operations over the whole batch. ``kept``: decodes kept as
         rows from step to step (``epd.engine.decode_batch``), which come first, the chunks after."""
         if kept is not None and not out.chunks:
-            return self.prepare_decodes(kept.starts, kept.deltas, kept.rows, kept.token_ids, kept.seqs)
+            return self.prepare_decodes(kept)
         decodes, others = [], []
         if kept is None:
             for c in out.chunks:
@@ -281,21 +281,21 @@ class ModelRunner:
             pending=pending,
         )
 
-    def prepare_decodes(self, starts: np.ndarray, deltas: np.ndarray, rows: np.ndarray, token_ids: np.ndarray,
-                        seqs: list) -> StepInputs:
-        """A step of decodes alone from arrays (a batch kept from step to step): sequence ``i`` computes
-        its token ``token_ids[i]`` at position ``starts[i]``, its pages in row ``rows[i]`` of the block
-        tables, its M-RoPE offset ``deltas[i]``. No Python per sequence."""
-        batch = len(starts)
-        host, slots = build_page_metadata(self.block_tables.array, starts, _ones(batch), self.block_size, rows)
-        every_row = _arange(batch)
+    def prepare_decodes(self, kept) -> StepInputs:
+        """A step of decodes alone from a batch kept from step to step: row ``i`` computes its token
+        ``kept.token_ids[i]`` at position ``kept.starts[i]``, its pages in row ``kept.rows[i]`` of the
+        block tables, its M-RoPE offset ``kept.deltas[i]``. No Python per sequence."""
+        batch = len(kept.starts)
+        host, slots = build_page_metadata(self.block_tables.array, kept.starts, _ones(batch), self.block_size,
+                                          kept.rows)
+        every_row = torch.arange(batch)
         return StepInputs(
-            input_ids=self._to_device(torch.from_numpy(token_ids)),
-            positions=self._to_device(torch.from_numpy(starts + deltas).expand(3, -1).clone()),
+            input_ids=self._to_device(torch.from_numpy(kept.token_ids)),
+            positions=self._to_device(torch.from_numpy(kept.starts + kept.deltas).expand(3, -1).clone()),
             meta=metadata_on(host, slots, batch, self.block_size, self.kv_pages, self._to_device),
             mm_rows=[], mm_token_indices=self._to_device(torch.empty(0, dtype=torch.long)),
             text_token_indices=self._to_device(every_row), logits_indices=self._to_device(every_row),
-            sampling_seqs=seqs, every_row_samples=True, pending=[])
+            sampling_seqs=kept.seqs, every_row_samples=True, pending=[])
 
     def _positions(self, chunks: list[ScheduledChunk], first: int, host, starts: np.ndarray, deltas: np.ndarray,
                    in_prompt: list[int]) -> torch.Tensor:
@@ -358,10 +358,6 @@ def _ones(n: int) -> np.ndarray:
     ones = np.ones(n, dtype=np.int64)
     ones.flags.writeable = False  # shared by every step of this size
     return ones
-
-
-def _arange(n: int) -> torch.Tensor:
-    return torch.arange(n)
 
 
 def _complement(indices: torch.Tensor, total: int) -> torch.Tensor:

@@ -131,8 +131,10 @@ def test_flashinfer_without_flashinfer_says_how_to_get_it():
 
 def test_flex_compiles_long_prefills_and_then_any_shape_without_failing():
     """Regression: a first compile of a long prefill (more queries than the CPU kernel's split) once
-    failed to build in torch's C++ flex template; then shapes change every step (prefills of other
-    lengths, decodes of other batch sizes), each equal to the SDPA reference."""
+    failed to build in torch's C++ flex template, and so did the dynamic recompile for a second,
+    longer prefill on an AVX-512 host (prefills now go in fixed slabs of queries: 600 tokens are
+    three); then shapes change every step (prefills of other lengths, decodes of other batch sizes),
+    each equal to the SDPA reference."""
     torch.manual_seed(1)
     for qlens, starts, num_decodes in [([290], [0], 0), ([600, 17], [0, 0], 0), ([1] * 9 + [40], [300] * 9 + [5], 9),
                                        ([1] * 3, [16, 31, 64], 3)]:

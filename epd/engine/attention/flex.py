@@ -32,6 +32,11 @@ from epd.engine.attention.metadata import AttentionMetadata, KVCache
 # and hitting it anyway is an error the request reports instead of wrong tokens. (Exact mask_mods
 # would make the unfused path right too, but torch 2.13's CPU flex template fails to compile them.)
 _FLEX_RECOMPILE_LIMIT = 64
+# On the CPU a prefill's queries go to flex in slabs of this many (padded): one static shape, one
+# compile for every prefill. torch 2.13's C++ flex template also fails to build the dynamic-shape
+# kernel that a second prefill length compiles, with query rows past its split size (an undeclared
+# cur_qSplitSize in the generated code; seen on AVX-512 hosts with 600-token prefills).
+_CPU_QUERY_SLAB = 256
 
 
 @cache
@@ -64,7 +69,7 @@ def kernel_options(device: torch.device, block_size: int) -> dict | None:
 @dataclass
 class _FlexPlan:
     decode_mask: object | None  # BlockMask over [num_decodes, 1 query] x the cache
-    prefill_mask: object | None  # BlockMask over [1, padded prefill queries] x the cache
+    prefill_masks: list  # BlockMasks over [1, one slab of the padded prefill queries] x the cache
     prefill_rows: torch.Tensor | None  # [prefill queries] int64: each query's row in the padded batch
     num_padded: int
     kernel_options: dict | None  # the CUDA kernels' tiles (None on the CPU)
@@ -96,13 +101,13 @@ class FlexAttentionBackend:
 
     def plan(self, meta: AttentionMetadata) -> None:
         options = kernel_options(meta.block_tables.device, meta.block_size)  # refused here, before any layer
-        decode_mask = prefill_mask = prefill_rows = None
-        num_padded = 0
+        decode_mask = prefill_rows = None
+        prefill_masks, num_padded = [], 0
         if meta.num_decodes:
             decode_mask = self._decode_mask(meta)
         if meta.num_decodes < meta.num_seqs:
-            prefill_mask, prefill_rows, num_padded = self._prefill_mask(meta)
-        meta.plan = _FlexPlan(decode_mask, prefill_mask, prefill_rows, num_padded, options)
+            prefill_masks, prefill_rows, num_padded = self._prefill_masks(meta)
+        meta.plan = _FlexPlan(decode_mask, prefill_masks, prefill_rows, num_padded, options)
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -115,11 +120,14 @@ class FlexAttentionBackend:
         if plan.decode_mask is not None:
             out[:nd] = flex(q[:nd].unsqueeze(2), keys, values, block_mask=plan.decode_mask, scale=scale,
                             enable_gqa=True, kernel_options=options).squeeze(2)
-        if plan.prefill_mask is not None:
+        if plan.prefill_masks:
             padded = q.new_zeros(plan.num_padded, q.shape[1], q.shape[2])
             padded[plan.prefill_rows] = q[nd:]
-            o = flex(padded.transpose(0, 1).unsqueeze(0), keys, values, block_mask=plan.prefill_mask, scale=scale,
-                     enable_gqa=True, kernel_options=options)
+            queries = padded.transpose(0, 1).unsqueeze(0)  # [1, H, padded, D]
+            slab = plan.num_padded // len(plan.prefill_masks)
+            o = torch.cat([flex(queries[:, :, i * slab:(i + 1) * slab], keys, values, block_mask=mask, scale=scale,
+                                enable_gqa=True, kernel_options=options)
+                           for i, mask in enumerate(plan.prefill_masks)], dim=2)
             out[nd:] = o[0].transpose(0, 1)[plan.prefill_rows]
         return out
 
@@ -144,10 +152,11 @@ class FlexAttentionBackend:
             full.view(nd, 1, 1, -1), BLOCK_SIZE=bs, mask_mod=last_page_only,
             seq_lengths=(1, meta.num_blocks * bs), compute_q_blocks=False)
 
-    def _prefill_mask(self, meta: AttentionMetadata):
+    def _prefill_masks(self, meta: AttentionMetadata):
         """Query blocks of ``block_size`` queries, each within one chunk: pages wholly at or before
-        its first query are read unmasked, the pages its queries end in are masked by position."""
-        from torch.nn.attention.flex_attention import BlockMask
+        its first query are read unmasked, the pages its queries end in are masked by position. On
+        the CPU in slabs of ``_CPU_QUERY_SLAB`` queries, a mask each (padding blocks read no page);
+        on CUDA one slab. -> (the masks, each query's row in the padded batch, padded rows)."""
 
         host, nd, bs, device = meta.host, meta.num_decodes, meta.block_size, meta.block_tables.device
         query_lens = host.query_lens[nd:].astype(np.int64)
@@ -165,13 +174,16 @@ class FlexAttentionBackend:
         span = int(num_partial.max())
         partial_cols = np.minimum(num_full[:, None] + np.arange(span)[None, :], width - 1)
         partial_pages = np.take_along_axis(tables[chunk_of_block], partial_cols, axis=1)
-        rows = len(chunk_of_block)
+        real_rows = len(chunk_of_block)
+        slab = max(1, _CPU_QUERY_SLAB // bs) if device.type == "cpu" else real_rows  # query blocks a call
+        rows = -(-real_rows // slab) * slab
+        num_full, num_partial = (np.pad(n, (0, rows - real_rows)) for n in (num_full, num_partial))
         full, partial = self._prefill_rows.take(rows, meta.num_blocks, device)
-        full[:, :width] = torch.from_numpy(tables[chunk_of_block]).to(device)
-        partial[:, :span] = torch.from_numpy(partial_pages).to(device)
+        full[:real_rows, :width] = torch.from_numpy(tables[chunk_of_block]).to(device)
+        partial[:real_rows, :span] = torch.from_numpy(partial_pages).to(device)
         if self._logical is None or self._logical.shape[0] != meta.num_blocks or self._logical.device != device:
             self._logical = torch.zeros(meta.num_blocks, dtype=torch.int32, device=device)
-        real = np.arange(span)[None, :] < num_partial[:, None]  # the partial pages' own index in their sequence
+        real = np.arange(span)[None, :] < num_partial[:real_rows, None]  # the partial pages' index in their sequence
         self._logical[torch.from_numpy(partial_pages[real]).long().to(device)] = \
             torch.from_numpy(partial_cols[real].astype(np.int32)).to(device)
         # each real query's row in the padded batch, and every padded row's position (-1: padding)
@@ -181,13 +193,21 @@ class FlexAttentionBackend:
         positions = np.full(rows * bs, -1, dtype=np.int32)
         positions[padded_rows] = seq_lens[query_chunk] - query_lens[query_chunk] + query_local
         q_pos = torch.from_numpy(positions).to(device)
-        logical = self._logical
+        num_partial = torch.from_numpy(num_partial.astype(np.int32)).to(device)
+        num_full = torch.from_numpy(num_full.astype(np.int32)).to(device)
+        masks = [self._slab_mask(meta, q_pos[i * bs:(i + slab) * bs], num_partial[i:i + slab], partial[i:i + slab],
+                                 num_full[i:i + slab], full[i:i + slab]) for i in range(0, rows, slab)]
+        return masks, torch.from_numpy(padded_rows).to(device), rows * bs
+
+    def _slab_mask(self, meta: AttentionMetadata, q_pos, num_partial, partial, num_full, full):
+        """One slab's mask: its query blocks' page lists, its queries' positions (-1: padding)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        bs, logical, rows = meta.block_size, self._logical, len(num_partial)
 
         def causal_by_position(b, h, q_idx, kv_idx):
             return logical[kv_idx // bs] * bs + kv_idx % bs <= q_pos[q_idx]
-        mask = BlockMask.from_kv_blocks(
-            torch.from_numpy(num_partial.astype(np.int32)).to(device).view(1, 1, rows), partial.view(1, 1, rows, -1),
-            torch.from_numpy(num_full.astype(np.int32)).to(device).view(1, 1, rows), full.view(1, 1, rows, -1),
-            BLOCK_SIZE=(bs, bs), mask_mod=causal_by_position, seq_lengths=(rows * bs, meta.num_blocks * bs),
-            compute_q_blocks=False)
-        return mask, torch.from_numpy(padded_rows).to(device), rows * bs
+        return BlockMask.from_kv_blocks(
+            num_partial.view(1, 1, rows), partial.reshape(1, 1, rows, -1), num_full.view(1, 1, rows),
+            full.reshape(1, 1, rows, -1), BLOCK_SIZE=(bs, bs), mask_mod=causal_by_position,
+            seq_lengths=(rows * bs, meta.num_blocks * bs), compute_q_blocks=False)

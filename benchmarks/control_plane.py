@@ -7,7 +7,9 @@ worker streaming over its gRPC call instead of the TCP link, the link's baseline
 decode workers and two routers on the one port), in one run: text-
 only and one-image chats at each concurrency. Printed per point: tokens/s through the router; CPU
 ms per streamed token of the router, of each tier, and of the client; decode CPU ms per engine step
-(the batch is the concurrency over the decode workers). CPU is utime + stime from /proc, every
+at the mean batch of the load (tokens over steps), and in parentheses over the periods in which every
+decode worker ran its whole share of the streams (``FullBatchProbe``: the batch a GPU worker would
+hold; the mean counts the ramp and the tail). CPU is utime + stime from /proc, every
 thread of the process, measured over the load alone.
 
 ``--collector``: also the garbage collector's CPU per streamed token in each process (every EPD
@@ -38,6 +40,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
@@ -150,6 +153,8 @@ class Point:
     collector_ms_per_token: dict = field(default_factory=dict)  # with --collector: process -> its GC's CPU
     decode_ms_per_step: float | None = None
     decode_batch: float | None = None
+    full_batch_ms_per_step: float | None = None  # decode CPU per step while every worker ran its whole share
+    full_batch_s: float = 0.0  # the seconds that figure is over
     errors: list = field(default_factory=list)
 
 
@@ -192,11 +197,54 @@ class Cluster:
         self.server.__exit__(*exc)
 
     def decode_steps(self) -> float:
-        total = 0.0
+        return sum(steps for steps, _ in self.decode_counts())
+
+    def decode_counts(self) -> list[tuple[float, float]]:
+        """Each decode worker's (engine steps so far, requests running now), from its metrics."""
+        counts = []
         for url in self.decode_metrics:
             text = urllib.request.urlopen(url, timeout=10).read().decode()
-            total += sum(float(v) for v in re.findall(r"^epd_engine_steps_total\{[^}]*\} (\S+)$", text, re.M))
-        return total
+            steps = sum(float(v) for v in re.findall(r"^epd_engine_steps_total\{[^}]*\} (\S+)$", text, re.M))
+            running = re.search(r"^epd_running_requests\{?[^}\n]*\}? (\S+)$", text, re.M)
+            counts.append((steps, float(running.group(1)) if running else 0.0))
+        return counts
+
+
+class FullBatchProbe:
+    """Decode CPU per step while every worker runs its whole share of the streams: the mean over a
+    load counts the ramp (requests arriving) and the tail (streams ending) at smaller batches, and
+    the issue's figure is a step at the full batch. Every ``period_s`` it reads the decode workers'
+    CPU, steps and running requests; a period counts when each worker ran at least ``full`` requests
+    at both of its ends. Reading the metrics costs the worker a scrape per period (~1 ms)."""
+
+    def __init__(self, cluster: "Cluster", full: int, period_s: float = 0.5) -> None:
+        self.cluster, self.full, self.period_s = cluster, full, period_s
+        self.samples: list[tuple[float, float, bool]] = []  # (decode CPU s, steps, all at full batch)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "FullBatchProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        pids = [pid for name, pid in self.cluster.pids.items() if name.startswith("decode")]
+        while not self._stop.wait(self.period_s):
+            counts = self.cluster.decode_counts()
+            self.samples.append((cpu_seconds(pids), sum(s for s, _ in counts),
+                                 all(running >= self.full for _, running in counts)))
+
+    def ms_per_step(self) -> tuple[float, float] | None:
+        """-> (decode CPU ms per step over the full-batch periods, seconds of them), None without any."""
+        cpu_s = steps = seconds = 0.0
+        for (cpu0, steps0, full0), (cpu1, steps1, full1) in zip(self.samples, self.samples[1:]):
+            if full0 and full1 and steps1 > steps0:
+                cpu_s, steps, seconds = cpu_s + cpu1 - cpu0, steps + steps1 - steps0, seconds + self.period_s
+        return (1000 * cpu_s / steps, seconds) if steps else None
 
 
 _COLLECTOR = {"dir": None}  # with --collector: where each server process writes its collector's totals
@@ -222,7 +270,8 @@ def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
     before = {name: cpu_seconds([pid]) for name, pid in cluster.pids.items()}
     steps_before = cluster.decode_steps() if cluster.decode_metrics else 0.0
     start = time.monotonic()
-    result = run_load(cluster.server.url, bodies, num_client_procs)
+    with FullBatchProbe(cluster, point.streams // max(1, len(cluster.decode_metrics))) as probe:
+        result = run_load(cluster.server.url, bodies, num_client_procs)
     point.wall_s = time.monotonic() - start
     after = {name: cpu_seconds([pid]) for name, pid in cluster.pids.items()}
     point.tokens, point.errors = result["tokens"], result["errors"]
@@ -240,6 +289,8 @@ def measure(cluster: Cluster, point: Point, num_client_procs: int) -> Point:
         decode_cpu_s = sum(after[n] - before[n] for n in before if n.startswith("decode"))
         point.decode_ms_per_step = round(1000 * decode_cpu_s / max(1.0, steps), 3)
         point.decode_batch = round(point.tokens / max(1.0, steps), 1)
+        if (full := probe.ms_per_step()) is not None:
+            point.full_batch_ms_per_step, point.full_batch_s = round(full[0], 3), full[1]
     return point
 
 
@@ -284,6 +335,9 @@ def main() -> int:
                         cpu = " ".join(f"{name}={ms:.3f}" for name, ms in point.cpu_ms_per_token.items())
                         decode = f"{point.decode_ms_per_step:.2f} @{point.decode_batch:.0f}" \
                             if point.decode_ms_per_step is not None else "-"
+                        if point.full_batch_ms_per_step is not None:
+                            decode += f" ({point.full_batch_ms_per_step:.2f} @{streams // len(cluster.decode_metrics)}" \
+                                      f" full, {point.full_batch_s:.0f} s)"
                         print(f"{model:<18}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
                               f"{point.events_per_token:>7.2f}  {cpu}  {decode}"
                               f"{'  ERRORS ' + str(point.errors) if point.errors else ''}", flush=True)

@@ -22,14 +22,30 @@ from epd.engine.engine_loop import TokenUpdate
 class StepSink(UpdateBatch):
     """Where the engine loop thread puts the updates of one stream's requests; ``flush`` (once per
     step, on that thread) hands the step's (request id, update) pairs to ``deliver`` on the event
-    loop, in one call."""
+    loop, in one call, with the step's plain tokens as two columns (request ids, tokens) once
+    ``columns`` is set (the router reads them: ``StreamCommand.token_columns``): a decode step's
+    usual output, one token for each request, then costs no object per request on either side."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
-                 deliver: Callable[[list[tuple[str, TokenUpdate]]], None]) -> None:
+                 deliver: Callable[[list[tuple[str, TokenUpdate]], list[str], list[int]], None]) -> None:
         super().__init__(loop, deliver)
+        self.columns = False  # set before the first request is watched; a router sends the same with every start
+        self._keys: list[str] = []
+        self._tokens: list[int] = []
 
     def updates_for(self, request_id: str) -> "RequestUpdates":
         return RequestUpdates(self, request_id)
+
+    def add_token(self, request_id: str, token: int) -> None:
+        self._keys.append(request_id)
+        self._tokens.append(token)
+
+    def flush(self) -> None:
+        if not (self._pending or self._keys):
+            return
+        pending, keys, tokens = self._pending, self._keys, self._tokens
+        self._pending, self._keys, self._tokens = [], [], []
+        self._hand_over(pending, keys, tokens)
 
 
 @dataclass(eq=False)

@@ -20,6 +20,8 @@ class UpdateBatch:
     are the engine loop thread's alone (it is the one that publishes tokens), so nothing is locked:
     a step adds one item per request, hundreds of times a step at a large batch."""
 
+    columns = False  # whether it takes plain tokens as ``add_token`` (``TokenColumns``)
+
     def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
         self._loop, self._deliver = loop, deliver
         self._pending: list = []
@@ -30,10 +32,14 @@ class UpdateBatch:
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         if pending:
-            try:
-                self._loop.call_soon_threadsafe(self._deliver, pending)
-            except RuntimeError:  # the event loop is closed: nobody is listening any more
-                pass
+            self._hand_over(pending)
+
+    def _hand_over(self, *args) -> None:
+        """``deliver(*args)`` on the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
 
 
 def queue_batch(loop: asyncio.AbstractEventLoop) -> UpdateBatch:

@@ -48,14 +48,17 @@ class TokenUpdate:
 
 class _Watcher:
     """Who gets a sequence's tokens, and how many it has sent. ``updates`` with a ``batch`` (and a
-    ``batch_key``) is one request of many that share the batch: its items go there directly."""
+    ``batch_key``) is one request of many that share the batch: its items go there directly. A batch
+    with ``columns`` set takes a step's plain tokens (one token, no logprobs, not the last) as
+    ``add_token(key, token)``: no update object per request per step."""
 
-    __slots__ = ("seq", "updates", "sent", "batch", "key")
+    __slots__ = ("seq", "updates", "sent", "batch", "key", "add_token")
 
     def __init__(self, seq: Sequence, updates, sent: int) -> None:
         self.seq, self.updates, self.sent = seq, updates, sent
         self.batch = getattr(updates, "batch", None) if hasattr(updates, "batch_key") else None
         self.key = updates.batch_key if self.batch is not None else None
+        self.add_token = self.batch.add_token if getattr(self.batch, "columns", False) else None
 
 
 class EngineLoop:
@@ -177,10 +180,27 @@ class EngineLoop:
             log.exception("engine step failed; failing the running requests")
             self._fail_all(f"engine step failed: {err}")
             return False
-        for watcher in list(self._watchers.values()):
-            self._publish_to(watcher)
+        self._publish_step()
         self._flush_batches()
         return self.engine.num_steps > steps_before
+
+    def _publish_step(self) -> None:
+        """Every watched sequence's new tokens after a step. The common case of a decode step, one
+        plain token of a running sequence whose batch takes columns, goes straight to the batch
+        (~0.3 against ~0.75 us a request here: at batch 256 that was 0.19 ms a step); the rest goes
+        through ``_publish_to``."""
+        running, touched = SequenceStatus.RUNNING, self._touched
+        for watcher in list(self._watchers.values()):
+            seq, add_token = watcher.seq, watcher.add_token
+            if add_token is not None and seq.status is running and seq.error is None and not seq.output_logprobs:
+                tokens = seq.token_ids
+                sent = len(tokens) - seq.num_prompt_tokens
+                if sent == watcher.sent + 1:
+                    add_token(watcher.key, tokens[-1])
+                    watcher.sent = sent
+                    touched.add(watcher.batch)
+                    continue
+            self._publish_to(watcher)
 
     def _put(self, watcher: "_Watcher", update: TokenUpdate) -> None:
         """``watcher.updates.put(update)``; for one of a batch's, its item added to the batch here

@@ -47,15 +47,124 @@ def test_a_channel_gives_what_piled_up_in_one_output_and_the_error_after_the_tok
     assert (last.token_ids, last.finish_reason) == ([5], "length")
 
 
+def test_a_channel_merges_plain_tokens_from_the_columns_with_steps_in_order():
+    async def run():
+        channel = StepChannel()
+        channel.push(7)  # a step's plain token, as the columns bring it
+        alone = await channel.next()
+        channel.push(1)
+        channel.push(_step(tokens=[2, 3]))
+        channel.push(4)
+        merged = await channel.next()
+        channel.push(5)
+        channel.push(_step(tokens=[6], finish="stop"))
+        last = await channel.next()
+        failing = StepChannel()
+        failing.push(8)
+        failing.push(_step(error="INTERNAL"))
+        before_error = await failing.next()
+        with pytest.raises(StepError):
+            await failing.next()
+        return alone, merged, last, before_error
+
+    alone, merged, last, before_error = asyncio.run(run())
+    assert (alone.token_ids, alone.logprobs, alone.finish_reason) == ([7], [], None)
+    assert (merged.token_ids, merged.finish_reason) == ([1, 2, 3, 4], None)
+    assert (last.token_ids, last.finish_reason) == ([5, 6], "stop")
+    assert before_error.token_ids == [8]
+
+
+def test_the_engine_loop_sends_plain_tokens_as_columns_and_the_rest_as_updates():
+    """A running sequence's one new token goes to a columns batch as (key, token); a sequence that
+    finished, asks for logprobs, failed, or got two tokens since its last update goes as an update,
+    and so does everything for a batch whose router did not ask for columns (an older router would
+    drop the columns)."""
+    from epd.engine.engine_loop import EngineLoop, _Watcher
+    from epd.engine.sequence import Sequence, SequenceStatus
+    from epd.types import SamplingParams, TokenLogprobs
+
+    def running(name, outputs, **params):
+        seq = Sequence([1, 2, 3], SamplingParams(max_tokens=64, **params), request_id=name)
+        seq.status = SequenceStatus.RUNNING
+        for token in outputs:
+            seq.append_token(token, TokenLogprobs(token, -0.5, []) if params.get("logprobs") is not None else None)
+        return seq
+
+    def published(columns: bool):
+        handed = []
+        sink = StepSink(None, None)
+        sink.columns = columns
+        sink._hand_over = lambda *args: handed.append(args)  # what reaches the event loop
+        loop = EngineLoop(engine=None)
+        seqs = {"plain": running("plain", [10, 11]), "two": running("two", [20, 21, 22]),
+                "logprobs": running("logprobs", [30, 31], logprobs=0), "done": running("done", [40, 41]),
+                "failed": running("failed", [50, 51])}
+        seqs["done"].status, seqs["done"].finish_reason = SequenceStatus.FINISHED, "length"
+        seqs["failed"].error = "device lost"
+        sent = {"plain": 1, "two": 1, "logprobs": 1, "done": 1, "failed": 1}
+        for name, seq in seqs.items():
+            loop._watchers[seq.seq_id] = _Watcher(seq, sink.updates_for(name), sent[name])
+        loop._publish_step()
+        loop._flush_batches()
+        (args,) = handed
+        pending, keys, tokens = args
+        return {rid: (u.token_ids, u.finish_reason, u.error, len(u.logprobs)) for rid, u in pending}, keys, tokens
+
+    updates, keys, tokens = published(columns=True)
+    assert (keys, tokens) == (["plain"], [11])
+    assert updates == {"two": ([21, 22], None, None, 0), "logprobs": ([31], None, None, 1),
+                       "done": ([41], "length", None, 0), "failed": ([], None, "device lost", 0)}
+    updates, keys, tokens = published(columns=False)
+    assert (keys, tokens) == ([], []) and updates["plain"] == ([11], None, None, 0) and len(updates) == 5
+
+
+def test_the_columns_leave_out_forgotten_requests_and_let_go_of_a_first_updates_import():
+    from types import SimpleNamespace
+
+    from epd.decode.servicer import _RouterStream
+    from epd.decode.step_stream import StreamRequest
+
+    class Held:
+        def __init__(self):
+            self.released = 0
+
+        def release_soon(self):
+            self.released += 1
+
+    async def run():
+        servicer = SimpleNamespace(metrics=SimpleNamespace(requests=None))
+        stream = _RouterStream(servicer)
+        imports = {}
+        for rid in ("a", "b"):
+            stream.requests[rid] = StreamRequest(rid, imported=Held())
+            imports[rid] = stream.requests[rid].imported
+        stream.unreleased = {"a"}  # b had its first update already
+        stream._deliver([], ["a", "gone", "b"], [1, 2, 3])
+        first = stream.outbox.get_nowait()
+        stream._deliver([], ["a", "b"], [4, 5])
+        second = stream.outbox.get_nowait()
+        return stream, imports, first, second
+
+    stream, imports, first, second = asyncio.run(run())
+    assert (list(first.token_request_ids), list(first.tokens)) == (["a", "b"], [1, 3])
+    assert (list(second.token_request_ids), list(second.tokens)) == (["a", "b"], [4, 5])
+    assert not first.requests and stream.unreleased == set()
+    assert imports["a"].released == 1 and stream.requests["a"].kv_written and stream.requests["a"].imported is None
+    # b was no longer in unreleased: its import is the tier's to let go of elsewhere, not here
+    assert imports["b"].released == 0
+
+
 def test_a_sink_hands_over_a_steps_updates_in_one_call_on_the_event_loop():
     async def run():
         delivered = []
-        sink = StepSink(asyncio.get_running_loop(), delivered.append)
+        sink = StepSink(asyncio.get_running_loop(), lambda *args: delivered.append(args))
+        sink.columns = True
 
         def engine_thread():  # two steps of three requests, as the engine loop publishes them
             for step in range(2):
-                for request_id in "abc":
+                for request_id in "ab":
                     sink.updates_for(request_id).put(TokenUpdate([step]))
+                sink.add_token("c", 10 + step)  # a plain token, in the columns
                 sink.flush()
             sink.flush()  # a step that gave nobody anything: nothing to hand over
 
@@ -66,8 +175,8 @@ def test_a_sink_hands_over_a_steps_updates_in_one_call_on_the_event_loop():
         return delivered
 
     delivered = asyncio.run(run())
-    assert [[(rid, u.token_ids) for rid, u in batch] for batch in delivered] == \
-        [[("a", [0]), ("b", [0]), ("c", [0])], [("a", [1]), ("b", [1]), ("c", [1])]]
+    assert [([(rid, u.token_ids) for rid, u in pending], keys, tokens) for pending, keys, tokens in delivered] == \
+        [([("a", [0]), ("b", [0])], ["c"], [10]), ([("a", [1]), ("b", [1])], ["c"], [11])]
 
 
 @pytest.mark.slow
@@ -107,9 +216,12 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
                 batch_steps = sample_sum(scrape(metrics), "epd_engine_batch_steps_total") - batch_steps_before
                 link = router.pipeline.backend.decode_links[cluster.decodes[0]]
                 seen[decode_link] = (counts, steps, batch_steps, link.num_batches,
-                                     isinstance(link._call, TcpStreamCall))
-    for decode_link, (counts, steps, batch_steps, num_batches, over_tcp) in seen.items():
+                                     isinstance(link._call, TcpStreamCall), link.num_column_tokens)
+    for decode_link, (counts, steps, batch_steps, num_batches, over_tcp, column_tokens) in seen.items():
         assert counts == [num_tokens] * num_requests, decode_link
+        # the steps' plain tokens came as the batches' columns: all but each request's last
+        # (its finish) and first (from prefill)
+        assert column_tokens == num_requests * (num_tokens - 2), (decode_link, column_tokens)
         # every request reaches decode with its KV: each joins the batch kept from step to step, and
         # no step is the scheduler's general one
         assert batch_steps == steps, (decode_link, batch_steps, steps)

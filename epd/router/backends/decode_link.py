@@ -43,7 +43,8 @@ class StepError(Exception):
 
 
 class StepChannel:
-    """One request's tokens as they come off the stream."""
+    """One request's tokens as they come off the stream: a step's plain token as an int, any other
+    step as its ``RequestStep``, or the error that ended the stream."""
 
     def __init__(self) -> None:
         self._steps: collections.deque = collections.deque()
@@ -51,7 +52,7 @@ class StepChannel:
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits (a bare future:
         # an asyncio.Event asks for the running loop on each wait, a getpid() system call in 3.11)
 
-    def push(self, item: decode_pb2.RequestStep | BaseException) -> None:
+    def push(self, item: int | decode_pb2.RequestStep | BaseException) -> None:
         self._steps.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
@@ -66,14 +67,20 @@ class StepChannel:
                 await self._waiter
             finally:
                 self._waiter = None
-        if len(self._steps) == 1 and not isinstance(step := self._steps[0], BaseException) \
-                and not step.error_status:  # the reader keeps up: one step, as it came (the common case)
-            self._steps.clear()
-            return BackendOutput(list(step.token_ids), [logprobs_from_proto(lp) for lp in step.logprobs] if
-                                 step.logprobs else [], step.finish_reason or None)
+        if len(self._steps) == 1:  # the reader keeps up: one step, as it came (the common case)
+            if type(step := self._steps[0]) is int:
+                self._steps.clear()
+                return BackendOutput([step], [], None)
+            if not isinstance(step, BaseException) and not step.error_status:
+                self._steps.clear()
+                return BackendOutput(list(step.token_ids), [logprobs_from_proto(lp) for lp in step.logprobs] if
+                                     step.logprobs else [], step.finish_reason or None)
         token_ids, logprobs, finish = [], [], None
         while self._steps and not isinstance(self._steps[0], BaseException):
             step = self._steps.popleft()
+            if type(step) is int:
+                token_ids.append(step)
+                continue
             if step.error_status:
                 if token_ids:  # its tokens first; the error on the next call
                     self._steps.appendleft(StepError(step))
@@ -97,6 +104,7 @@ class DecodeLink:
         self.worker, self._map_error, self.over_tcp = worker, map_error, over_tcp
         self.channels: dict[str, StepChannel] = {}
         self.num_batches = 0  # messages received: one per engine step of the worker, whatever the requests
+        self.num_column_tokens = 0  # tokens that came in the messages' columns (the plain ones)
         self._call = None
         self._outbox: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
@@ -108,7 +116,8 @@ class DecodeLink:
         if self._call is None:
             self._open()
         channel = self.channels[request.request.request_id] = StepChannel()
-        self._outbox.put_nowait(decode_pb2.StreamCommand(start=request, timeout_ms=max(1, round(timeout_s * 1000))))
+        self._outbox.put_nowait(decode_pb2.StreamCommand(start=request, timeout_ms=max(1, round(timeout_s * 1000)),
+                                                         token_columns=True))
         return channel
 
     def cancel(self, request_id: str) -> None:
@@ -165,6 +174,12 @@ class DecodeLink:
         try:
             async for batch in call:
                 self.num_batches += 1
+                if batch.token_request_ids:  # the step's plain tokens: one each, nothing else
+                    channels = self.channels
+                    self.num_column_tokens += len(batch.token_request_ids)
+                    for request_id, token in zip(batch.token_request_ids, batch.tokens):
+                        if (channel := channels.get(request_id)) is not None:
+                            channel.push(token)
                 for step in batch.requests:
                     if (channel := self.channels.get(step.request_id)) is not None:
                         channel.push(step)

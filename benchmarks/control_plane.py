@@ -25,7 +25,7 @@ its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,null-qwen2-vl@80,tiny-qwen2-vl] [--streams 64,256]
         [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc,2d-2r] [--kinds text,image] [--out cp.json] [--api-key K]
-        [--collector]
+        [--collector] [--temperature T]
 
 Only loopback; every process started is stopped.
 """
@@ -82,13 +82,17 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 # ---- the client --------------------------------------------------------------------------------
+_SAMPLING: dict = {}  # with --temperature: every request's (else the API's default, 1)
+
+
 def _body(model: str, tokens: int, image_seed: int | None) -> bytes:
     content: list | str = "Tell me a long story."
     if image_seed is not None:
         url = "data:image/png;base64," + base64.b64encode(noise_png(224, image_seed)).decode()
         content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe it."}]
     return json.dumps({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": tokens,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                       **_SAMPLING}).encode()
 
 
 async def _stream(host: str, port: int, body: bytes) -> tuple[int, int]:
@@ -306,7 +310,12 @@ def main() -> int:
     parser.add_argument("--collector", action="store_true",
                         help="also the garbage collector's CPU per token in each process")
     parser.add_argument("--api-key", default="", help="serve with this API key (the key check's cost included)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="every request's (default: unset, the API's 1; 0: greedy, no softmax and draw over "
+                             "the logits, the arithmetic a GPU does for the host)")
     args = parser.parse_args()
+    if args.temperature is not None:
+        _SAMPLING["temperature"] = args.temperature
     if args.api_key:
         _AUTH["header"] = b"Authorization: Bearer " + args.api_key.encode() + b"\r\n"
     points = []

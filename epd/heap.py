@@ -16,7 +16,7 @@ YOUNG_COLLECTION_OBJECTS = 10_000  # the youngest generation's threshold while s
 MMAP_THRESHOLD_BYTES = 512 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
 _ours = False  # this process is an EPD program
 
 
@@ -35,12 +35,12 @@ def keep_freed_memory(environ=None) -> bool:
     it from a thread arena, which hands the free top of its heap back to the kernel (madvise) as
     soon as a step's tensors are freed; the next step's tensors of the same size then fault their
     pages in again, zeroed by the kernel. A decode step at batch 256 (the logits, the softmax, a
-    copy of the sampled rows: ~2 MB each) took ~200 page faults, 0.4-0.8 ms of system CPU on top of
-    1.4-1.8 ms of its own here; with these settings none. With glibc's defaults a block over 32 MiB
+    copy of the sampled rows: ~2 MB each) took 265-468 page faults, 0.5-0.8 ms of system CPU on top
+    of 1.4-1.7 ms of its own here; with these settings 4-5. With glibc's defaults a block over 32 MiB
     is always a fresh mapping: the tiny preset's decode step at batch 64 (39 MB of logits, their
     softmax, the MLP's activations) spent 40-45% of its 67-72 ms faulting pages in; 35-42 ms now."""
     environ = os.environ if environ is None else environ
-    if any(name in environ for name in _MALLOC_ENV):
+    if any(name in environ for name in _MALLOC_ENV) or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

@@ -20,7 +20,7 @@ class UpdateBatch:
     are the engine loop thread's alone (it is the one that publishes tokens), so nothing is locked:
     a step adds one item per request, hundreds of times a step at a large batch."""
 
-    columns = False  # whether it takes plain tokens as ``add_token`` (``TokenColumns``)
+    columns = False  # whether it takes a step's plain tokens as ``add_token`` (``StepSink`` may)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[list], None]) -> None:
         self._loop, self._deliver = loop, deliver

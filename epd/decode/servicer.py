@@ -154,7 +154,7 @@ class _RouterStream:
             self.unreleased.discard(state.request_id)
             self._end_if_done()
 
-    def _deliver(self, updates: list[tuple[str, TokenUpdate]], keys: list[str] = (), tokens: list[int] = ()) -> None:
+    def _deliver(self, updates: list[tuple[str, TokenUpdate]], keys: list[str], tokens: list[int]) -> None:
         """One engine step's updates (on the event loop): one message back for all of them. The
         plain tokens (``keys[i]`` got ``tokens[i]``) go as the message's two columns, copied in one
         call each; the other updates each as a ``RequestStep``, made in place in the batch

@@ -6,22 +6,13 @@ recompute, prefix-cache hits on blocks whose last token was in flight, and KV im
 worker; an aborted request keeps a prefix of its answer and every block comes back."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from epd.config import EngineConfig
 from epd.engine.llm_engine import LLMEngine
-from epd.models.locate import resolve_model
-from epd.models.registry import load_llm_for
 from epd.types import SamplingParams
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return load_llm_for(resolve_model("tiny-qwen2-vl"), EngineConfig(device="cpu"))
 
 
 def _engine(model, overlap: bool, **config) -> LLMEngine:

@@ -7,24 +7,15 @@ the rows: the fidelity suite against transformers); and a steady batch never goe
 per-sequence scheduler and input preparation (the regression guard on what the kept batch is for)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from epd.config import EngineConfig
 from epd.engine.block_tables import BlockTableMirror
 from epd.engine.llm_engine import LLMEngine
 from epd.engine.scheduler import ScheduledChunk, Scheduler
-from epd.models.locate import resolve_model
-from epd.models.registry import load_llm_for
 from epd.types import SamplingParams
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return load_llm_for(resolve_model("tiny-qwen2-vl"), EngineConfig(device="cpu"))
 
 
 def _engine(model, keep: bool, **config) -> LLMEngine:

@@ -2,10 +2,11 @@
 per token on a single stream, where every decode step is one message and nothing is amortized.
 
 A sender in another process writes N decode ``StepBatch`` messages of one token, 1 ms apart (a
-single stream at ~1,000 tokens/s), over (a) a grpc.aio bidirectional stream, EPD's decode link,
-and (b) a plain asyncio TCP connection with length-prefixed protobuf, each received on the stock
-asyncio loop and on uvloop. Printed: the receiver's CPU (utime + stime) per message, and the ratio
-to (a) on asyncio.
+single stream at ~1,000 tokens/s), over (a) a grpc.aio bidirectional stream (the decode link where
+a worker offers no TCP port), (b) a plain asyncio TCP connection with length-prefixed protobuf read
+by a task through ``StreamReader``, and (c) the same connection cut into frames in a protocol's
+callback (the router's link today), each received on the stock asyncio loop and on uvloop.
+Printed: the receiver's CPU (utime + stime) per message, and the ratio to (a) on asyncio.
 
     python benchmarks/stream_receive.py [--messages 3000] [--interval-ms 1]
 
@@ -111,6 +112,32 @@ async def _receive_tcp(port: int) -> tuple[int, float]:
     return count, _cpu_s() - start
 
 
+async def _receive_protocol(port: int) -> tuple[int, float]:
+    """As the router reads its link: frames cut in the protocol's callback, no reader task."""
+    from epd.tcp_link import FrameReader
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    class Link(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.frames, self.count = FrameReader(decode_pb2.StepBatch), 0
+
+        def data_received(self, data: bytes) -> None:
+            self.count += len(self.frames.feed(data))
+
+        def connection_lost(self, exc) -> None:
+            done.set_result(self.count)
+
+    transport, _ = await loop.create_connection(Link, "127.0.0.1", port)
+    transport.write(b"x")
+    start = _cpu_s()
+    count = await done
+    return count, _cpu_s() - start
+
+
+_RECEIVERS = {"grpc": _receive_grpc, "tcp": _receive_tcp, "tcp-proto": _receive_protocol}
+
+
 def measure(transport: str, loop: str, count: int, interval_s: float) -> float:
     """-> the receiver's CPU ms per message."""
     ctx = multiprocessing.get_context("spawn")
@@ -121,7 +148,7 @@ def measure(transport: str, loop: str, count: int, interval_s: float) -> float:
     try:
         if not ready.wait(60):
             raise RuntimeError("the sender did not start")
-        receive = _receive_grpc(port) if transport == "grpc" else _receive_tcp(port)
+        receive = _RECEIVERS[transport](port)
         if loop == "uvloop":
             import uvloop
             received, cpu_s = uvloop.run(receive)
@@ -147,7 +174,7 @@ def main() -> int:
         loops = ("asyncio",)
     baseline = None
     print(f"{'transport':<10}{'loop':<9}{'CPU ms/message':>16}{'vs grpc/asyncio':>17}")
-    for transport in ("grpc", "tcp"):
+    for transport in _RECEIVERS:
         for loop in loops:
             ms = measure(transport, loop, args.messages, args.interval_ms / 1000)
             baseline = baseline or ms

@@ -59,6 +59,41 @@ async def read_message(reader: asyncio.StreamReader, message_type: type[M]) -> M
         data = await reader.readexactly(size)
     except asyncio.IncompleteReadError as err:
         raise LinkBroken(f"the connection closed {len(err.partial)} bytes into a {size}-byte frame") from None
+    return _parse(message_type, data, size)
+
+
+class FrameReader:
+    """Whole messages out of bytes as they come off a socket (a protocol's ``data_received``,
+    where no task wakes to read them): a partial frame waits for the rest, and a frame's length is
+    checked before its bytes are kept."""
+
+    def __init__(self, message_type: type[M]) -> None:
+        self._type = message_type
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[M]:
+        """-> every message completed by ``data``; raises ``LinkBroken``."""
+        if not self._buffer and len(data) >= _HEADER.size:  # the common case: exactly one frame
+            (size,) = _HEADER.unpack_from(data)
+            if len(data) == _HEADER.size + size and size <= MAX_FRAME_BYTES:
+                return [_parse(self._type, memoryview(data)[_HEADER.size:], size)]
+        buffer = self._buffer
+        buffer += data
+        messages, at = [], 0
+        while len(buffer) - at >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(buffer, at)
+            if size > MAX_FRAME_BYTES:
+                raise LinkBroken(f"a frame of {size} bytes; expected at most {MAX_FRAME_BYTES}")
+            start = at + _HEADER.size
+            if len(buffer) - start < size:
+                break
+            messages.append(_parse(self._type, bytes(buffer[start:start + size]), size))
+            at = start + size
+        del buffer[:at]
+        return messages
+
+
+def _parse(message_type: type[M], data, size: int) -> M:
     try:
         return message_type.FromString(data)
     except DecodeError:

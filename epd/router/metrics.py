@@ -32,7 +32,8 @@ class RouterMetrics:
         self.in_flight = Gauge("epd_router_in_flight", "Requests on the tiers", registry=r)
         self.recent_ttft: deque[tuple[float, float]] = deque(maxlen=1024)  # (monotonic s, TTFT s): the planner's
         self.prompt_tokens = Counter("epd_prompt_tokens", "Prompt tokens admitted", registry=r)
-        self.output_tokens = Counter("epd_output_tokens", "Output tokens streamed", registry=r)
+        self.output_tokens = 0  # streamed so far: added to per output, read at scrape (a prometheus
+        # Counter's inc took a lock and two checks for every streamed step of every request)
         self.cached_tokens = Counter("epd_prompt_cached_tokens", "Prompt tokens of the requests admitted that "
                                      "prefill served from its prefix cache", registry=r)
         # the cluster view, refreshed from the health checks
@@ -58,6 +59,7 @@ class RouterMetrics:
                             "shm / CUDA IPC; cross_host: inline / NCCL; store: prefill read the rows from the "
                             "encoder cache store itself)", ["stage", "placement"],
                             lambda: self._handoffs.items())
+        counts.add("epd_output_tokens", "Output tokens streamed", lambda: self.output_tokens)
         self._store_misses = 0
         counts.add("epd_router_store_read_misses", "Items sent to prefill to read from the encoder cache store that "
                    "it could not read there (evicted, damaged, the store down): encoded and pushed instead",

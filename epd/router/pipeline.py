@@ -178,7 +178,7 @@ class RequestPipeline:
                     self.metrics.observe_first_token(first_at - start, len(prompt.prompt_token_ids),
                                                      output.num_cached_tokens)
                 num_tokens += len(event.token_ids)
-                self.metrics.output_tokens.inc(len(event.token_ids))  # as they stream: rates stay smooth
+                self.metrics.output_tokens += len(event.token_ids)  # as they stream: rates stay smooth
                 yield event
                 if event.finish_reason:
                     finish = event.finish_reason

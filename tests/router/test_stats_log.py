@@ -33,7 +33,7 @@ def test_a_line_per_interval_with_rates_tiers_kv_encodes_and_moves(monkeypatch):
     stats = StatsLog(pipeline)  # t = 100
     metrics = pipeline.metrics
     metrics.prompt_tokens.inc(350)
-    metrics.output_tokens.inc(4120)
+    metrics.output_tokens += 4120
     metrics.in_flight.set(8)
     metrics.queue_depth.set(3)
     metrics._encoder_counts = {("encoder", "e0"): (2, 6)}  # what refresh_cluster keeps from the health replies

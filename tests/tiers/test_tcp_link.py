@@ -13,7 +13,7 @@ import pytest
 
 from epd.decode.stream_listener import StreamListener
 from epd.router.backends.tcp_stream import TcpStreamCall
-from epd.tcp_link import MAX_FRAME_BYTES, LinkBroken, frame, read_message
+from epd.tcp_link import MAX_FRAME_BYTES, FrameReader, LinkBroken, frame, read_message
 from epd.v1 import decode_pb2
 
 
@@ -150,6 +150,48 @@ def test_a_frame_is_read_whole_or_the_link_is_broken():
                         (struct.pack("<I", MAX_FRAME_BYTES + 1), "at most")):
         with pytest.raises(LinkBroken, match=why):
             asyncio.run(read(broken))
+
+
+def test_frames_are_cut_from_bytes_however_they_arrive_or_the_link_is_broken():
+    """The router's link reads in its protocol's callback: a frame split over several reads, or
+    several in one read, comes out whole and in order; a bad one is refused before it is kept."""
+    batches = [decode_pb2.StepBatch(token_request_ids=[f"r{i}"], tokens=[i]) for i in range(3)]
+    data = b"".join(frame(b) for b in batches)
+    assert FrameReader(decode_pb2.StepBatch).feed(frame(batches[0])) == batches[:1]  # one read, one frame
+    for cut in (1, 3, 4, 5, len(frame(batches[0])), len(data) - 1):
+        reader = FrameReader(decode_pb2.StepBatch)
+        assert reader.feed(data[:cut]) + reader.feed(data[cut:]) == batches, cut
+    byte_by_byte = FrameReader(decode_pb2.StepBatch)
+    assert [m for i in range(len(data)) for m in byte_by_byte.feed(data[i:i + 1])] == batches
+    for broken, why in ((struct.pack("<I", MAX_FRAME_BYTES + 1), "at most"),
+                        (struct.pack("<I", 3) + b"\xff\xff\xff", "not a StepBatch")):
+        with pytest.raises(LinkBroken, match=why):
+            FrameReader(decode_pb2.StepBatch).feed(broken)
+
+
+def test_what_the_reader_raises_ends_the_stream_with_it_and_cuts_the_socket():
+    async def run():
+        servicer = _Servicer()
+        listener = await _listening(servicer)
+        call = TcpStreamCall("127.0.0.1", listener.port, listener.token)
+        seen = []
+
+        def on_batch(batch):
+            seen.append(batch.requests[0].request_id)
+            if len(seen) == 2:
+                raise KeyError("a bug of the reader's")
+
+        for request_id in ("a", "b", "c"):
+            await call.write(decode_pb2.StreamCommand(cancel=request_id))
+        with pytest.raises(KeyError, match="a bug"):
+            await asyncio.wait_for(call.read_into(on_batch), 5)
+        await _eventually(lambda: servicer.ended)
+        await listener.stop(1.0)
+        return seen, servicer.ended
+
+    seen, ended = asyncio.run(run())
+    assert seen == ["a", "b"]  # nothing after the failure reached it
+    assert ended[0].startswith("broken:")  # the worker saw the link cut, not an end
 
 
 def test_a_taken_stream_port_is_an_error_that_names_it():

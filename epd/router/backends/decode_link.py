@@ -172,19 +172,11 @@ class DecodeLink:
         with the reason (the next request opens a new stream)."""
         error: BaseException = UpstreamError(f"decode {self.worker.address} ended the stream")
         try:
-            async for batch in call:
-                self.num_batches += 1
-                if batch.token_request_ids:  # the step's plain tokens: one each, nothing else
-                    channels = self.channels
-                    self.num_column_tokens += len(batch.token_request_ids)
-                    for request_id, token in zip(batch.token_request_ids, batch.tokens):
-                        if (channel := channels.get(request_id)) is not None:
-                            channel.push(token)
-                for step in batch.requests:
-                    if (channel := self.channels.get(step.request_id)) is not None:
-                        channel.push(step)
-                        if step.finish_reason or step.error_status:
-                            del self.channels[step.request_id]
+            if isinstance(call, TcpStreamCall):  # split where the bytes arrive: no task of ours wakes for them
+                await call.read_into(self._split)
+            else:
+                async for batch in call:
+                    self._split(batch)
         except grpc.aio.AioRpcError as err:
             error = self._map_error(err)
         except asyncio.CancelledError:
@@ -198,6 +190,21 @@ class DecodeLink:
             call.cancel()
         finally:
             self._end(call, error)
+
+    def _split(self, batch: decode_pb2.StepBatch) -> None:
+        """One step's batch into its requests' channels."""
+        self.num_batches += 1
+        channels = self.channels
+        if batch.token_request_ids:  # the step's plain tokens: one each, nothing else
+            self.num_column_tokens += len(batch.token_request_ids)
+            for request_id, token in zip(batch.token_request_ids, batch.tokens):
+                if (channel := channels.get(request_id)) is not None:
+                    channel.push(token)
+        for step in batch.requests:
+            if (channel := channels.get(step.request_id)) is not None:
+                channel.push(step)
+                if step.finish_reason or step.error_status:
+                    del channels[step.request_id]
 
     def _end(self, call, error: BaseException) -> None:
         if call is not self._call:

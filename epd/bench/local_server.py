@@ -9,6 +9,8 @@ import signal
 import subprocess
 import threading
 
+from epd.server.parent import child_environment
+
 SERVE_URL = re.compile(r"OpenAI API\s+(http://\S+)/v1|EPD_READY router (http://\S+)")
 
 
@@ -22,8 +24,11 @@ class LocalServer:
         self.lines: list[str] = []
 
     def __enter__(self) -> LocalServer:
+        # its session is its own (a terminal's Ctrl-C reaches us, and we stop it), but not its life:
+        # with our pid in its environment it stops when we are gone, however we went
         self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+                                     stdin=subprocess.DEVNULL, text=True, start_new_session=True,
+                                     env=child_environment(dict(os.environ)))
         ready = threading.Event()
         threading.Thread(target=self._drain, args=(ready,), daemon=True).start()
         if not ready.wait(self.timeout_s) or self.url is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import signal
 import socket
@@ -34,6 +35,7 @@ from epd.config import (
 from epd.router.auth import ENV_ADMIN_TOKEN, ApiKeys
 from epd.server.flags import Command, OneLineParser, run_or_exit
 from epd.server.mooncake import MooncakeStartError, MooncakeStore
+from epd.server.parent import watch_parent
 
 # set by the launcher for each worker, never by the user: where a worker listens
 _WORKER_ASSIGNED = ("host", "port", "metrics_port")
@@ -205,11 +207,45 @@ def wait_healthy(url: str, timeout_s: float) -> dict:
     raise RuntimeError(f"the cluster did not become healthy within {timeout_s:.0f} s; last answer: {last}")
 
 
+class StopRequested(Exception):
+    """SIGTERM / SIGINT (or the launcher's end) came while the cluster was starting."""
+
+
+class _Stopper:
+    """What SIGTERM and SIGINT do: set ``event`` (the running cluster then stops and cleans up);
+    while the cluster is still starting (``interrupting``), also raise ``StopRequested`` there, so a
+    start that waits on a process (up to ``--timeout-s``) is not waited out first."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._starting = False
+
+    def __call__(self, *_) -> None:
+        self.event.set()
+        if self._starting:
+            self._starting = False
+            raise StopRequested()
+
+    @contextlib.contextmanager
+    def interrupting(self):
+        self._starting = not self.event.is_set()
+        if not self._starting:
+            raise StopRequested()
+        try:
+            yield
+        finally:
+            self._starting = False
+
+
 def main(argv: list[str] | None = None) -> int:
     config = run_or_exit("epd serve", lambda: serve_config_from_args(argv))
-    stop = threading.Event()
+    stopper = _Stopper()
+    stop = stopper.event
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, stopper)
+    # started by another EPD program (a benchmark, ``epd profile``): its end is our SIGTERM, so a
+    # measurement killed midway leaves no cluster behind (nobody would stop it: its session is its own)
+    watch_parent(lambda: os.kill(os.getpid(), signal.SIGTERM))
     if config.launcher == "ray":
         from epd.server.ray import serve_on_ray
         from epd.server.ray_sizing import SizingError
@@ -226,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     config = run_or_exit("epd serve", lambda: fetch_model(config))
     try:
         with encoder_cache_store(config) as config:
-            return serve_locally(config, stop)
+            return serve_locally(config, stopper)
     except MooncakeStartError as err:
         print(f"epd serve: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -254,8 +290,8 @@ def encoder_cache_store(config: ServeConfig):
         yield config.model_copy(update={"worker": worker})
 
 
-def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
-    """-> the exit code: 0 when stopped, 1 when the router died."""
+def serve_locally(config: ServeConfig, stopper: _Stopper) -> int:
+    """-> the exit code: 0 when stopped (during the start too), 1 when the router died."""
     from epd.progress import StartProgress
     from epd.server.local import LocalCluster
 
@@ -272,12 +308,16 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         what = "the aggregated engine (no tiers)" if router.aggregated else \
             f"{counts[0]} encoder(s), {counts[1]} prefill(s), {counts[2]} decode(s), " \
             f"{cluster.threads_per_tier or 'default'} thread(s) each"
-        print(f"epd serve: starting {what} for {router.model} ...", flush=True)
+        _print_line(f"epd serve: starting {what} for {router.model} ...")
         token = admin_token(config.router)
         plans = router_plans(config, {ENV_ADMIN_TOKEN: token} if token else {})
         try:  # the routers need the workers' addresses (their code was imported by the zygote meanwhile)
-            cluster.start(timeout_s=config.timeout_s)
-            routers = [cluster.start_router(**plan) for plan in plans]
+            with stopper.interrupting():
+                cluster.start(timeout_s=config.timeout_s)
+                routers = [cluster.start_router(**plan) for plan in plans]
+        except StopRequested:
+            _print_line("epd serve: stopped while starting")
+            return 0
         finally:
             if (listener := plans[0].get("http_socket")) is not None:
                 listener.close()  # the routers hold it now
@@ -289,20 +329,20 @@ def serve_locally(config: ServeConfig, stop: threading.Event) -> int:
         progress.finish()
         workers = "".join(f"  {p.tier:<11} {p.address} (pid {p.proc.pid}){_metrics_of(p)}\n"
                           for p in cluster.processes if p.tier != "router")
-        print(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
-              f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
-              + "".join(f"  router      {url} (pid {p.proc.pid})\n" for p in routers) +
-              f"{workers}(Ctrl-C stops everything)", flush=True)
+        _print_line(f"epd serve: ready\n  OpenAI API  {url}/v1\n  gRPC API    {grpc_address}\n"
+                    f"  metrics     {url}/metrics\n  health      {url}/health\n{admin}"
+                    + "".join(f"  router      {url} (pid {p.proc.pid})\n" for p in routers) +
+                    f"{workers}(Ctrl-C stops everything)")
         scaler = None
         if router.autoscale_budget is not None:
             from epd.server.autoscale import LocalScaler
             admin_url = next(f.removeprefix("admin=") for f in process.ready_fields if f.startswith("admin="))
             scaler = LocalScaler(cluster, admin_url, token)
-        return 0 if supervise(cluster, routers, config.max_restarts, stop, scaler) else 1
+        return 0 if supervise(cluster, routers, config.max_restarts, stopper.event, scaler) else 1
     finally:
-        print("epd serve: stopping ...", flush=True)
+        _print_line("epd serve: stopping ...")
         cluster.stop()
-        print("epd serve: stopped", flush=True)
+        _print_line("epd serve: stopped")
 
 
 def admin_token(router) -> str | None:
@@ -339,8 +379,12 @@ def router_plans(config: ServeConfig, env: dict[str, str] | None = None) -> list
 
 def _print_line(line: str) -> None:
     """A process's output line as it comes (its weights loading, its warnings, its stats), as vLLM
-    shows its engine's: prefixed with who wrote it."""
-    print(line, flush=True)
+    shows its engine's: prefixed with who wrote it. An output nobody reads any more (the terminal
+    or the pipe gone) is not a reason to stop serving, nor to skip stopping what was started."""
+    try:
+        print(line, flush=True)
+    except OSError:  # BrokenPipeError, EIO of a closed terminal
+        pass
 
 
 def _one_rank(worker: WorkerConfig) -> WorkerConfig:

@@ -208,6 +208,12 @@ class ModelRunner:
             v.index_copy_(0, slots, kv[layer, 1])
 
     # ---- input preparation (CPU) -------------------------------------------------------------
+    @property
+    def _page_list(self) -> bool:
+        """Whether a step's metadata carries the CSR page list: for a backend that plans from it,
+        and for tensor-parallel ranks (their step message carries every field)."""
+        return self.backend.reads_page_list or self.ranks is not None
+
     def prepare(self, out: SchedulerOutput, kept=None) -> StepInputs:
         """The step's inputs, decodes first. Per chunk only what Python must read from the
         sequence (its token ids, its M-RoPE delta, its rows); positions, slots and every piece of
@@ -253,7 +259,8 @@ class ModelRunner:
             starts, deltas = np.concatenate([kept.starts, starts]), np.concatenate([kept.deltas, deltas])
             query_lens, rows = np.concatenate([_ones(first), query_lens]), np.concatenate([kept.rows, rows])
             ids, samples, num_decodes = torch.cat([torch.from_numpy(kept.token_ids), ids]), [True] * first + samples, first
-        host, slots = build_page_metadata(self.block_tables.array, starts, query_lens, self.block_size, rows)
+        host, slots = build_page_metadata(self.block_tables.array, starts, query_lens, self.block_size, rows,
+                                          page_list=self._page_list)
         meta = metadata_on(host, slots, num_decodes, self.block_size, self.kv_pages, self._to_device)
         positions = self._positions(chunks, first, host, starts, deltas, in_prompt)
         mm_rows, mm_idx = [], []
@@ -287,7 +294,7 @@ class ModelRunner:
         block tables, its M-RoPE offset ``kept.deltas[i]``. No Python per sequence."""
         batch = len(kept.starts)
         host, slots = build_page_metadata(self.block_tables.array, kept.starts, _ones(batch), self.block_size,
-                                          kept.rows)
+                                          kept.rows, page_list=self._page_list)
         every_row = torch.arange(batch)
         return StepInputs(
             input_ids=self._to_device(torch.from_numpy(kept.token_ids)),

@@ -55,12 +55,13 @@ def test_a_mixed_step_equals_attention_by_hand(backend):
     cache.k[0].normal_()
     cache.v[0].normal_()
     before = (cache.k[0].clone(), cache.v[0].clone())
-    host, slots = build_page_metadata(array, starts, query_lens, BLOCK)
+    attention = ATTENTION_BACKENDS.get(backend)()
+    assert not attention.reads_page_list  # so the step is planned without the CSR page list, as the engine does
+    host, slots = build_page_metadata(array, starts, query_lens, BLOCK, page_list=False)
     meta = metadata_on(host, slots, 4, BLOCK, NUM_BLOCKS, lambda t: t)
     total = int(query_lens.sum())
     q = torch.randn(total, HEADS, DIM)
     k_new, v_new = torch.randn(total, KV_HEADS, DIM), torch.randn(total, KV_HEADS, DIM)
-    attention = ATTENTION_BACKENDS.get(backend)()
     attention.plan(meta)
     out = attention.forward(0, q, k_new, v_new, cache, meta, 1 / math.sqrt(DIM))
     assert torch.equal(cache.k[0][torch.from_numpy(slots)], k_new)  # the new K/V landed in their slots
@@ -88,6 +89,10 @@ def test_page_metadata_is_the_csr_of_the_block_tables():
     expected = [table[p // BLOCK] * BLOCK + p % BLOCK for table, start, num in zip(tables, starts, query_lens)
                 for p in range(int(start), int(start + num))]
     assert slots.tolist() == expected and slots.dtype == np.int64
+    bare, bare_slots = build_page_metadata(array, starts, query_lens, BLOCK, page_list=False)
+    assert bare.kv_indices is None and np.array_equal(bare_slots, slots)  # the rest as with the list
+    for field in ("query_start_loc", "seq_lens", "block_tables", "kv_indptr", "kv_last_page_len"):
+        assert np.array_equal(getattr(bare, field), getattr(host, field)), field
     for name in ("query_start_loc", "block_tables", "kv_indptr", "kv_indices", "kv_last_page_len"):
         assert getattr(host, name).dtype == np.int32, name
 

@@ -33,6 +33,10 @@ class AttentionSpec:
 
 
 class AttentionBackend(Protocol):
+    # whether ``plan`` reads the CSR page list (``kv_indices``): built only for a backend that
+    # does (or for tensor-parallel ranks, whose step carries it), 0.06 ms of a 256 x 4,000 step
+    reads_page_list: bool
+
     def __init__(self, spec: AttentionSpec) -> None: ...
 
     def plan(self, meta: AttentionMetadata) -> None:

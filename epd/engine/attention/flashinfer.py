@@ -29,6 +29,8 @@ def import_flashinfer():
 
 @ATTENTION_BACKENDS.register("flashinfer")
 class FlashInferAttentionBackend:
+    reads_page_list = True
+
     def __init__(self, spec: AttentionSpec, *, graph_batch_size: int | None = None, max_pages: int = 0,
                  workspace: torch.Tensor | None = None) -> None:
         """``graph_batch_size``: a decode-only backend for one captured CUDA graph of that many rows

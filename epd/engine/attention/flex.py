@@ -94,6 +94,8 @@ class _IndexRows:
 
 @ATTENTION_BACKENDS.register("flex")
 class FlexAttentionBackend:
+    reads_page_list = False
+
     def __init__(self, spec=None) -> None:
         self.spec = spec
         self._decode_rows, self._prefill_rows = _IndexRows(), _IndexRows()

@@ -28,7 +28,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32: tokens in KV after this step (the new ones included)
     block_tables: torch.Tensor  # [S, max_pages] int32, padded with page 0
     kv_indptr: torch.Tensor  # [S + 1] int32: sequence s's pages are kv_indices[indptr[s]:indptr[s + 1]]
-    kv_indices: torch.Tensor  # [total pages] int32
+    kv_indices: torch.Tensor | None  # [total pages] int32; None where nothing reads it (see build_page_metadata)
     kv_last_page_len: torch.Tensor  # [S] int32, 1..block_size
     block_size: int  # slots per page
     num_blocks: int  # pages in the cache
@@ -47,7 +47,7 @@ class HostPageMetadata:
     seq_lens: np.ndarray  # int32 [S]
     block_tables: np.ndarray  # int32 [S, max_pages]
     kv_indptr: np.ndarray
-    kv_indices: np.ndarray
+    kv_indices: np.ndarray | None
     kv_last_page_len: np.ndarray
     slot_mapping: np.ndarray | None = None  # int64 [T]: each new token's slot
 
@@ -57,12 +57,16 @@ class HostPageMetadata:
 
 
 def build_page_metadata(block_tables: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
-                        block_size: int, rows: np.ndarray | None = None) -> tuple[HostPageMetadata, np.ndarray]:
+                        block_size: int, rows: np.ndarray | None = None, *, page_list: bool = True
+                        ) -> tuple[HostPageMetadata, np.ndarray]:
     """Sequence s computes tokens ``[starts[s], starts[s] + query_lens[s])`` and has its pages in
     ``block_tables[rows[s]]`` (``block_tables[s]`` without ``rows``; at least as many as it needs,
     columns past that are ignored). -> (the page metadata, the int64 slot of every new token in
     flat-batch order). Only the columns the step uses are copied: a table is as wide as the longest
-    sequence the engine admits (2,048 columns at 32k tokens), a step's as its longest sequence."""
+    sequence the engine admits (2,048 columns at 32k tokens), a step's as its longest sequence.
+    ``page_list``: also the CSR list of every sequence's pages (``kv_indices``), which only paged
+    kernels plan from; without it ``kv_indices`` is None (a boolean gather over the whole table,
+    the costliest part of a large decode batch's metadata)."""
     starts = np.asarray(starts, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
     seq_lens = starts + query_lens
@@ -74,7 +78,8 @@ def build_page_metadata(block_tables: np.ndarray, starts: np.ndarray, query_lens
     np.cumsum(query_lens, out=query_start_loc[1:])
     kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int32)
     np.cumsum(pages, out=kv_indptr[1:])
-    kv_indices = tables[np.arange(width)[None, :] < pages[:, None]]  # row-major: sequence by sequence
+    # row-major: sequence by sequence
+    kv_indices = tables[np.arange(width)[None, :] < pages[:, None]] if page_list else None
     owner = np.repeat(np.arange(len(seq_lens)), query_lens)  # the sequence of each new token
     positions = np.arange(int(query_start_loc[-1])) - query_start_loc[owner] + starts[owner]
     slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
@@ -93,8 +98,8 @@ def metadata_on(host: HostPageMetadata, slots: np.ndarray, num_decodes: int, blo
     return AttentionMetadata(
         slot_mapping=t(slots), num_decodes=num_decodes, query_start_loc=t(host.query_start_loc),
         seq_lens=t(host.seq_lens), block_tables=t(host.block_tables), kv_indptr=t(host.kv_indptr),
-        kv_indices=t(host.kv_indices), kv_last_page_len=t(host.kv_last_page_len), block_size=block_size,
-        num_blocks=num_blocks, host=host)
+        kv_indices=t(host.kv_indices) if host.kv_indices is not None else None,
+        kv_last_page_len=t(host.kv_last_page_len), block_size=block_size, num_blocks=num_blocks, host=host)
 
 
 @dataclass

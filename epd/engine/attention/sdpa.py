@@ -21,6 +21,8 @@ class _SdpaPlan:
 
 @ATTENTION_BACKENDS.register("sdpa")
 class SdpaAttentionBackend:
+    reads_page_list = False
+
     def __init__(self, spec=None) -> None:
         self.spec = spec
 

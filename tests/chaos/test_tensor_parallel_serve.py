@@ -17,6 +17,7 @@ import pytest
 from epd.bench.chaos import (
     LoopingClients,
     chats,
+    get_json,
     in_rotation,
     mismatches,
     moves,
@@ -101,6 +102,9 @@ def test_tp2_decodes_give_transformers_tokens_and_a_lost_rank_costs_no_request(m
         (rank1,) = [p for p in descendants(decode_pid) if b"spawn_main" in _cmdline(p)]
         with LoopingClients(serve.base_url, str(model_dir), chat_list, 4) as clients:
             assert wait_until(lambda: clients.num_ok >= 4, 90)
+            # the kill must find a request on that worker (the router's count of its calls): one
+            # that had none would cost nothing to lose, and the test would prove no move
+            assert wait_until(lambda: _in_flight(serve.base_url, "decode", address) >= 1, 30, period_s=0.01)
             seen = len(serve.lines)
             os.kill(rank1, signal.SIGKILL)
             killed_at = time.monotonic()
@@ -119,6 +123,11 @@ def test_tp2_decodes_give_transformers_tokens_and_a_lost_rank_costs_no_request(m
     finally:
         assert serve.stop() == 0, "\n".join(serve.lines[-30:])
     _assert_all_gone(started)
+
+
+def _in_flight(base_url: str, tier: str, address: str) -> int:
+    workers = get_json(f"{base_url}/health").get("workers", {}).get(tier, [])
+    return sum(w["in_flight"] for w in workers if w["address"] == address)
 
 
 def _cmdline(pid: int) -> bytes:

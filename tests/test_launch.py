@@ -113,3 +113,29 @@ def test_a_worker_gets_what_was_set_even_at_a_defaults_value():
         os.close(fd)
     assert "max_model_len" in received.engine.model_fields_set
     assert with_model_len(received.engine, "/nonexistent").max_model_len == 4096  # the checkpoint is not read
+
+
+def test_a_failing_echo_stops_the_echo_not_the_draining_of_a_processs_output():
+    """epd serve's output gone (a closed terminal, a dead launcher's pipe): the lines, the ready one
+    included, must still be read, or the process blocks on a full pipe and its start never ends."""
+    import threading
+    from types import SimpleNamespace
+
+    from epd.server.local import TierProcess
+    from epd.server.process import READY_PREFIX
+
+    shown = []
+
+    def echo(line: str) -> None:
+        shown.append(line)
+        raise BrokenPipeError(32, "Broken pipe")
+
+    lines = ["loading weights\n", f"{READY_PREFIX} decode 127.0.0.1:4567\n", "serving\n"]
+    proc = SimpleNamespace(stdout=iter(lines), pid=4242)
+    tier = TierProcess("decode", proc, echo=echo)
+    drain = threading.Thread(target=tier._drain)
+    drain.start()
+    drain.join(10)
+    assert not drain.is_alive() and tier._ready.is_set()
+    assert tier.address == "127.0.0.1:4567"  # the ready line after the echo failed was read
+    assert tier.log_lines == [line.rstrip("\n") for line in lines] and len(shown) == 1

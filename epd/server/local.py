@@ -10,6 +10,7 @@ ends, and API keys never touch a file. Every child dies with this process (``epd
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import random
 import signal
@@ -30,6 +31,8 @@ from epd.server.parent import PARENT_PID_ENV, child_environment
 from epd.server.process import READY_PREFIX
 from epd.server.zygote_client import ForkedProcess, Zygote, ZygoteGone
 from epd.shm_owners import cleanup_stale_segments
+
+log = logging.getLogger("epd.server")
 
 _FIRST_RESTART_DELAY_S = 1.0  # doubles with every restart of the same worker ...
 _MAX_RESTART_DELAY_S = 30.0  # ... up to this: a worker that keeps dying does not spin
@@ -59,15 +62,24 @@ class TierProcess:
                 self.address = self.ready_fields[0]
                 self._ready.set()
                 if self.echo is not None:  # start-up progress, one process at a time as each comes up
-                    self.echo(f"({self.tier} pid={self.proc.pid}) ready at {self.address}, "
-                              f"{time.monotonic() - self.started_s:.1f} s after its start")
+                    self._echo(f"({self.tier} pid={self.proc.pid}) ready at {self.address}, "
+                               f"{time.monotonic() - self.started_s:.1f} s after its start")
                 if self.on_ready is not None:
                     self.on_ready(self)
             elif self.echo is not None and not line.startswith(READY_PREFIX):
-                self.echo(f"({self.tier} pid={self.proc.pid}) {line}")
+                self._echo(f"({self.tier} pid={self.proc.pid}) {line}")
             self.log_lines.append(line)
             del self.log_lines[:-200]  # keep the tail for error messages
         self._ready.set()  # exited: wake the waiter
+
+    def _echo(self, line: str) -> None:
+        """Shown as it comes; an echo that fails is dropped, never the drain: a drain that stopped
+        would leave the process blocked on a full pipe and its ready line unread."""
+        try:
+            self.echo(line)
+        except Exception:  # noqa: BLE001 - whatever it was, the lines must keep being read
+            self.echo = None
+            log.exception("%s pid=%d: its output is no longer shown", self.tier, self.proc.pid)
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(self.log_lines[-n:])

@@ -9,12 +9,16 @@ import sys
 import threading
 import time
 
+from epd.server.parent import child_environment
+
 
 class ServeProcess:
     def __init__(self, *args: str, timeout_s: float = 240.0, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "epd", "serve", "--port", "0", "--grpc-port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     text=True, start_new_session=True, env={**os.environ, **(env or {})})
+                                     text=True, start_new_session=True,
+                                     # a test process that dies takes its epd serve with it
+                                     env={**child_environment(dict(os.environ)), **(env or {})})
         self.lines: list[str] = []
         self.base_url = self.grpc_address = None
         self.worker_metrics_urls: list[str] = []  # each worker's own /metrics, from the banner

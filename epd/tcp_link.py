@@ -12,7 +12,11 @@ token from the worker's health answer, so a router knows it reached that very wo
 from __future__ import annotations
 
 import asyncio
+import collections
+import os
+import socket
 import struct
+import threading
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -23,6 +27,7 @@ _HEADER = struct.Struct("<I")  # the message's length in bytes
 # longer frame is a broken or hostile peer, refused before its bytes are read
 MAX_FRAME_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 10.0  # connect, TLS and the worker's acknowledgement of the hello
+_DRAIN_POLL_S = 0.005
 
 
 class LinkBroken(ConnectionError):
@@ -41,6 +46,117 @@ async def send(writer: asyncio.StreamWriter, message: Message) -> None:
         raise ConnectionResetError("the link is closed")
     writer.write(frame(message))
     await writer.drain()
+
+
+class FrameSender:
+    """The frames going out on one plain (not TLS) connection, written from the event loop and from
+    one other thread (a decode worker's engine thread, which sends a step's tokens the moment the
+    step is done instead of waking the loop to do it), in the order their calls took its lock.
+
+    It writes to its own duplicate of the socket, so a frame is never written to a descriptor the
+    loop closed and reused: bytes the socket does not take at once wait in order and the loop
+    writes them when it can (``add_writer``); until they are out, ``try_send`` declines, so nothing
+    overtakes them. ``owe`` / ``paid`` bracket a frame the other thread handed to the loop: while
+    one is owed, ``try_send`` declines too. The asyncio transport of the connection still reads it
+    and must write nothing once this exists."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fileno: int) -> None:
+        self._loop = loop
+        self._sock = socket.socket(fileno=os.dup(fileno))
+        self._sock.setblocking(False)
+        self._lock = threading.Lock()
+        self._pending: collections.deque[memoryview] = collections.deque()
+        self._owed = 0
+        self._watching = False  # the loop waits for the socket to take more
+        self._closed = False
+        self._error: OSError | None = None
+
+    def send(self, message: Message) -> None:
+        """``message`` out now or, if the socket is full, as soon as it takes it (never blocks).
+        Raises the ``OSError`` that broke the connection, or ``ConnectionResetError`` once closed."""
+        data = frame(message)
+        with self._lock:
+            if self._closed or self._error is not None:
+                raise self._error or ConnectionResetError("the link is closed")
+            self._write_locked(data)
+            if self._error is not None:
+                raise self._error
+
+    def try_send(self, data: bytes) -> bool:
+        """From the other thread: ``data`` (a whole frame) out now, or False when it must go through
+        the loop (a frame is owed or waiting, the link is closed or broken)."""
+        with self._lock:
+            if self._owed or self._pending or self._closed or self._error is not None:
+                return False
+            self._write_locked(data)
+            return self._error is None
+
+    def owe(self) -> None:
+        with self._lock:
+            self._owed += 1
+
+    def paid(self) -> None:
+        with self._lock:
+            self._owed -= 1
+
+    async def drain(self, timeout_s: float) -> bool:
+        """(loop) Wait until every frame is written -> whether they were, within ``timeout_s``
+        (called once, as the link ends: a short poll rather than a wake-up on every write)."""
+        deadline_s = self._loop.time() + timeout_s
+        while self._pending and self._error is None and not self._closed and self._loop.time() < deadline_s:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return not self._pending and self._error is None and not self._closed
+
+    def close(self) -> None:
+        """(loop) Nothing more goes out; what waits is dropped. Call before the transport closes."""
+        with self._lock:
+            self._closed = True
+            self._pending.clear()
+            if self._watching:
+                self._loop.remove_writer(self._sock.fileno())
+                self._watching = False
+            self._sock.close()
+
+    def _write_locked(self, data: bytes) -> None:
+        if not self._pending:
+            try:
+                sent = self._sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as err:
+                self._error = err
+                return
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
+        self._pending.append(memoryview(data))
+        if not self._watching:
+            self._watching = True
+            self._loop.call_soon_threadsafe(self._watch)
+
+    def _watch(self) -> None:
+        with self._lock:
+            if self._watching and not self._closed:
+                self._loop.add_writer(self._sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        with self._lock:
+            pending = self._pending
+            while pending:
+                try:
+                    sent = self._sock.send(pending[0])
+                except BlockingIOError:
+                    return
+                except OSError as err:
+                    self._error = err
+                    pending.clear()
+                    break
+                if sent < len(pending[0]):
+                    pending[0] = pending[0][sent:]
+                    return
+                pending.popleft()
+            self._loop.remove_writer(self._sock.fileno())
+            self._watching = False
 
 
 async def read_message(reader: asyncio.StreamReader, message_type: type[M]) -> M | None:

@@ -17,6 +17,7 @@ from epd.decode.worker import DecodeWorker
 from epd.engine.engine_loop import TokenUpdate
 from epd.errors import DeadlineExceeded, EPDError, InvalidRequest, UpstreamError, as_epd_error
 from epd.loops import wait_for_future
+from epd.tcp_link import FrameSender, frame
 from epd.transport import import_tensor
 from epd.transport.handles import TransportError
 from epd.v1 import decode_pb2, decode_pb2_grpc
@@ -37,12 +38,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         await self.serve_stream(commands, context.write)
 
     async def serve_stream(self, commands: AsyncIterator[decode_pb2.StreamCommand],
-                           write: Callable[[decode_pb2.StepBatch], Awaitable[None]]) -> None:
+                           write: Callable[[decode_pb2.StepBatch], Awaitable[None]],
+                           sender: FrameSender | None = None) -> bool:
         """One router's stream, on gRPC or on the TCP link (``epd.decode.stream_listener``): run
         ``commands`` until they end (the router is done: end once its requests have) or break off
-        (an ``OSError``: the router is gone, abort everything), ``write`` each step's batch.
+        (an ``OSError``: the router is gone, abort everything), ``write`` each step's batch, or
+        with a ``sender`` (a plain TCP link) send it there, from the engine thread where it can.
         -> whether the router ended it (False: it broke off)."""
-        stream = _RouterStream(self)
+        stream = _RouterStream(self, sender)
         reader = asyncio.create_task(stream.read(commands))
         try:
             while (batch := await stream.outbox.get()) is not None:
@@ -71,12 +74,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
 
 class _RouterStream:
-    """The requests of one router stream and the messages going back on it."""
+    """The requests of one router stream and the messages going back on it (a ``DirectSteps`` when
+    it has a ``sender``)."""
 
-    def __init__(self, servicer: DecodeServicer) -> None:
+    def __init__(self, servicer: DecodeServicer, sender: FrameSender | None = None) -> None:
         self.s = servicer
         self.outbox: asyncio.Queue[decode_pb2.StepBatch | None] = asyncio.Queue()
+        self.sender = sender
         self.sink = StepSink(asyncio.get_running_loop(), self._deliver)
+        if sender is not None:
+            self.sink.direct = self
         self.requests: dict[str, StreamRequest] = {}
         self.unreleased: set[str] = set()  # requests that still hold their KV import (no update yet)
         self.closing = False  # the router sent its last command: end once its requests have
@@ -154,12 +161,36 @@ class _RouterStream:
             self.unreleased.discard(state.request_id)
             self._end_if_done()
 
+    def send_columns(self, keys: list[str], tokens: list[int]) -> bool:
+        """(engine thread) A step of plain tokens straight onto the link, unless one of its requests
+        is new here (its first update lets go of its KV import, on the loop) or forgotten. The
+        dictionaries are the loop's; a membership test reads them whole under the interpreter lock,
+        and a request forgotten right after is one the router forgot too (it drops the token)."""
+        requests, unreleased = self.requests, self.unreleased
+        for key in keys:
+            if key in unreleased or key not in requests:
+                return False
+        batch = decode_pb2.StepBatch()
+        batch.token_request_ids.extend(keys)
+        batch.tokens.extend(tokens)
+        return self.sender.try_send(frame(batch))
+
+    def owe(self) -> None:
+        self.sender.owe()
+
     def _deliver(self, updates: list[tuple[str, TokenUpdate]], keys: list[str], tokens: list[int]) -> None:
         """One engine step's updates (on the event loop): one message back for all of them. The
         plain tokens (``keys[i]`` got ``tokens[i]``) go as the message's two columns, copied in one
         call each; the other updates each as a ``RequestStep``, made in place in the batch
         (``add``): a step made on its own and then put in the batch is copied there, 3x the cost at
         256 requests (0.42 against 0.13 ms a step)."""
+        try:
+            self._deliver_step(updates, keys, tokens)
+        finally:
+            if self.sender is not None:
+                self.sender.paid()  # it is out (or nothing was): the engine thread may send again
+
+    def _deliver_step(self, updates: list[tuple[str, TokenUpdate]], keys: list[str], tokens: list[int]) -> None:
         batch = decode_pb2.StepBatch()
         if keys:
             self._columns(batch, keys, tokens)
@@ -185,7 +216,21 @@ class _RouterStream:
                 if not update.error:
                     self.s.metrics.requests.labels(update.finish_reason or "ok").inc()
         if steps or batch.token_request_ids:
+            self._emit(batch)
+
+    def _emit(self, batch: decode_pb2.StepBatch) -> None:
+        """``batch`` on its way (on the loop): onto the link's sender at once, or to the writer."""
+        if self.sender is None:
             self.outbox.put_nowait(batch)
+            return
+        try:
+            self.sender.send(batch)
+        except OSError as err:  # the router is gone: end the stream as a broken read would
+            if not self.broken:
+                if self.requests:
+                    log.info("a router's stream broke off (%s): aborting its %d request(s)", err, len(self.requests))
+                self.broken = True
+                self.outbox.put_nowait(None)
 
     def _columns(self, batch: decode_pb2.StepBatch, keys: list[str], tokens: list[int]) -> None:
         """The plain tokens into ``batch``'s columns, but those of requests the router forgot."""
@@ -205,7 +250,7 @@ class _RouterStream:
         _release(state)  # after the tokens are on their way: the producer's Release is off the token path
 
     def _fail(self, request_id: str, err: EPDError) -> None:
-        self.outbox.put_nowait(decode_pb2.StepBatch(requests=[_failure(request_id, err)]))
+        self._emit(decode_pb2.StepBatch(requests=[_failure(request_id, err)]))
 
     async def _let_go(self, state: StreamRequest) -> None:
         """However the request ended: still on the engine, it is aborted, and the KV import is let

@@ -14,6 +14,7 @@ import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from epd.engine.async_updates import UpdateBatch
 from epd.engine.engine_loop import TokenUpdate
@@ -30,6 +31,8 @@ class StepSink(UpdateBatch):
                  deliver: Callable[[list[tuple[str, TokenUpdate]], list[str], list[int]], None]) -> None:
         super().__init__(loop, deliver)
         self.columns = False  # set before the first request is watched; a router sends the same with every start
+        # a stream whose steps the engine thread may send itself (``DirectSteps``), or None
+        self.direct: DirectSteps | None = None
         self._keys: list[str] = []
         self._tokens: list[int] = []
 
@@ -45,7 +48,26 @@ class StepSink(UpdateBatch):
             return
         pending, keys, tokens = self._pending, self._keys, self._tokens
         self._pending, self._keys, self._tokens = [], [], []
+        direct = self.direct
+        if direct is not None:
+            if not pending and direct.send_columns(keys, tokens):
+                return  # out already: the event loop does not wake for this step
+            direct.owe()  # until ``deliver`` ran, no later step overtakes it
         self._hand_over(pending, keys, tokens)
+
+
+class DirectSteps(Protocol):
+    """A stream whose plain steps the engine loop's thread sends itself. A step that only carries
+    plain tokens costs the event loop nothing then: no wake-up, no hand-over of the interpreter
+    between the two threads (on one stream that ping-pong cost the worker more CPU than the step's
+    own bookkeeping). Anything else (a first token, a finish, logprobs, an error) goes to the loop,
+    which owns the requests' state, and the steps after it wait until it went out."""
+
+    def send_columns(self, keys: list[str], tokens: list[int]) -> bool:
+        """(engine thread) The step's plain tokens out now -> False: hand them to the loop."""
+
+    def owe(self) -> None:
+        """(engine thread) A step goes to the loop; its ``deliver`` says when it is out."""
 
 
 @dataclass(eq=False)

@@ -16,10 +16,11 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 
-from epd.tcp_link import HELLO_TIMEOUT_S, LinkBroken, read_message, send
+from epd.tcp_link import HELLO_TIMEOUT_S, FrameSender, LinkBroken, read_message, send
 from epd.v1 import decode_pb2
 
 log = logging.getLogger("epd.decode")
+_END_DRAIN_S = 10.0  # the last frames of a stream the router ended, out before the connection closes
 
 
 class StreamListener:
@@ -59,6 +60,7 @@ class StreamListener:
         task = asyncio.current_task()
         self._connections.add(task)
         peer = writer.get_extra_info("peername")
+        sender = None
         try:
             if not await self._greeted(reader, writer, peer):
                 return
@@ -66,8 +68,15 @@ class StreamListener:
             async def write(batch: decode_pb2.StepBatch) -> None:
                 await send(writer, batch)
 
-            if await self.servicer.serve_stream(_commands(reader), write):
-                await send(writer, decode_pb2.StepBatch(end=True))  # the router ended it: say nothing was lost
+            if self._tls is None:  # the engine thread writes steps itself (a TLS record is the loop's to make)
+                sender = FrameSender(asyncio.get_running_loop(), writer.get_extra_info("socket").fileno())
+            if await self.servicer.serve_stream(_commands(reader), write, sender):
+                end = decode_pb2.StepBatch(end=True)  # the router ended it: say nothing was lost
+                if sender is None:
+                    await send(writer, end)
+                else:
+                    sender.send(end)
+                    await sender.drain(_END_DRAIN_S)
         except (OSError, asyncio.TimeoutError) as err:  # ConnectionError, ssl.SSLError, a timed-out socket
             log.info("token stream from %s ended: %s", peer, err or type(err).__name__)
         except asyncio.CancelledError:
@@ -77,6 +86,8 @@ class StreamListener:
             log.info("token stream from %s closed: the worker is stopping", peer)
         finally:
             self._connections.discard(task)
+            if sender is not None:
+                sender.close()  # before the transport: its socket must not outlive the connection
             writer.transport.abort()  # what is unsent is of no use to anyone now
 
     async def _greeted(self, reader, writer, peer) -> bool:

@@ -154,6 +154,87 @@ def test_the_columns_leave_out_forgotten_requests_and_let_go_of_a_first_updates_
     assert imports["b"].released == 0
 
 
+def test_plain_steps_leave_from_the_engine_thread_and_the_rest_through_the_loop_in_order():
+    """On the plain TCP link a step of plain tokens is sent by the engine thread itself; a step
+    with a new request (its import to let go of), a finish or a forgotten request goes through
+    the loop, and the steps after it too until the loop sent it."""
+    from types import SimpleNamespace
+
+    from epd.decode.servicer import _RouterStream
+    from epd.decode.step_stream import StreamRequest
+
+    class Sender:  # FrameSender's side of it: declines while a step is owed
+        def __init__(self):
+            self.direct, self.by_loop, self.owed = [], [], 0
+
+        def try_send(self, data):
+            if self.owed:
+                return False
+            self.direct.append(decode_pb2.StepBatch.FromString(data[4:]))
+            return True
+
+        def send(self, batch):
+            self.by_loop.append(batch)
+
+        def owe(self):
+            self.owed += 1
+
+        def paid(self):
+            self.owed -= 1
+
+    class Held:
+        released = 0
+
+        def release_soon(self):
+            self.released += 1
+
+    finished = []
+    metrics = SimpleNamespace(requests=SimpleNamespace(labels=lambda reason: SimpleNamespace(
+        inc=lambda: finished.append(reason))))
+
+    async def run():
+        sender = Sender()
+        stream = _RouterStream(SimpleNamespace(metrics=metrics), sender)
+        held = Held()
+        for rid in "ab":
+            stream.requests[rid] = StreamRequest(rid, imported=held if rid == "a" else None)
+        stream.unreleased = {"a"}
+        sink = stream.sink
+        sink.columns = True
+
+        def engine(*steps):
+            def run_steps():
+                for step in steps:
+                    for key, token in step:
+                        if isinstance(token, TokenUpdate):
+                            sink.updates_for(key).put(token)
+                        else:
+                            sink.add_token(key, token)
+                    sink.flush()
+            thread = threading.Thread(target=run_steps)
+            thread.start()
+            thread.join()
+
+        engine([("a", 1), ("b", 2)], [("a", 3), ("b", 4)])  # a's first token; the next step waits behind it
+        owed_meanwhile = sender.owed
+        await asyncio.sleep(0.05)
+        engine([("a", 5), ("b", 6)],  # plain: out from the engine thread
+               [("a", 7), ("b", TokenUpdate([8], finish_reason="stop"))],  # b finishes: the loop's
+               [("a", 10)],  # plain, but behind the finish the loop has not sent yet
+               [("gone", 9)])  # a request the router forgot: nothing goes out for it
+        await asyncio.sleep(0.05)
+        return sender, stream, held, owed_meanwhile
+
+    sender, stream, held, owed_meanwhile = asyncio.run(run())
+    columns = [(list(b.token_request_ids), list(b.tokens)) for b in sender.by_loop]
+    assert owed_meanwhile == 2 and sender.owed == 0
+    assert columns == [(["a", "b"], [1, 2]), (["a", "b"], [3, 4]), (["a"], [7]), (["a"], [10])]
+    assert [(s.request_id, list(s.token_ids), s.finish_reason) for s in sender.by_loop[2].requests] == \
+        [("b", [8], "stop")]
+    assert [(list(b.token_request_ids), list(b.tokens)) for b in sender.direct] == [(["a", "b"], [5, 6])]
+    assert held.released == 1 and not stream.unreleased and finished == ["stop"]
+
+
 def test_a_sink_hands_over_a_steps_updates_in_one_call_on_the_event_loop():
     async def run():
         delivered = []

@@ -24,12 +24,15 @@ class _Servicer:
         self.commands: list[decode_pb2.StreamCommand] = []
         self.ended: list[str] = []
 
-    async def serve_stream(self, commands, write) -> None:
+    async def serve_stream(self, commands, write, sender=None) -> None:
         try:
             async for command in commands:
                 self.commands.append(command)
-                await write(decode_pb2.StepBatch(requests=[decode_pb2.RequestStep(request_id=command.cancel,
-                                                                                  token_ids=[7])]))
+                batch = decode_pb2.StepBatch(requests=[decode_pb2.RequestStep(request_id=command.cancel, token_ids=[7])])
+                if sender is None:  # over TLS
+                    await write(batch)
+                else:
+                    sender.send(batch)
             self.ended.append("end")
             return True
         except ConnectionError as err:
@@ -267,3 +270,114 @@ def test_a_cut_is_immediate_even_to_a_wedged_worker_and_a_hello_cut_short_leaves
     reader_cancelled, cut_s, lost = asyncio.run(run())
     assert reader_cancelled and cut_s < 1.0, cut_s
     assert lost.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _connected_pair():
+    """A TCP connection on 127.0.0.1 whose sending side takes little before it is full."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    server.close()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client.setblocking(False)
+    return client, accepted
+
+
+def _read_frames(sock, count: int, timeout_s: float = 10.0) -> list:
+    sock.settimeout(timeout_s)
+    reader, out = FrameReader(decode_pb2.StepBatch), []
+    while len(out) < count:
+        data = sock.recv(1 << 16)
+        if not data:
+            break
+        out += reader.feed(data)
+    return out
+
+
+def test_frames_from_the_engine_thread_and_the_loop_leave_in_order_whatever_the_socket_takes():
+    """The engine thread sends steps itself (``try_send``) and hands a step to the loop where it
+    must (``owe``, then the loop's ``send`` and ``paid``), as a decode worker does with a first
+    token: with a socket far smaller than what goes through, every frame arrives whole, once, in
+    the order of the steps, and nothing overtook a frame still waiting or a step still owed."""
+    import threading
+
+    from epd.tcp_link import FrameSender
+
+    client, peer = _connected_pair()
+    num_frames, pad = 300, "p" * 3000  # ~900 KB through a socket that takes a few KB at a time
+    declined = []
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        sender = FrameSender(loop, client.fileno())
+
+        def by_loop(batch):
+            try:
+                sender.send(batch)
+            finally:
+                sender.paid()
+
+        def engine_thread():
+            for i in range(num_frames):
+                batch = decode_pb2.StepBatch(token_request_ids=[pad], tokens=[i])
+                if i % 7 == 0 or not sender.try_send(frame(batch)):  # every 7th: a step only the loop may send
+                    declined.append(i)
+                    sender.owe()
+                    loop.call_soon_threadsafe(by_loop, batch)
+
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        await asyncio.to_thread(thread.join)  # the router reads nothing meanwhile: the socket fills
+        received = await asyncio.to_thread(_read_frames, peer, num_frames)
+        drained = await sender.drain(5.0)
+        sender.close()
+        return received, drained
+
+    received, drained = asyncio.run(run())
+    client.close()
+    peer.close()
+    assert [b.tokens[0] for b in received] == list(range(num_frames)) and drained
+    # the socket filled: the thread was turned away while frames waited, not only on the 7th steps
+    assert len(declined) > num_frames // 7 + 1
+
+
+def test_a_closed_or_broken_sender_sends_nothing_and_keeps_no_socket():
+    import os
+
+    from epd.tcp_link import FrameSender
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def run():
+        client, peer = _connected_pair()
+        before = open_fds()
+        sender = FrameSender(asyncio.get_running_loop(), client.fileno())
+        assert open_fds() == before + 1  # its own duplicate of the socket
+        sender.send(decode_pb2.StepBatch(tokens=[1]))
+        sender.close()
+        closed = (open_fds() == before, sender.try_send(frame(decode_pb2.StepBatch(tokens=[2]))))
+        with pytest.raises(ConnectionResetError):
+            sender.send(decode_pb2.StepBatch(tokens=[3]))
+        got = _read_frames(peer, 1)
+        client.close()
+        peer.close()
+
+        client, peer = _connected_pair()
+        sender = FrameSender(asyncio.get_running_loop(), client.fileno())
+        peer.setsockopt(__import__("socket").SOL_SOCKET, __import__("socket").SO_LINGER, struct.pack("ii", 1, 0))
+        peer.close()  # a reset: the router is gone
+        await asyncio.sleep(0.05)
+        with pytest.raises(OSError):
+            for _ in range(100):  # the first write after a reset may still be taken by the kernel
+                sender.send(decode_pb2.StepBatch(tokens=[4]))
+        broken = sender.try_send(frame(decode_pb2.StepBatch(tokens=[5])))
+        sender.close()
+        client.close()
+        return closed, got, broken
+
+    (fds_back, after_close), got, after_break = asyncio.run(run())
+    assert fds_back and after_close is False and [b.tokens[0] for b in got] == [1]
+    assert after_break is False

@@ -177,6 +177,7 @@ def test_each_tensor_parallel_rank_has_one_device():
     for kwargs, message in ((dict(tensor_parallel_devices="1"), "names 1 device.* give one per rank"),
                             (dict(tensor_parallel_devices="1,1"), "two ranks on one device"),
                             (dict(tensor_parallel_devices="0,1", device="cpu"), "are CUDA devices, but device is cpu"),
-                            (dict(tensor_parallel_devices="0,1", device="cuda:1"), "rank 0 runs on the first")):
+                            (dict(tensor_parallel_devices="0,1", device="cuda:1"), "rank 0 runs on the first"),
+                            (dict(cuda_graph_batch_sizes=(1, 8)), "1,8 with tensor_parallel_size 2: .* run eager")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(tensor_parallel_size=2, **kwargs)

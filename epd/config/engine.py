@@ -78,6 +78,14 @@ class EngineConfig(FrozenConfig, OnDevice):
             object.__setattr__(self, "device", f"cuda:{devices[0]}")
         return self
 
+    @model_validator(mode="after")
+    def _graphs_need_one_rank(self) -> "EngineConfig":
+        if self.cuda_graph_batch_sizes and self.tensor_parallel_size > 1:
+            raise ValueError(f"cuda_graph_batch_sizes {','.join(map(str, self.cuda_graph_batch_sizes))} with "
+                             f"tensor_parallel_size {self.tensor_parallel_size}: a tensor-parallel worker's decode "
+                             "steps run eager (no CUDA graphs across ranks yet); leave cuda_graph_batch_sizes unset")
+        return self
+
     def rank_device(self, rank: int) -> str:
         """The device tensor-parallel rank ``rank`` runs on: the CPU for every rank on the CPU; on
         CUDA its entry of ``tensor_parallel_devices``, else rank 0's index + ``rank``."""

@@ -82,13 +82,13 @@ class _RouterStream:
         self.outbox: asyncio.Queue[decode_pb2.StepBatch | None] = asyncio.Queue()
         self.sender = sender
         self.sink = StepSink(asyncio.get_running_loop(), self._deliver)
-        if sender is not None:
-            self.sink.direct = self
         self.requests: dict[str, StreamRequest] = {}
         self.unreleased: set[str] = set()  # requests that still hold their KV import (no update yet)
         self.closing = False  # the router sent its last command: end once its requests have
         self.broken = False  # the connection broke off instead
         self._cleanups: set[asyncio.Task] = set()  # requests letting go of what they hold
+        if sender is not None:
+            self.sink.direct = self
 
     async def read(self, commands) -> None:
         try:

@@ -186,6 +186,10 @@ class Measured:
     per_token_short: float | None = None
     # the first tokens of two image requests sent at once, the second's after the first's (None: unmeasured)
     image_pair_gap: float | None = None
+    # the decode engine's own ms a step while the text requests ran one at a time, and while
+    # _STREAMS ran at once, from its counters in the same run (None: unread; the profile's then)
+    engine_step_alone: float | None = None
+    engine_step_crowded: float | None = None
 
 
 def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0) -> float:
@@ -254,9 +258,12 @@ def derive(costs, m: Measured, image_px: int) -> dict:
     handoff_ms, per_gap = _handoff_ms(m)
     # one step, one token (text requests' time per token less their hand-off's share where it was
     # told apart): the path's per step and per token; _STREAMS text streams: one step, _STREAMS tokens
+    # the engine's steps as timed in this run where it was read: what is left is the path's own,
+    # not the drift of this host between the profile's steps and these requests
     one_stream = m.per_token if handoff_ms is None else m.per_token_text - per_gap
-    alone = one_stream - costs.decode_ms(1, context, sampled=True)
-    crowded = m.per_token_crowded - per_gap - costs.decode_ms(_STREAMS, context, sampled=True)
+    alone = one_stream - _or(m.engine_step_alone, lambda: costs.decode_ms(1, context, sampled=True))
+    crowded = m.per_token_crowded - per_gap - _or(m.engine_step_crowded,
+                                                  lambda: costs.decode_ms(_STREAMS, context, sampled=True))
     token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
     derived = {"step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3)}
     if handoff_ms is not None and not m.engine_in_router:  # beyond the KV transfer the simulator charges
@@ -277,25 +284,74 @@ def derive(costs, m: Measured, image_px: int) -> dict:
                              f"ms_per_token_{_SHORT_TOKENS}_tokens": round(m.per_token_short, 3)}
                             if m.per_token_text is not None and m.per_token_short is not None else {}),
                          f"ms_per_token_{_STREAMS}_streams": round(m.per_token_crowded, 3),
+                         **({"engine_ms_per_step": round(m.engine_step_alone, 3)} if m.engine_step_alone else {}),
+                         **({f"engine_ms_per_step_{_STREAMS}_streams": round(m.engine_step_crowded, 3)}
+                            if m.engine_step_crowded else {}),
                          "prompt_tokens": [m.tokens_text, m.tokens_image],
                          **({"image_pair_gap_ms": round(m.image_pair_gap, 2)} if m.image_pair_gap is not None else {})}}
 
 
-def _measure_path(pid: int, client: _Client, picture) -> tuple:
+def _or(value: float | None, otherwise) -> float:
+    return value if value is not None else otherwise()
+
+
+class EngineMeter:
+    """The decode engine's time per step over a stretch of requests, from its worker's counters
+    (``epd_engine_step_seconds``, ``epd_engine_steps``); every reading None without the worker's
+    metrics address."""
+
+    def __init__(self, metrics_url: str | None) -> None:
+        self.url = metrics_url
+
+    def _now(self) -> tuple[float, float] | None:
+        import urllib.request
+
+        from epd.bench.metrics import metric_sum, parse_prometheus
+        if self.url is None:
+            return None
+        with urllib.request.urlopen(self.url, timeout=10) as resp:
+            parsed = parse_prometheus(resp.read().decode())
+        seconds, steps = (metric_sum(parsed, name) for name in ("epd_engine_step_seconds_total", "epd_engine_steps_total"))
+        return None if seconds is None or steps is None else (seconds, steps)
+
+    def ms_per_step(self, run) -> float | None:
+        """``run()``, and the engine's ms per step while it ran (None: unread, or no step)."""
+        before = self._now()
+        run()
+        after = self._now()
+        if before is None or after is None or after[1] <= before[1]:
+            return None
+        return 1000 * (after[0] - before[0]) / (after[1] - before[1])
+
+
+_DECODE_METRICS = re.compile(r"^\s*decode\s+\S+ \(pid \d+\) metrics (http://\S+)")
+
+
+def decode_metrics_url(lines: list[str]) -> str | None:
+    """The first decode worker's metrics address in ``epd serve``'s ready lines (None: none given)."""
+    return next((m.group(1) for line in lines if (m := _DECODE_METRICS.match(line))), None)
+
+
+def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tuple:
     """One serving path's figures: (text runs, image runs, short text runs, CPU per request, TTFTs
-    after idling, ms per token of _STREAMS streams at once, the gap between two images at once)."""
+    after idling, ms per token of _STREAMS streams at once, the gap between two images at once,
+    the engine's ms a step alone and crowded)."""
     for _ in range(2):  # warm: the first requests of a process pay for what it loads lazily
         client.one(None)
         client.one(next(picture))
     meter = CpuMeter(pid)
     meter.measure_idle()
-    text, image, short = [], [], []
-    cpu = {"text": meter.per_request(lambda: text.append(client.one(None)), _REQUESTS)}
+    text, image, short, cpu = [], [], [], {}
+    steps = {}
+    steps["alone"] = engine.ms_per_step(
+        lambda: cpu.update(text=meter.per_request(lambda: text.append(client.one(None)), _REQUESTS)))
     pictures = iter([next(picture) for _ in range(_REQUESTS)])  # made before: a client's own work
     cpu["image"] = meter.per_request(lambda: image.append(client.one(next(pictures))), _REQUESTS)
     cpu["short"] = meter.per_request(lambda: short.append(client.one(None, _SHORT_TOKENS)), _REQUESTS)
     after_idle = {gap: _after_idle(client, gap, picture) for gap in _IDLE_GAPS_S}
-    return text, image, short, cpu, after_idle, _concurrent_ms_per_token(client), _image_pair_gap_ms(client, picture)
+    crowded = []
+    steps["crowded"] = engine.ms_per_step(lambda: crowded.append(_concurrent_ms_per_token(client)))
+    return text, image, short, cpu, after_idle, crowded[0], _image_pair_gap_ms(client, picture), steps
 
 
 def measure(model: str, costs, image_px: int = 448) -> dict:
@@ -311,8 +367,9 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
         with LocalServer(command, name=f"epd serve {' '.join(flags)}") as serve:
             client = _Client(serve.url, model)
             try:
-                text, image, short, cpu, after_idle, crowded_ms, pair_gap_ms = _measure_path(serve.proc.pid, client,
-                                                                                            picture)
+                engine = EngineMeter(None if flags else decode_metrics_url(serve.lines))
+                text, image, short, cpu, after_idle, crowded_ms, pair_gap_ms, steps = _measure_path(
+                    serve.proc.pid, client, picture, engine)
             finally:
                 client.close()
         ttft_text, ttft_image = (statistics.median(t for t, _, _ in runs) for runs in (text, image))
@@ -322,5 +379,6 @@ def measure(model: str, costs, image_px: int = 448) -> dict:
                                            engine_in_router=bool(flags),
                                            per_token_text=statistics.median(s for _, s, _ in text),
                                            per_token_short=statistics.median(s for _, s, _ in short),
-                                           image_pair_gap=pair_gap_ms), image_px)
+                                           image_pair_gap=pair_gap_ms, engine_step_alone=steps["alone"],
+                                           engine_step_crowded=steps["crowded"]), image_px)
     return out

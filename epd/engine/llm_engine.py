@@ -3,6 +3,7 @@ cache, its scheduler and sampler; tiers and ``epd.LLM`` drive it (through ``Engi
 other threads submit work)."""
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -64,6 +65,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.decode_batch = DecodeBatch(config.block_size)
         self.num_steps = 0
+        self.step_seconds = 0.0  # wall time inside step(): the engine's busy time (its utilization's numerator)
         self.num_batch_steps = 0  # steps run from the decode batch kept from the step before
         self.keep_decode_batch = True  # False: every step is the general one (benchmarks and tests compare)
         self.async_scheduling = config.async_scheduling
@@ -143,6 +145,13 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it. With async scheduling a
         step's tokens are known (appended, checked for stops) during the step after it."""
+        started_s = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - started_s
+
+    def _step(self) -> list[Sequence]:
         if self.keep_decode_batch and not self.async_scheduling:
             finished = self._step_decode_batch()
             if finished is not None:
@@ -156,7 +165,7 @@ class LLMEngine:
         if out.is_empty:
             if inflight is not None:  # the last step's tokens, then whatever they let run
                 finished = self.scheduler.complete(inflight.seqs, inflight.known())
-                return finished + (self.step() if self.scheduler.has_unfinished else [])
+                return finished + (self._step() if self.scheduler.has_unfinished else [])
             if self.scheduler.has_unfinished and out.num_waiting_on_inputs == 0:
                 raise RuntimeError("scheduler made no progress: a waiting request cannot get KV blocks")
             return []

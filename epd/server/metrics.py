@@ -72,6 +72,8 @@ class TierMetrics:
         self.live("epd_kv_blocks", "KV blocks in the paged cache", lambda: bm.num_total_blocks)
         self.counts.add("epd_engine_steps", "Engine steps run (a decode step: one token for every running request)",
                         lambda: engine.num_steps)
+        self.counts.add("epd_engine_step_seconds", "Wall time the engine spent in its steps (its busy time: the "
+                        "rate of this counter is the engine's utilization)", lambda: engine.step_seconds)
         self.counts.add("epd_engine_batch_steps", "Engine steps run from the decode batch kept from the step before "
                         "(no per-request scheduling or input reading)", lambda: engine.num_batch_steps)
         self.counts.add("epd_engine_overlapped_steps", "Engine steps launched while the step before still had its "

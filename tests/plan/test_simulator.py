@@ -289,6 +289,29 @@ def test_the_hand_off_is_told_from_the_per_step_cost_by_two_output_lengths():
     assert "handoff_ms" not in one and (one["step_ms"], one["token_ms"]) == (pytest.approx(1.0), pytest.approx(1.0))
 
 
+def test_the_engines_steps_timed_in_the_run_replace_the_profiles_where_they_were_read():
+    """The decode engine's own time a step, read from its worker's counters while the requests ran,
+    is what comes off a stream's time per token (not the profile's step, measured minutes before on
+    a host whose speed drifts); the serve banner names where to read it."""
+    from epd.bench.pipeline_costs import Measured, decode_metrics_url, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    measured = dict(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                    per_token_crowded=11.0, after_idle={})
+    # in the run the engine took 4 ms a step alone and 7 at 4 streams: alone 5 - 4 = 1 = step +
+    # token, crowded 11 - 7 = 4 = step + 4 x token -> token 1, step 0 (the profile's 3 and 6: 1 and 1)
+    got = derive(c, Measured(**measured, engine_step_alone=4.0, engine_step_crowded=7.0), 448)
+    assert (got["step_ms"], got["token_ms"]) == (pytest.approx(0.0), pytest.approx(1.0))
+    assert got["measured"]["engine_ms_per_step"] == 4.0
+    lines = ["epd serve: ready", "  encoder     127.0.0.1:1 (pid 7) metrics http://127.0.0.1:9/metrics",
+             "  decode      127.0.0.1:3 (pid 9) metrics http://127.0.0.1:11/metrics",
+             "  decode      127.0.0.1:4 (pid 10) metrics http://127.0.0.1:12/metrics"]
+    assert decode_metrics_url(lines) == "http://127.0.0.1:11/metrics" and decode_metrics_url(lines[:2]) is None
+
+
 def test_what_the_encoder_spends_after_its_forward_is_told_by_two_images_at_once():
     """The second of two image requests sent at once waits for the first's batch: its forward (20 ms
     here) and what the encoder does after it; that part of the image's path (15 ms in all: 60 - 15

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -265,6 +266,7 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
     """16 requests at once on one decode worker: the router receives at most one message per engine
     step of that worker (a message per request per step would be 16 times as many), on the TCP link
     the worker offers (the default) and on the gRPC call (``decode_link: grpc``) alike."""
+    from epd.bench.pipeline_costs import EngineMeter
     from epd.models.locate import resolve_model
     from epd.router.backends.tcp_stream import TcpStreamCall
     from epd.router.sync import SyncRouter
@@ -292,14 +294,20 @@ def test_one_message_per_engine_step_per_decode_worker_whatever_the_number_of_st
                 async def all_of_them():
                     return await asyncio.gather(*(one(i) for i in range(num_requests)))
 
-                counts = router.run(all_of_them())
+                ran, started_s = [], time.perf_counter()  # the engine's busy time, as the profile reads it
+                engine_ms = EngineMeter(metrics).ms_per_step(lambda: ran.append(router.run(all_of_them())))
+                wall_s, counts = time.perf_counter() - started_s, ran[0]
                 steps = sample_sum(scrape(metrics), "epd_engine_steps_total") - steps_before
                 batch_steps = sample_sum(scrape(metrics), "epd_engine_batch_steps_total") - batch_steps_before
                 link = router.pipeline.backend.decode_links[cluster.decodes[0]]
                 seen[decode_link] = (counts, steps, batch_steps, link.num_batches,
-                                     isinstance(link._call, TcpStreamCall), link.num_column_tokens)
-    for decode_link, (counts, steps, batch_steps, num_batches, over_tcp, column_tokens) in seen.items():
+                                     isinstance(link._call, TcpStreamCall), link.num_column_tokens,
+                                     engine_ms, 1000 * wall_s / steps)
+    for decode_link, (counts, steps, batch_steps, num_batches, over_tcp, column_tokens, engine_ms,
+                      wall_ms) in seen.items():
         assert counts == [num_tokens] * num_requests, decode_link
+        # epd_engine_step_seconds counts the engine's own time: some, and less than a step's wall time
+        assert engine_ms is not None and 0 < engine_ms < wall_ms, (decode_link, engine_ms, wall_ms)
         # the steps' plain tokens came as the batches' columns: all but each request's last
         # (its finish) and first (from prefill)
         assert column_tokens == num_requests * (num_tokens - 2), (decode_link, column_tokens)

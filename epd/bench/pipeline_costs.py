@@ -309,8 +309,11 @@ class EngineMeter:
         from epd.bench.metrics import metric_sum, parse_prometheus
         if self.url is None:
             return None
-        with urllib.request.urlopen(self.url, timeout=10) as resp:
-            parsed = parse_prometheus(resp.read().decode())
+        try:
+            with urllib.request.urlopen(self.url, timeout=10) as resp:
+                parsed = parse_prometheus(resp.read().decode())
+        except OSError:  # unreachable: the profile's step stands in (the JSON's "measured" shows which)
+            return None
         seconds, steps = (metric_sum(parsed, name) for name in ("epd_engine_step_seconds_total", "epd_engine_steps_total"))
         return None if seconds is None or steps is None else (seconds, steps)
 

@@ -293,7 +293,7 @@ def test_the_engines_steps_timed_in_the_run_replace_the_profiles_where_they_were
     """The decode engine's own time a step, read from its worker's counters while the requests ran,
     is what comes off a stream's time per token (not the profile's step, measured minutes before on
     a host whose speed drifts); the serve banner names where to read it."""
-    from epd.bench.pipeline_costs import Measured, decode_metrics_url, derive
+    from epd.bench.pipeline_costs import EngineMeter, Measured, decode_metrics_url, derive
 
     c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
                    prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
@@ -310,6 +310,9 @@ def test_the_engines_steps_timed_in_the_run_replace_the_profiles_where_they_were
              "  decode      127.0.0.1:3 (pid 9) metrics http://127.0.0.1:11/metrics",
              "  decode      127.0.0.1:4 (pid 10) metrics http://127.0.0.1:12/metrics"]
     assert decode_metrics_url(lines) == "http://127.0.0.1:11/metrics" and decode_metrics_url(lines[:2]) is None
+    ran = []  # a worker whose counters cannot be read: the requests still run, the profile's step stands in
+    assert EngineMeter(decode_metrics_url(lines[:2])).ms_per_step(lambda: ran.append(1)) is None
+    assert EngineMeter("http://127.0.0.1:9/metrics").ms_per_step(lambda: ran.append(2)) is None and ran == [1, 2]
 
 
 def test_what_the_encoder_spends_after_its_forward_is_told_by_two_images_at_once():

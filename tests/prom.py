@@ -56,7 +56,8 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
     from epd.server.metrics import TierMetrics
 
     engine = SimpleNamespace(
-        num_steps=0, num_batch_steps=0, num_overlapped_steps=0, scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
+        num_steps=0, step_seconds=0.0, num_batch_steps=0, num_overlapped_steps=0,
+        scheduler=SimpleNamespace(waiting=[], running=[], importing=[]),
         block_manager=SimpleNamespace(usage=0.0, num_total_blocks=1, num_prefix_hit_tokens=0,
                                       num_prefix_query_tokens=0))
     encoder = SimpleNamespace(

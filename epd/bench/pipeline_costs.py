@@ -261,9 +261,13 @@ def derive(costs, m: Measured, image_px: int) -> dict:
     # the engine's steps as timed in this run where it was read: what is left is the path's own,
     # not the drift of this host between the profile's steps and these requests
     one_stream = m.per_token if handoff_ms is None else m.per_token_text - per_gap
-    alone = one_stream - _or(m.engine_step_alone, lambda: costs.decode_ms(1, context, sampled=True))
-    crowded = m.per_token_crowded - per_gap - _or(m.engine_step_crowded,
-                                                  lambda: costs.decode_ms(_STREAMS, context, sampled=True))
+    step_alone, step_crowded = m.engine_step_alone, m.engine_step_crowded
+    if step_alone is None:
+        step_alone = costs.decode_ms(1, context, sampled=True)
+    if step_crowded is None:
+        step_crowded = costs.decode_ms(_STREAMS, context, sampled=True)
+    alone = one_stream - step_alone
+    crowded = m.per_token_crowded - per_gap - step_crowded
     token_ms = max((crowded - alone) / (_STREAMS - 1), 0.0)
     derived = {"step_ms": round(max(alone - token_ms, 0.0), 3), "token_ms": round(token_ms, 3)}
     if handoff_ms is not None and not m.engine_in_router:  # beyond the KV transfer the simulator charges
@@ -284,15 +288,12 @@ def derive(costs, m: Measured, image_px: int) -> dict:
                              f"ms_per_token_{_SHORT_TOKENS}_tokens": round(m.per_token_short, 3)}
                             if m.per_token_text is not None and m.per_token_short is not None else {}),
                          f"ms_per_token_{_STREAMS}_streams": round(m.per_token_crowded, 3),
-                         **({"engine_ms_per_step": round(m.engine_step_alone, 3)} if m.engine_step_alone else {}),
+                         **({"engine_ms_per_step": round(m.engine_step_alone, 3)}
+                            if m.engine_step_alone is not None else {}),
                          **({f"engine_ms_per_step_{_STREAMS}_streams": round(m.engine_step_crowded, 3)}
-                            if m.engine_step_crowded else {}),
+                            if m.engine_step_crowded is not None else {}),
                          "prompt_tokens": [m.tokens_text, m.tokens_image],
                          **({"image_pair_gap_ms": round(m.image_pair_gap, 2)} if m.image_pair_gap is not None else {})}}
-
-
-def _or(value: float | None, otherwise) -> float:
-    return value if value is not None else otherwise()
 
 
 class EngineMeter:

@@ -70,7 +70,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         link = {"stream_port": self.listener.port, "stream_token": self.listener.token} if self.listener else {}
         return self.ctx.health(num_running=len(sched.running), num_waiting=len(sched.waiting) + len(sched.importing),
                                kv_usage=engine.block_manager.usage, num_steps=engine.num_steps,
-                               max_model_len=self.worker.max_model_len, **link)
+                               busy_seconds=engine.busy.now(), max_model_len=self.worker.max_model_len, **link)
 
 
 class _RouterStream:

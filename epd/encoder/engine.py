@@ -29,6 +29,7 @@ from epd.encoder.item_scheduler import (
 )
 from epd.encoder.runner import EncoderModel, MultimodalEncoderRunner
 from epd.encoder.shared_store import SharedEncoderStore
+from epd.engine.busy import BusyClock
 from epd.engine.threads import ThreadPolicy
 from epd.multimodal.budget import resolve_bytes_per_mm_encoder_embedding
 from epd.multimodal.geometry import image_geometry_from_bytes
@@ -97,6 +98,7 @@ class EncoderEngine:
         self.media = media  # the checkpoint's image geometry and video sampling (items' kwargs are checked by it)
         self.num_forwards = 0
         self.num_encoded_items = 0
+        self.busy = BusyClock()  # the loop's time at work: batches, their settling, the cluster's store
         self._lock = threading.Lock()  # _pending, _held, _closed
         self._pending: dict[str, _Pending] = {}
         self._held: dict[str, list[EncoderCacheKey]] = {}
@@ -263,12 +265,16 @@ class EncoderEngine:
                 if self._closed:
                     return
                 self._has_work = False
-            if self.cluster is not None and self.cluster.waiting:
-                self._poll_cluster()
-            batch = self.scheduler.schedule()
-            if not batch.is_empty:
-                self._run_batch(batch)
-                self._notify()  # more may wait, and failed entries need a new producer
+            self.busy.begin()
+            try:
+                if self.cluster is not None and self.cluster.waiting:
+                    self._poll_cluster()
+                batch = self.scheduler.schedule()
+                if not batch.is_empty:
+                    self._run_batch(batch)
+                    self._notify()  # more may wait, and failed entries need a new producer
+            finally:
+                self.busy.end()
 
     def _run_batch(self, batch: ScheduledBatch) -> None:
         if self.cluster is not None:

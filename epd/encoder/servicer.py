@@ -125,7 +125,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServicer):
         stats = self.engine.stats()
         return self.ctx.health(num_running=stats.num_held_requests, num_waiting=stats.num_waiting_requests,
                                num_encoder_forwards=stats.num_forwards, num_encoded_items=stats.num_encoded_items,
-                               num_steps=stats.num_forwards, uses_encoder_store=self._uses_store())
+                               num_steps=stats.num_forwards, busy_seconds=self.engine.busy.now(),
+                               uses_encoder_store=self._uses_store())
 
     def _uses_store(self) -> bool:
         shared = self.engine.shared_store

@@ -3,13 +3,13 @@ cache, its scheduler and sampler; tiers and ``epd.LLM`` drive it (through ``Engi
 other threads submit work)."""
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
 from epd.config import EngineConfig
 from epd.engine.block_manager import BlockManager
+from epd.engine.busy import BusyClock
 from epd.engine.decode_batch import DecodeBatch
 from epd.engine.decode_graphs import decode_batch_buckets
 from epd.engine.grammar import GrammarCompiler
@@ -65,7 +65,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.decode_batch = DecodeBatch(config.block_size)
         self.num_steps = 0
-        self.step_seconds = 0.0  # wall time inside step(): the engine's busy time (its utilization's numerator)
+        self.busy = BusyClock()  # wall time inside step(): the engine's busy time (its utilization's numerator)
         self.num_batch_steps = 0  # steps run from the decode batch kept from the step before
         self.keep_decode_batch = True  # False: every step is the general one (benchmarks and tests compare)
         self.async_scheduling = config.async_scheduling
@@ -145,11 +145,16 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One engine iteration; returns the sequences that finished in it. With async scheduling a
         step's tokens are known (appended, checked for stops) during the step after it."""
-        started_s = time.perf_counter()
+        self.busy.begin()
         try:
             return self._step()
         finally:
-            self.step_seconds += time.perf_counter() - started_s
+            self.busy.end()
+
+    @property
+    def step_seconds(self) -> float:
+        """Wall seconds of the finished steps."""
+        return self.busy.seconds
 
     def _step(self) -> list[Sequence]:
         if self.keep_decode_batch and not self.async_scheduling:

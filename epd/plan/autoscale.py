@@ -1,17 +1,21 @@
 """The online planner: how many workers each tier should have now, within a worker budget.
 
 Every ``interval_s`` the router hands it what each tier looks like (``TierLoad``: workers in
-rotation, requests waiting at them, requests they run) and, optionally, how the latest first tokens
-did against a TTFT objective. A tier is **hot** when its requests wait: more than
-``queue_per_worker`` waiting per worker for ``up_after`` intervals in a row (or, with a TTFT
-objective missed, the tier where requests wait most). A tier is
-**idle** when nothing waits at it and its workers run less than ``idle_running_per_worker`` each,
-for ``down_after`` intervals in a row (a TTFT objective: missed for ``up_after``). Then:
+rotation, requests waiting at them, requests they run, and the share of the time their engines
+worked) and, optionally, how the latest first tokens did against a TTFT objective. A tier is
+**hot** when its requests wait: more than ``queue_per_worker`` waiting per worker for ``up_after``
+intervals in a row (or, with a TTFT objective missed, the tier where requests wait most). A tier is
+**idle** when nothing waits at it, its workers run less than ``idle_running_per_worker`` each and
+their engines worked less than ``idle_busy`` of the time (where they count it), for ``down_after``
+intervals in a row (a TTFT objective: missed for ``up_after``). The requests counted at one instant
+miss work that comes and goes between two looks (an encoder's batches, a prefill's chunks); the
+busy share sums all of it, so a tier that is busy half the time is not taken for idle. Then:
 
 - a tier under its minimum (``min_workers``: it was started with fewer, but not none) gets a worker
   first;
 - a hot tier gets a worker when the budget has room; when it has none, the idlest idle tier above
-  its minimum gives one up (a move: decode to encode when the load turns from text to images);
+  its minimum (the least busy) gives one up (a move: decode to encode when the load turns from text
+  to images);
 - an idle tier above its minimum gives a worker back when nothing is hot;
 - after a decision, nothing more until the launcher has carried it out (the workers in rotation
   are what was asked) and ``cooldown_s`` has passed, and the signals count again from then: the
@@ -36,6 +40,7 @@ class AutoscaleConfig:
     interval_s: float = 1.0
     queue_per_worker: float = 2.0  # waiting requests per worker above which a tier is hot
     idle_running_per_worker: float = 0.5  # running requests per worker below which (nothing waiting) it is idle
+    idle_busy: float = 0.3  # share of the time its engines worked below which (and the above) it is idle
     up_after: int = 3  # intervals in a row
     down_after: int = 10
     cooldown_s: float = 10.0
@@ -48,6 +53,8 @@ class AutoscaleConfig:
         for name in ("interval_s", "queue_per_worker", "cooldown_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"autoscale {name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.idle_busy <= 1:
+            raise ValueError(f"autoscale idle_busy is a share of the time, in (0, 1]; got {self.idle_busy}")
         if self.up_after < 1 or self.down_after < 1:
             raise ValueError(f"autoscale up_after and down_after must be >= 1, got {self.up_after}, {self.down_after}")
 
@@ -57,6 +64,7 @@ class TierLoad:
     workers: int  # in rotation
     waiting: int  # requests waiting at them (their queues)
     running: int  # requests they run
+    busy: float | None = None  # the mean share of the last interval that their engines worked (None: not counted)
 
     @property
     def waiting_per_worker(self) -> float:
@@ -65,6 +73,15 @@ class TierLoad:
     @property
     def running_per_worker(self) -> float:
         return self.running / max(self.workers, 1)
+
+    def quiet(self) -> tuple[float, float]:
+        """A key for the least loaded: busy share first, then requests running per worker."""
+        return (0.0 if self.busy is None else self.busy, self.running_per_worker)
+
+    def describe_quiet(self) -> str:
+        """In words, why it looks quiet (for a decision's reason)."""
+        busy = "" if self.busy is None else f", busy {100 * self.busy:.0f}%"
+        return f"nothing waiting, {self.running_per_worker:.1f} running per worker{busy}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,8 @@ class Planner:
         for tier in TIERS:
             load = loads[tier]
             hot = load.waiting_per_worker > cfg.queue_per_worker
-            idle = load.waiting == 0 and load.running_per_worker < cfg.idle_running_per_worker
+            idle = (load.waiting == 0 and load.running_per_worker < cfg.idle_running_per_worker
+                    and (load.busy is None or load.busy < cfg.idle_busy))
             self._hot[tier] = self._hot[tier] + 1 if hot else 0
             self._idle[tier] = self._idle[tier] + 1 if idle else 0
         missed = cfg.ttft_slo_s is not None and ttft_p90_s is not None and ttft_p90_s > cfg.ttft_slo_s
@@ -115,10 +133,9 @@ class Planner:
             return self._grow(now_s, max(hot, key=lambda t: loads[t].waiting_per_worker), loads, idle, slo_missed,
                               ttft_p90_s)
         if idle:
-            tier = min(idle, key=lambda t: loads[t].running_per_worker)
-            return self._decide(now_s, {tier: -1}, f"{tier} idle for {self._idle[tier]} intervals (nothing waiting, "
-                                                   f"{loads[tier].running_per_worker:.1f} running per worker): one "
-                                                   "worker back to the budget")
+            tier = min(idle, key=lambda t: loads[t].quiet())
+            return self._decide(now_s, {tier: -1}, f"{tier} idle for {self._idle[tier]} intervals "
+                                                   f"({loads[tier].describe_quiet()}): one worker back to the budget")
         return None
 
     def _settled(self, now_s: float, loads: dict[str, TierLoad]) -> bool:
@@ -144,11 +161,10 @@ class Planner:
             and loads[t].waiting == 0 and self._hot[t] == 0 and self._idle[t] > 0]
         if not donors:
             return None  # the budget is spent and every other tier is busy: nothing to move
-        donor = min(donors, key=lambda t: loads[t].running_per_worker)
+        donor = min(donors, key=lambda t: loads[t].quiet())
         return self._decide(now_s, {tier: +1, donor: -1},
                             f"{why}; the budget of {self.config.budget_workers} is spent: a {donor} worker moves to "
-                            f"{tier} ({donor}: nothing waiting, {loads[donor].running_per_worker:.1f} running per "
-                            "worker)")
+                            f"{tier} ({donor}: {loads[donor].describe_quiet()})")
 
     def _to_floor(self, now_s: float, tier: str) -> Decision:
         """A tier under its minimum gets a worker: from the budget, else from the tier most above its

@@ -127,8 +127,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         engine = self.worker.engine
         computable, waiting, on_inputs = self.worker.load()  # a request waiting for its rows is waiting, not running
         return self.ctx.health(num_running=computable, num_waiting=waiting, kv_usage=engine.block_manager.usage,
-                               num_steps=engine.num_steps, max_model_len=self.worker.max_model_len,
-                               reads_encoder_store=reads_store(), num_waiting_on_inputs=on_inputs)
+                               num_steps=engine.num_steps, busy_seconds=engine.busy.now(),
+                               max_model_len=self.worker.max_model_len, reads_encoder_store=reads_store(),
+                               num_waiting_on_inputs=on_inputs)
 
 
 def build(ctx):

@@ -1,6 +1,7 @@
 """The router's side of the online planner (``epd.plan.autoscale``): every ``autoscale_interval_s``
 it reads each tier's load from the workers' health answers (requests waiting at them, requests they
-run), and the TTFT p90 of the last 30 s, and lets the planner decide. What it wants is the
+run, and the share of the time their engines worked between two answers), and the TTFT p90 of the
+last 30 s, and lets the planner decide. What it wants is the
 ``epd_planner_desired_workers{tier}`` gauge (what an autoscaler on Kubernetes reads), the admin
 API's ``GET /admin/plan`` (what ``epd serve`` reads, and carries out through the admin API's
 register and drain), and a log line per decision saying why."""
@@ -30,6 +31,7 @@ class PlannerLoop:
                                                ttft_slo_s=config.autoscale_ttft_slo_s),
                                {tier: counts.get(tier, 0) for tier in TIERS})
         self.workers, self.metrics = workers, metrics
+        self.last_loads: dict[str, TierLoad] = {}  # what the last look saw (GET /admin/plan shows it)
         self.desired = Gauge("epd_planner_desired_workers", "Workers the planner wants per tier (its launcher "
                              "carries it out)", ["tier"], registry=metrics.own)
         self.decisions = Counter("epd_planner_decisions", "Decisions of the planner", registry=metrics.own)
@@ -40,9 +42,11 @@ class PlannerLoop:
         for tier in TIERS:
             states = [w for w in self.workers.workers.get(tier, []) if w.healthy and not w.draining and not w.stopping]
             # a prefill request waiting for its rows waits on the encoders, not on prefill
+            busy = [w.busy_fraction for w in states if w.busy_fraction is not None]
             loads[tier] = TierLoad(len(states), sum(w.last_health.num_waiting - w.last_health.num_waiting_on_inputs
                                                     for w in states),
-                                   sum(w.last_health.num_running for w in states))
+                                   sum(w.last_health.num_running for w in states),
+                                   sum(busy) / len(busy) if busy else None)
         return loads
 
     def ttft_p90_s(self, now_s: float) -> float | None:
@@ -50,7 +54,8 @@ class PlannerLoop:
         return recent[int(0.9 * (len(recent) - 1))] if recent else None
 
     def step(self, now_s: float) -> None:
-        decision = self.planner.observe(now_s, self.loads(), self.ttft_p90_s(now_s))
+        self.last_loads = self.loads()
+        decision = self.planner.observe(now_s, self.last_loads, self.ttft_p90_s(now_s))
         if decision is not None:
             self.decisions.inc()
             self._show()
@@ -63,6 +68,9 @@ class PlannerLoop:
 
     def as_dict(self) -> dict:
         return {"desired": dict(self.planner.desired), "budget": self.planner.config.budget_workers,
+                "tiers": {tier: {"workers": load.workers, "waiting": load.waiting, "running": load.running,
+                                 **({"busy": round(load.busy, 3)} if load.busy is not None else {})}
+                          for tier, load in self.last_loads.items()},
                 "decisions": [d.as_dict() for d in self.planner.log]}
 
     async def run(self) -> None:

@@ -42,6 +42,8 @@ class RouterMetrics:
         self.worker_running = Gauge("epd_worker_running", "Requests running on the worker", labels, registry=r)
         self.worker_waiting = Gauge("epd_worker_queue_depth", "Requests waiting on the worker", labels, registry=r)
         self.worker_kv_usage = Gauge("epd_worker_kv_usage_ratio", "KV blocks in use / all", labels, registry=r)
+        self.worker_busy = Gauge("epd_worker_busy_ratio", "Share of the time between the worker's last two health "
+                                 "answers that its engine worked (its utilization)", labels, registry=r)
         # counts kept elsewhere (a worker's, in its last health reply; the backend's moves), read at scrape
         self._encoder_counts: dict[tuple[str, str], tuple[int, int]] = {}
         self._moves: dict[str, int] = {}
@@ -95,6 +97,8 @@ class RouterMetrics:
                 self.worker_running.labels(*key).set(w.last_health.num_running)
                 self.worker_waiting.labels(*key).set(w.last_health.num_waiting)
                 self.worker_kv_usage.labels(*key).set(w.last_health.kv_usage)
+                if w.busy_fraction is not None:
+                    self.worker_busy.labels(*key).set(w.busy_fraction)
         self._encoder_counts = {(w.tier, w.address): (w.last_health.num_encoder_forwards,
                                                      w.last_health.num_encoded_items)
                                 for states in workers.values() for w in states if w.tier == "encoder"}

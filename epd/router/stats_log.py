@@ -4,8 +4,8 @@ tier's), decode's KV usage, what the encoders encoded, and the requests moved of
 ``--disable-log-stats`` turns it off.
 
     stats: 35.1 prompt, 412.0 generation tokens/s; requests 12 running, 3 waiting; prefill 1 running,
-    0 waiting; decode 11 running, 2 waiting, KV 41%; encoded 6 of 10 items (encoder cache hits 40%);
-    moved 0
+    0 waiting, busy 35%; decode 11 running, 2 waiting, KV 41%, busy 100%; encoded 6 of 10 items
+    (encoder cache hits 40%), encoders busy 20%; moved 0
 """
 from __future__ import annotations
 
@@ -74,11 +74,12 @@ class StatsLog:
             if workers:
                 kv = f", KV {100 * max(w['kv_usage'] for w in workers):.0f}%" if tier == "decode" else ""
                 parts.append(f"{tier} {sum(w['running'] for w in workers)} running, "
-                             f"{sum(w['waiting'] for w in workers)} waiting{kv}")
+                             f"{sum(w['waiting'] for w in workers)} waiting{kv}{_busy(workers, ', busy')}")
         if "encoder" in tiers:
             encoded, handed = now.encoded_items - last.encoded_items, now.handed_items - last.handed_items
             hits = f" (encoder cache hits {100 * max(0.0, 1 - encoded / handed):.0f}%)" if handed else ""
-            parts.append(f"encoded {encoded:.0f} of {handed:.0f} items{hits}")
+            busy = _busy([w for w in tiers["encoder"] if w.get("healthy")], ", encoders busy")
+            parts.append(f"encoded {encoded:.0f} of {handed:.0f} items{hits}{busy}")
         parts.append(f"moved {now.moves - last.moves:.0f}")
         return "; ".join(parts)
 
@@ -91,3 +92,11 @@ class StatsLog:
                     log.info(text)
             except Exception:  # noqa: BLE001 - a stats line must never take the router down
                 log.exception("stats line failed")
+
+
+def _busy(workers: list[dict], words: str) -> str:
+    """``words`` and the mean share of the time between their last health answers that the
+    workers' engines worked ("" where none counts it)."""
+    known = [w["busy"] for w in workers if "busy" in w]
+    return f"{words} {100 * sum(known) / len(known):.0f}%" if known else ""
+

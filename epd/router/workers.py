@@ -38,6 +38,10 @@ class WorkerState:
     in_flight: int = 0
     last_health: common_pb2.HealthResponse = field(default_factory=common_pb2.HealthResponse)
     progress_at_s: float = field(default_factory=time.monotonic)  # last check that saw progress, or no work
+    # the share of the time between its last two answers that its engine worked (None: not known yet,
+    # or a worker that does not count it)
+    busy_fraction: float | None = None
+    _busy_at: tuple[float, float] | None = field(default=None, repr=False)  # (its busy seconds, when read)
     tls: object = field(default=None, repr=False)  # the router's certificates (epd.wire.tls.MutualTls), for links not gRPC
     # resolved when the worker leaves rotation: calls waiting on it give up then (see ``outage``)
     _left_rotation: asyncio.Future | None = field(default=None, repr=False)
@@ -60,6 +64,7 @@ class WorkerState:
         return {"address": self.address, "healthy": self.healthy, "draining": self.draining or self.stopping,
                 "in_flight": self.in_flight, "held": h.num_held_requests, "running": h.num_running,
                 "waiting": h.num_waiting, "kv_usage": round(h.kv_usage, 4), "steps": h.num_steps,
+                **({"busy": round(self.busy_fraction, 3)} if self.busy_fraction is not None else {}),
                 "host_id": h.host_id, **({"reads_encoder_store": True} if h.reads_encoder_store else {}),
                 **({"uses_encoder_store": True} if h.uses_encoder_store else {})}
 
@@ -80,6 +85,20 @@ class WorkerState:
             if not self.healthy:
                 self._left_rotation.set_result(None)
         return self._left_rotation
+
+    def note_busy(self, health: common_pb2.HealthResponse, now_s: float) -> None:
+        """The share of the time since the last answer that the worker's engine worked: how much of
+        it a tier really uses, where the requests counted at one instant say little (an encoder whose
+        batches come and go between two looks shows none running at either)."""
+        if not health.HasField("busy_seconds"):
+            self.busy_fraction, self._busy_at = None, None
+            return
+        busy_s, last = health.busy_seconds, self._busy_at
+        if last is not None and busy_s >= last[0] and now_s > last[1]:
+            self.busy_fraction = min((busy_s - last[0]) / (now_s - last[1]), 1.0)
+        elif last is not None:  # its count went back: a new process at this address; from the next answer
+            self.busy_fraction = None
+        self._busy_at = (busy_s, now_s)
 
     def note_progress(self, health: common_pb2.HealthResponse, now_s: float) -> None:
         """Progress: the counter moved, or the worker has nothing to compute (idle is not stuck;
@@ -197,6 +216,7 @@ class WorkerRegistry:
             return
         now_s = time.monotonic()
         w.note_progress(health, now_s)
+        w.note_busy(health, now_s)
         w.last_health, w.consecutive_failures = health, 0
         if (health.status == "DRAINING") != w.stopping:
             log.info("%s %s %s", w.tier, w.address, "is draining: no new requests" if health.status == "DRAINING"

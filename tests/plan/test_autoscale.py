@@ -72,6 +72,39 @@ def test_an_idle_tier_gives_workers_back_down_to_its_minimum_never_below():
     assert "decode idle for 5 intervals" in made[0].reason and made[1].at_s - made[0].at_s >= 10
 
 
+def test_a_tier_busy_between_the_looks_is_not_idle_and_the_least_busy_one_gives_a_worker_up():
+    """Requests counted at one instant miss work that comes and goes between two looks: a prefill
+    tier with nothing waiting or running at any look, but whose engines worked 60% of the time, keeps
+    its workers (at 10% it gives one back, saying so); when a hot tier needs a worker and the budget is
+    spent, the idle tier whose engines worked least gives it."""
+    def look(prefill_busy, decode_busy=None):
+        return {"encoder": TierLoad(1, 0, 1, 0.5), "prefill": TierLoad(2, 0, 0, prefill_busy),
+                "decode": TierLoad(2, 0, 0, decode_busy)}
+
+    busy = _planner(budget=8, counts=(1, 2, 2))
+    assert all(busy.observe(float(t), look(0.6, 0.9)) is None for t in range(30))
+    quiet = _planner(budget=8, counts=(1, 2, 2))
+    made = [d for d in (quiet.observe(float(t), look(0.1, 0.9)) for t in range(6)) if d is not None]
+    assert [d.desired for d in made] == [{"encoder": 1, "prefill": 1, "decode": 2}]
+    assert "prefill idle for 5 intervals (nothing waiting, 0.0 running per worker, busy 10%)" in made[0].reason
+    # the encoders queue, the budget is spent: prefill (busy 20%) and decode (busy 5%) are both idle
+    moving = _planner(budget=5, counts=(1, 2, 2))
+    for t in range(6):
+        decision = moving.observe(float(t), {"encoder": TierLoad(1, 9, 2, 1.0), "prefill": TierLoad(2, 0, 0, 0.2),
+                                             "decode": TierLoad(2, 0, 0, 0.05)})
+        if decision is not None:
+            break
+    assert decision.desired == {"encoder": 2, "prefill": 2, "decode": 1}
+    assert "a decode worker moves to encoder (decode: nothing waiting, 0.0 running per worker, busy 5%)" in \
+        decision.reason
+
+
+def test_a_busy_share_outside_zero_to_one_is_refused():
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"idle_busy is a share of the time, in \\(0, 1\\]; got {bad}"):
+            AutoscaleConfig(budget_workers=4, idle_busy=bad)
+
+
 def test_a_missed_ttft_objective_grows_the_tier_where_requests_wait():
     planner = _planner(budget=6, ttft_slo_s=1.0)
     for t in range(5):  # met: nothing (1 waiting per worker is under the queue threshold)
@@ -99,20 +132,23 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
     from epd.router.metrics import RouterMetrics
     from tests.prom import sample_sum
 
-    def worker(waiting, running, draining=False, on_inputs=0):
-        return SimpleNamespace(healthy=True, draining=draining, stopping=False,
+    def worker(waiting, running, draining=False, on_inputs=0, busy=None):
+        return SimpleNamespace(healthy=True, draining=draining, stopping=False, busy_fraction=busy,
                                last_health=SimpleNamespace(num_waiting=waiting, num_running=running,
                                                            num_waiting_on_inputs=on_inputs))
 
     # prefill: 6 waiting, all for their rows (the encoders' pressure, not prefill's)
-    workers = SimpleNamespace(workers={"encoder": [worker(7, 2)], "prefill": [worker(6, 1, on_inputs=6)],
-                                       "decode": [worker(0, 0), worker(0, 0), worker(5, 5, draining=True)]})
+    workers = SimpleNamespace(workers={"encoder": [worker(7, 2, busy=0.9)], "prefill": [worker(6, 1, on_inputs=6)],
+                                       "decode": [worker(0, 0, busy=0.1), worker(0, 0, busy=0.3),
+                                                  worker(5, 5, draining=True, busy=1.0)]})
     config = RouterConfig(autoscale_budget=4)  # the planner's defaults
     metrics = RouterMetrics("m")
     loop = PlannerLoop(config, workers, metrics)
     loads = loop.loads()
     assert (loads["decode"].workers, loads["decode"].waiting, loads["encoder"].waiting) == (2, 0, 7)
     assert loads["prefill"].waiting == 0
+    # the busy share: the mean of the workers in rotation that count it (none: not known)
+    assert (loads["decode"].busy, loads["encoder"].busy, loads["prefill"].busy) == (pytest.approx(0.2), 0.9, None)
     metrics.recent_ttft.extend([(0.0, 9.0)] + [(100.0 + i, i / 10) for i in range(11)])
     assert loop.ttft_p90_s(110.0) == 0.9  # the 9 s at t=0 is out of the window
     assert loop.as_dict()["desired"] == {"encoder": 1, "prefill": 1, "decode": 3}  # as registered
@@ -120,6 +156,8 @@ def test_the_routers_planner_reads_the_workers_health_and_shows_what_it_wants(ca
         for t in range(3):
             loop.step(200.0 + t)
     assert loop.as_dict()["desired"] == {"encoder": 2, "prefill": 1, "decode": 2}
+    assert loop.as_dict()["tiers"]["encoder"] == {"workers": 1, "waiting": 7, "running": 2, "busy": 0.9}
+    assert "decode: nothing waiting, 0.0 running per worker, busy 20%" in loop.as_dict()["decisions"][-1]["reason"]
     text = metrics.render().decode()
     assert sample_sum(text, "epd_planner_desired_workers", tier="encoder") == 2
     assert sample_sum(text, "epd_planner_decisions_total") == 1
@@ -136,8 +174,9 @@ def test_the_routers_floor_per_tier_keeps_a_tier_from_giving_up_its_workers():
     from epd.router.metrics import RouterMetrics
 
     def worker(waiting, running):
-        return SimpleNamespace(healthy=True, draining=False, stopping=False, last_health=SimpleNamespace(
-            num_waiting=waiting, num_running=running, num_waiting_on_inputs=0))
+        return SimpleNamespace(healthy=True, draining=False, stopping=False, busy_fraction=None,
+                               last_health=SimpleNamespace(num_waiting=waiting, num_running=running,
+                                                           num_waiting_on_inputs=0))
 
     workers = SimpleNamespace(workers={"encoder": [worker(9, 2), worker(9, 2)], "prefill": [worker(0, 1)] * 2,
                                        "decode": [worker(0, 0), worker(0, 0)]})

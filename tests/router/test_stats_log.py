@@ -1,6 +1,6 @@
 """The router's stats line: rates over the interval since the last line, the requests running and
-waiting at the router and on each engine tier, decode's KV usage, what the encoders encoded and the
-requests moved; nothing while idle."""
+waiting at the router and on each engine tier, decode's KV usage, the tiers' busy share where their
+workers count it, what the encoders encoded and the requests moved; nothing while idle."""
 from __future__ import annotations
 
 from epd.router.metrics import RouterMetrics
@@ -13,11 +13,11 @@ class _Pipeline:
     def __init__(self) -> None:
         self.metrics = RouterMetrics("m")
         self.workers = {
-            "encoder": [{"address": "e0", "healthy": True, "running": 0, "waiting": 0, "kv_usage": 0.0}],
+            "encoder": [{"address": "e0", "healthy": True, "running": 0, "waiting": 0, "kv_usage": 0.0, "busy": 0.25}],
             "prefill": [{"address": "p0", "healthy": True, "running": 1, "waiting": 0, "kv_usage": 0.2}],
-            "decode": [{"address": "d0", "healthy": True, "running": 3, "waiting": 2, "kv_usage": 0.41},
-                       {"address": "d1", "healthy": True, "running": 4, "waiting": 0, "kv_usage": 0.12},
-                       {"address": "d2", "healthy": False, "running": 9, "waiting": 9, "kv_usage": 0.99}]}
+            "decode": [{"address": "d0", "healthy": True, "running": 3, "waiting": 2, "kv_usage": 0.41, "busy": 1.0},
+                       {"address": "d1", "healthy": True, "running": 4, "waiting": 0, "kv_usage": 0.12, "busy": 0.8},
+                       {"address": "d2", "healthy": False, "running": 9, "waiting": 9, "kv_usage": 0.99, "busy": 0.0}]}
 
     def refresh_metrics(self) -> None:
         pass
@@ -40,8 +40,9 @@ def test_a_line_per_interval_with_rates_tiers_kv_encodes_and_moves(monkeypatch):
     metrics.refresh_moves({"migrated": 1, "redispatched": 1})
     metrics.refresh_handoffs({("embeddings", "same_host"): 8, ("embeddings", "cross_host"): 2, ("kv", "same_host"): 5})
     assert stats.line() == ("stats: 35.0 prompt, 412.0 generation tokens/s; requests 8 running, 3 waiting; "
-                            "prefill 1 running, 0 waiting; decode 7 running, 2 waiting, KV 41%; encoded 6 of 10 items "
-                            "(encoder cache hits 40%); moved 2")  # t = 110; the unhealthy decode is not counted
+                            "prefill 1 running, 0 waiting; decode 7 running, 2 waiting, KV 41%, busy 90%; encoded 6 of "
+                            "10 items (encoder cache hits 40%), encoders busy 25%; moved 2")
+    # t = 110; the unhealthy decode is not counted; prefill's worker does not count its busy time
     metrics.in_flight.set(0)
     metrics.queue_depth.set(0)
     assert stats.line() is None  # t = 120: nothing ran, nothing in flight

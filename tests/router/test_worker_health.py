@@ -102,6 +102,38 @@ def test_a_worker_that_holds_work_and_stops_progressing_leaves_and_comes_back():
     _run(run())
 
 
+def test_a_workers_busy_share_is_read_from_two_health_answers():
+    """The share of the time between two answers that the worker's engine worked: the change of its
+    busy seconds over the time between them, at most 1; not known from one answer, from a worker
+    that does not count it, or when its count went back (a new process at that address)."""
+    async def run():
+        async with _watched_decode(health_timeout_s=2.0) as (decode, registry, _):
+            w = registry.workers["decode"][0]
+            assert w.busy_fraction is None  # the registry's first answer: no field
+            decode.health = common_pb2.HealthResponse(busy_seconds=10.0)
+            await registry.check_all()
+            assert w.busy_fraction is None  # one answer with it: nothing to compare yet
+            await asyncio.sleep(0.2)
+            decode.health = common_pb2.HealthResponse(busy_seconds=10.1)
+            await registry.check_all()
+            assert 0.02 < w.busy_fraction <= 0.5  # 0.1 s of work in 0.2 s or a little more
+            assert w.as_dict()["busy"] == round(w.busy_fraction, 3)
+            decode.health = common_pb2.HealthResponse(busy_seconds=60.0)  # more than the wall time: at most 1
+            await registry.check_all()
+            assert w.busy_fraction == 1.0
+            decode.health = common_pb2.HealthResponse(busy_seconds=0.5)  # went back: a restarted worker
+            await registry.check_all()
+            assert w.busy_fraction is None
+            await asyncio.sleep(0.1)
+            decode.health = common_pb2.HealthResponse(busy_seconds=0.5)  # idle since
+            await registry.check_all()
+            assert w.busy_fraction == 0.0
+            decode.health = common_pb2.HealthResponse()  # stopped counting it
+            await registry.check_all()
+            assert w.busy_fraction is None and "busy" not in w.as_dict()
+    _run(run())
+
+
 async def _checks(registry: WorkerRegistry, times: int) -> None:
     for _ in range(times):
         await asyncio.sleep(0.1)

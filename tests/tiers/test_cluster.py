@@ -16,7 +16,7 @@ from epd.router.sync import SyncRouter
 from epd.server.local import LocalCluster
 from epd.transport import get_channel
 from epd.types import SamplingParams
-from epd.v1 import common_pb2, encoder_pb2_grpc
+from epd.v1 import common_pb2, decode_pb2_grpc, encoder_pb2_grpc, prefill_pb2_grpc
 from tests.conftest import make_image_bytes, make_video_bytes
 from tests.fidelity.reference import ReferenceModel, user_message
 from tests.prom import sample_sum, scrape
@@ -133,6 +133,39 @@ def test_same_image_in_ten_concurrent_requests_is_encoded_once(driver):
         t.join(120)
     assert not errors and len(outputs) == 10
     assert _encoded_items(driver) - before == 1
+
+
+def test_every_tier_counts_its_engines_busy_time_in_its_health_answers(deployed, driver):
+    """A worker's health answer carries the seconds its engine has worked (what the router's
+    planner reads as utilization): a chat with a new image adds to the encoders', prefill's and
+    decode's, each by less than the chat took; the router shows each worker's share of the time
+    between two answers, between 0 and 1."""
+    cluster, _ = deployed
+    stubs = {"encoder": (encoder_pb2_grpc.EncoderStub, cluster.encoders),
+             "prefill": (prefill_pb2_grpc.PrefillStub, cluster.prefills),
+             "decode": (decode_pb2_grpc.DecodeStub, cluster.decodes)}
+
+    def busy_s() -> dict[str, float]:
+        out = {}
+        for tier, (stub, addresses) in stubs.items():
+            answers = [stub(get_channel(a)).Health(common_pb2.HealthRequest(), timeout=10) for a in addresses]
+            assert all(h.HasField("busy_seconds") for h in answers), tier
+            out[tier] = sum(h.busy_seconds for h in answers)
+        return out
+
+    before, started_s = busy_s(), time.monotonic()
+    out = driver.chat(user_message("Describe it.", [make_image_bytes(72, 56, seed=991)]), SamplingParams(max_tokens=8))
+    took_s, after = time.monotonic() - started_s, busy_s()
+    assert len(out.token_ids) == 8
+    for tier in stubs:
+        assert 0 < after[tier] - before[tier] < took_s, (tier, before[tier], after[tier], took_s)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the router's checks run once a second
+        shares = [w.get("busy") for tier in stubs for w in driver.health()["workers"][tier]]
+        if None not in shares:
+            break
+        time.sleep(0.2)
+    assert shares and all(0.0 <= share <= 1.0 for share in shares), shares
 
 
 def _images_for_every_encoder(driver, llm, seed: int = 100) -> list[bytes]:

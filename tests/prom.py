@@ -62,7 +62,8 @@ def every_registry(model_name: str = "test-model") -> dict[str, object]:
                                       num_prefix_query_tokens=0))
     encoder = SimpleNamespace(
         cache=SimpleNamespace(metrics=SimpleNamespace(hits=0, misses=0, bytes=0, evictions=0)),
-        num_forwards=0, num_encoded_items=0, scheduler=SimpleNamespace(num_waiting_requests=0),
+        num_forwards=0, num_encoded_items=0, busy=SimpleNamespace(now=lambda: 0.0),
+        scheduler=SimpleNamespace(num_waiting_requests=0),
         shared_store=SimpleNamespace(stats=SharedStoreStats()))
     store = SimpleNamespace(num_open_leases=0, open_bytes=0, num_ended_by_reason={"released": 1})
 

@@ -91,6 +91,8 @@ class TierMetrics:
         count("epd_encoder_cache_evictions", "Encoder cache evictions", lambda: cache.metrics.evictions)
         count("epd_encoder_batches", "Encoder forwards (batches) run", lambda: engine.num_forwards)
         count("epd_encoder_batch_items", "Items encoded in all batches", lambda: engine.num_encoded_items)
+        count("epd_encoder_busy_seconds", "Wall time the encoder's loop spent on its batches (its busy time: the "
+              "rate of this counter is the encoder's utilization)", engine.busy.now)
         self.live("epd_encoder_cache_bytes", "Bytes in the encoder cache", lambda: cache.metrics.bytes)
         self.encoded_tokens = Counter("epd_encoder_tokens", "Encoder attention tokens of the items encoded "
                                       "(cache misses)", registry=self.own)

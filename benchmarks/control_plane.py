@@ -25,7 +25,7 @@ its own CPU is printed beside the rest.
 
     python benchmarks/control_plane.py [--models null-qwen2-vl,null-qwen2-vl@80,tiny-qwen2-vl] [--streams 64,256]
         [--tokens 256] [--topologies 1d,2d,aggregated,1d-grpc,2d-2r] [--kinds text,image] [--out cp.json] [--api-key K]
-        [--collector] [--temperature T]
+        [--collector] [--temperature T] [--stream-intervals 1,4]
 
 Only loopback; every process started is stopped.
 """
@@ -166,8 +166,10 @@ class Cluster:
     """A started ``epd serve`` and its processes' pids (from its banner)."""
 
     def __init__(self, model: str, topology: str, api_key: str = "", max_batch: int = 64,
-                 tokens_per_stream: int = 256) -> None:
+                 tokens_per_stream: int = 256, stream_interval: int = 1) -> None:
         system, extra = _TOPOLOGIES[topology]
+        if stream_interval != 1:
+            extra = (*extra, "--stream-interval", str(stream_interval))
         auth = ("--api-key", api_key) if api_key else ()
         # every stream decoding at once: a batch of the largest concurrency, and the KV it needs (a
         # decode worker reserves each request's whole budget: a smaller cache would cap the batch)
@@ -310,6 +312,9 @@ def main() -> int:
     parser.add_argument("--collector", action="store_true",
                         help="also the garbage collector's CPU per token in each process")
     parser.add_argument("--api-key", default="", help="serve with this API key (the key check's cost included)")
+    parser.add_argument("--stream-intervals", default="1",
+                        help="serve with each --stream-interval (tokens a group after the first), comma-separated: "
+                             "a topology run once per value, labelled topology/N")
     parser.add_argument("--temperature", type=float, default=None,
                         help="every request's (default: unset, the API's 1; 0: greedy, no softmax and draw over "
                              "the logits, the arithmetic a GPU does for the host)")
@@ -329,16 +334,19 @@ def main() -> int:
         os.environ["EPD_BENCH_COLLECTOR_DIR"] = _COLLECTOR["dir"]
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR / "collector_probe"),
                                                                  os.environ.get("PYTHONPATH")) if p)
+    runs = [(topology, int(interval)) for topology in args.topologies.split(",")
+            for interval in args.stream_intervals.split(",")]
     for model in args.models.split(","):
-        for topology in args.topologies.split(","):
+        for topology, interval in runs:
+            label = topology if interval == 1 else f"{topology}/{interval}"
             with Cluster(served_model(model, Path(scratch.name)), topology, args.api_key,
                          max(int(n) for n in args.streams.split(",")),
-                         args.tokens) as cluster:
-                warm = Point(model, topology, "text", 4, 16)
+                         args.tokens, interval) as cluster:
+                warm = Point(model, label, "text", 4, 16)
                 measure(cluster, warm, 1)  # imports, first steps, connections
                 for kind in args.kinds.split(","):
                     for streams in (int(n) for n in args.streams.split(",")):
-                        point = measure(cluster, Point(model, topology, kind, streams, args.tokens),
+                        point = measure(cluster, Point(model, label, kind, streams, args.tokens),
                                         args.client_procs)
                         points.append(point)
                         cpu = " ".join(f"{name}={ms:.3f}" for name, ms in point.cpu_ms_per_token.items())
@@ -347,7 +355,7 @@ def main() -> int:
                         if point.full_batch_ms_per_step is not None:
                             decode += f" ({point.full_batch_ms_per_step:.2f} @{streams // len(cluster.decode_metrics)}" \
                                       f" full, {point.full_batch_s:.0f} s)"
-                        print(f"{model:<18}{topology:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
+                        print(f"{model:<18}{label:<11}{kind:<6}{streams:>5}{point.tokens_per_s:>8.0f}"
                               f"{point.events_per_token:>7.2f}  {cpu}  {decode}"
                               f"{'  ERRORS ' + str(point.errors) if point.errors else ''}", flush=True)
                         if point.collector_ms_per_token:

@@ -89,6 +89,10 @@ class RouterConfig(FrozenConfig):
     encoder_policy: str = Field("hash_affinity", description="routing policy for encoders")
     prefill_policy: str = Field("prefix_affinity", description="routing policy for prefill")
     decode_policy: str = Field("least_loaded", description="routing policy for decode")
+    stream_interval: PositiveInt = Field(
+        1, description="a streamed request's tokens after its first go out in groups of this many (one event each; "
+                       "the last group when it finishes): fewer events cost the router and its clients less at many "
+                       "streams, for coarser streaming; 1: every token as it comes (vLLM's flag)")
     decode_link: Literal["tcp", "grpc"] = Field("tcp", description="how decode workers stream tokens back: tcp (the "
                                                 "TCP link a worker's health offers; gRPC when it offers none) or "
                                                 "grpc (always the gRPC Stream call: only the gRPC port reachable)")

@@ -34,6 +34,7 @@ from epd.router.detok import IncrementalDetokenizer
 from epd.router.media_fetch import FetchLimits, MediaFetcher
 from epd.router.metrics import RouterMetrics
 from epd.router.stop_strings import StopStrings
+from epd.router.token_groups import TokenGroups
 from epd.router.tool_calls import ToolCallStream
 from epd.types import ChatRequest, SamplingParams, StreamEvent
 
@@ -163,6 +164,7 @@ class RequestPipeline:
             log.info("request %s: %s", job.request_id, _received(prompt, job.sampling))
         outputs = self.backend.run(job)
         timer = Deadline(deadline, request.request_id)
+        groups = TokenGroups(self.config.stream_interval)
         first_at, num_tokens, finish = None, 0, "cancelled"
         try:
             while True:
@@ -170,8 +172,13 @@ class RequestPipeline:
                     output = await timer.next(outputs)
                 except InvalidRequest as err:
                     raise name_the_part(err, prompt, request.messages) from None
+                ended = output is None  # the backend's outputs ended: what is held goes out
+                # --stream-interval: held until its group is due
+                output = groups.flush() if ended else groups.take(output, first=first_at is None)
                 if output is None:
-                    break
+                    if ended:
+                        break
+                    continue
                 event = text.event(output, prompt if first_at is None else None)
                 if first_at is None:
                     first_at = time.monotonic()
@@ -182,6 +189,8 @@ class RequestPipeline:
                 yield event
                 if event.finish_reason:
                     finish = event.finish_reason
+                    break
+                if ended:
                     break
         finally:
             timer.close()

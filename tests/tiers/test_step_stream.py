@@ -75,6 +75,51 @@ def test_a_channel_merges_plain_tokens_from_the_columns_with_steps_in_order():
     assert before_error.token_ids == [8]
 
 
+def test_a_channel_with_a_stream_interval_wakes_its_reader_every_n_tokens_or_at_a_finish_or_error():
+    """``--stream-interval 3``: tokens below the interval wait without waking the reader (its task is
+    still waiting after the loop ran every callback); the third wakes it with all three; a finish
+    or an error wakes it at once, the tokens before it first; a reader coming back to tokens not yet
+    due waits too."""
+    async def settle():
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    async def run():
+        channel = StepChannel(wake_every=3)
+        reader = asyncio.ensure_future(channel.next())
+        channel.push(1)
+        channel.push(_step(tokens=[]))  # a step without a token (nothing new for it)
+        channel.push(2)
+        await settle()
+        held = not reader.done()
+        channel.push(3)
+        group = await asyncio.wait_for(reader, 5)
+        channel.push(4)  # read before it is due: the reader waits for more
+        early = asyncio.ensure_future(channel.next())
+        await settle()
+        waited = not early.done()
+        channel.push(_step(tokens=[5], finish="stop"))
+        last = await asyncio.wait_for(early, 5)
+        failing = StepChannel(wake_every=3)
+        failing.push(6)
+        failing.push(_step(error="INTERNAL"))
+        before_error = await asyncio.wait_for(failing.next(), 5)
+        with pytest.raises(StepError):
+            await failing.next()
+        lost = StepChannel(wake_every=3)
+        lost.push(7)
+        lost.push(UpstreamError("decode x ended the stream"))
+        tokens_first = await asyncio.wait_for(lost.next(), 5)
+        with pytest.raises(UpstreamError):
+            await lost.next()
+        return held, group, waited, last, before_error, tokens_first
+
+    held, group, waited, last, before_error, tokens_first = asyncio.run(run())
+    assert held and group.token_ids == [1, 2, 3]
+    assert waited and (last.token_ids, last.finish_reason) == ([4, 5], "stop")
+    assert before_error.token_ids == [6] and tokens_first.token_ids == [7]
+
+
 def test_the_engine_loop_sends_plain_tokens_as_columns_and_the_rest_as_updates():
     """A running sequence's one new token goes to a columns batch as (key, token); a sequence that
     finished, asks for logprobs, failed, or got two tokens since its last update goes as an update,

@@ -44,29 +44,54 @@ class StepError(Exception):
 
 class StepChannel:
     """One request's tokens as they come off the stream: a step's plain token as an int, any other
-    step as its ``RequestStep``, or the error that ended the stream."""
+    step as its ``RequestStep``, or the error that ended the stream.
 
-    def __init__(self) -> None:
+    ``wake_every`` (``--stream-interval``): a waiting reader is woken once that many tokens came
+    since it last read, or at once by a finish, an error or the stream's end; the tokens between
+    wait here without waking anyone (the pipeline's ``TokenGroups`` would hold them anyway)."""
+
+    def __init__(self, wake_every: int = 1) -> None:
         self._steps: collections.deque = collections.deque()
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future | None = None  # the reader's, while it waits (a bare future:
         # an asyncio.Event asks for the running loop on each wait, a getpid() system call in 3.11)
+        self._wake_every = wake_every
+        self._num_unread = 0  # tokens pushed since the reader last read (with wake_every > 1)
 
     def push(self, item: int | decode_pb2.RequestStep | BaseException) -> None:
         self._steps.append(item)
+        if self._wake_every > 1 and not self._due(item):
+            return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+
+    def _due(self, item: int | decode_pb2.RequestStep | BaseException) -> bool:
+        """Whether the reader should hear of what came, ``item`` the last of it."""
+        if type(item) is int:
+            self._num_unread += 1
+        elif isinstance(item, BaseException) or item.finish_reason or item.error_status:
+            return True
+        else:
+            self._num_unread += len(item.token_ids)
+        return self._num_unread >= self._wake_every
+
+    def _due_now(self) -> bool:
+        """What waits here is due (read when the reader comes back before the push that woke it)."""
+        last = self._steps[-1]
+        return self._num_unread >= self._wake_every or (type(last) is not int and (
+            isinstance(last, BaseException) or bool(last.finish_reason or last.error_status)))
 
     async def next(self) -> BackendOutput:
         """Everything that came since the last call, as one output (its finish, if it came);
         raises the request's error (a ``StepError``) or the stream's (an ``EPDError``) once the
         tokens before it are out."""
-        while not self._steps:
+        while not self._steps or (self._wake_every > 1 and not self._due_now()):
             self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
+        self._num_unread = 0
         if len(self._steps) == 1:  # the reader keeps up: one step, as it came (the common case)
             if type(step := self._steps[0]) is int:
                 self._steps.clear()
@@ -99,9 +124,11 @@ class DecodeLink:
     error its requests end with (the backend's: it also takes a dead worker out of rotation)."""
 
     def __init__(self, worker: WorkerState, map_error: Callable[[grpc.aio.AioRpcError], EPDError], *,
-                 over_tcp: bool = True) -> None:
-        """``over_tcp``: on the worker's TCP link when its health offers one (else the gRPC call)."""
+                 over_tcp: bool = True, wake_every: int = 1) -> None:
+        """``over_tcp``: on the worker's TCP link when its health offers one (else the gRPC call);
+        ``wake_every``: each request's reader woken every that many tokens (``StepChannel``)."""
         self.worker, self._map_error, self.over_tcp = worker, map_error, over_tcp
+        self._wake_every = wake_every
         self.channels: dict[str, StepChannel] = {}
         self.num_batches = 0  # messages received: one per engine step of the worker, whatever the requests
         self.num_column_tokens = 0  # tokens that came in the messages' columns (the plain ones)
@@ -115,7 +142,7 @@ class DecodeLink:
         """Start ``request`` on the stream (opened if it is not); -> where its tokens come."""
         if self._call is None:
             self._open()
-        channel = self.channels[request.request.request_id] = StepChannel()
+        channel = self.channels[request.request.request_id] = StepChannel(self._wake_every)
         self._outbox.put_nowait(decode_pb2.StreamCommand(start=request, timeout_ms=max(1, round(timeout_s * 1000)),
                                                          token_columns=True))
         return channel

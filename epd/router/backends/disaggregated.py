@@ -371,7 +371,7 @@ class DisaggregatedBackend:
                 self._in_background(link.close())
             link = self.decode_links[decode.address] = DecodeLink(
                 decode, lambda err: self._rpc_error("decode", decode.address, err),
-                over_tcp=self.config.decode_link == "tcp")
+                over_tcp=self.config.decode_link == "tcp", wake_every=self.config.stream_interval)
         return link
 
     def _rpc_error(self, tier: str, address: str, err: grpc.aio.AioRpcError) -> EPDError:

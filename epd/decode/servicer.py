@@ -95,7 +95,8 @@ class _RouterStream:
             async for command in commands:
                 if command.HasField("start"):
                     self.sink.columns = command.token_columns
-                    self._start(command.start, command.timeout_ms / 1000 or self.s.config.request_timeout_s)
+                    self._start(command.start, command.timeout_ms / 1000 or self.s.config.request_timeout_s,
+                                max(command.stream_interval, 1))
                 elif (state := self.requests.get(command.cancel)) is not None:
                     state.task.cancel()
         except OSError as err:  # the TCP link broke off (reset, TLS, timeout): nobody is left to read what runs
@@ -115,23 +116,25 @@ class _RouterStream:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._cleanups, return_exceptions=True)
 
-    def _start(self, request: decode_pb2.GenerateRequest, timeout_s: float) -> None:
+    def _start(self, request: decode_pb2.GenerateRequest, timeout_s: float, stream_interval: int = 1) -> None:
         request_id = request.request.request_id
         if request_id in self.requests:
             self._fail(request_id, InvalidRequest(f"request {request_id} already runs on this stream"))
             return
         state = self.requests[request_id] = StreamRequest(request_id)
         self.unreleased.add(request_id)
-        state.task = asyncio.create_task(self._run(state, request, timeout_s))
+        state.task = asyncio.create_task(self._run(state, request, timeout_s, stream_interval))
 
-    async def _run(self, state: StreamRequest, request: decode_pb2.GenerateRequest, timeout_s: float) -> None:
+    async def _run(self, state: StreamRequest, request: decode_pb2.GenerateRequest, timeout_s: float,
+                   stream_interval: int) -> None:
         deadline_s = time.monotonic() + timeout_s
         try:
             job = decode_job_from_proto(request.request, request.prefill)
             with self.s.ctx.admission.hold(request.prefill.kv.nbytes) as state.held:
                 await self.s.ctx.warm_grammar(self.s.worker.engine, job.sampling)
                 state.imported = await self.s._import(job.request_id, request.prefill.kv, timeout_s)
-                state.added, _ = self.s.worker.start(job, state.imported.tensor, self.sink.updates_for(job.request_id),
+                updates = self.sink.updates_for(job.request_id, stream_interval)
+                state.added, _ = self.s.worker.start(job, state.imported.tensor, updates,
                                                      kv_source=state.imported.handle)
                 await _queued(job.request_id, state.added, deadline_s - time.monotonic())
                 try:

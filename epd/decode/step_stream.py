@@ -36,8 +36,8 @@ class StepSink(UpdateBatch):
         self._keys: list[str] = []
         self._tokens: list[int] = []
 
-    def updates_for(self, request_id: str) -> "RequestUpdates":
-        return RequestUpdates(self, request_id)
+    def updates_for(self, request_id: str, interval: int = 1) -> "RequestUpdates":
+        return RequestUpdates(self, request_id, interval)
 
     def add_token(self, request_id: str, token: int) -> None:
         self._keys.append(request_id)
@@ -76,6 +76,9 @@ class RequestUpdates:
 
     batch: StepSink
     request_id: str
+    # its router's --stream-interval: its plain tokens after the first of this worker go out once a
+    # group of that many is complete (``EngineLoop._publish_step`` holds them in the sequence)
+    interval: int = 1
 
     @property
     def batch_key(self) -> str:

@@ -52,13 +52,18 @@ class _Watcher:
     with ``columns`` set takes a step's plain tokens (one token, no logprobs, not the last) as
     ``add_token(key, token)``: no update object per request per step."""
 
-    __slots__ = ("seq", "updates", "sent", "batch", "key", "add_token")
+    __slots__ = ("seq", "updates", "sent", "batch", "key", "add_token", "group", "first")
 
     def __init__(self, seq: Sequence, updates, sent: int) -> None:
         self.seq, self.updates, self.sent = seq, updates, sent
         self.batch = getattr(updates, "batch", None) if hasattr(updates, "batch_key") else None
         self.key = updates.batch_key if self.batch is not None else None
         self.add_token = self.batch.add_token if getattr(self.batch, "columns", False) else None
+        # plain tokens go out in groups of this many (its router's --stream-interval; columns only):
+        # held in the sequence itself until the group is complete, counted as the router counts them
+        # (the request's first output token alone, then groups), and never this worker's first
+        self.group = getattr(updates, "interval", 1) if self.add_token is not None else 1
+        self.first = sent  # what was sent before this worker's first publish
 
 
 class EngineLoop:
@@ -195,8 +200,17 @@ class EngineLoop:
             if add_token is not None and seq.status is running and seq.error is None and not seq.output_logprobs:
                 tokens = seq.token_ids
                 sent = len(tokens) - seq.num_prompt_tokens
-                if sent == watcher.sent + 1:
+                group = watcher.group
+                if sent == watcher.sent + 1 and (group == 1 or watcher.sent == watcher.first):
                     add_token(watcher.key, tokens[-1])
+                    watcher.sent = sent
+                    touched.add(watcher.batch)
+                    continue
+                if group > 1 and sent > watcher.sent and watcher.sent != watcher.first:
+                    if (sent - 1) // group == (watcher.sent - 1) // group:
+                        continue  # its group is not complete: the tokens wait in the sequence
+                    for token in tokens[len(tokens) - (sent - watcher.sent):]:
+                        add_token(watcher.key, token)
                     watcher.sent = sent
                     touched.add(watcher.batch)
                     continue

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from epd.v1 import common_pb2 as epd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"c\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResult\"\xa1\x01\n\rStreamCommand\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.epd.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x0f\n\x05hello\x18\x04 \x01(\tH\x00\x12\r\n\x03\x65nd\x18\x05 \x01(\x08H\x00\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x15\n\rtoken_columns\x18\x06 \x01(\x08\x42\t\n\x07\x63ommand\"\xb9\x01\n\x0bRequestStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\'\n\x08logprobs\x18\x03 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x07 \x01(\r\"j\n\tStepBatch\x12%\n\x08requests\x18\x01 \x03(\x0b\x32\x13.epd.v1.RequestStep\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x08\x12\x19\n\x11token_request_ids\x18\x03 \x03(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x32y\n\x06\x44\x65\x63ode\x12\x36\n\x06Stream\x12\x15.epd.v1.StreamCommand\x1a\x11.epd.v1.StepBatch(\x01\x30\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13\x65pd/v1/decode.proto\x12\x06\x65pd.v1\x1a\x13\x65pd/v1/common.proto\"c\n\x0fGenerateRequest\x12(\n\x07request\x18\x01 \x01(\x0b\x32\x17.epd.v1.RequestMetadata\x12&\n\x07prefill\x18\x02 \x01(\x0b\x32\x15.epd.v1.PrefillResult\"\xba\x01\n\rStreamCommand\x12(\n\x05start\x18\x01 \x01(\x0b\x32\x17.epd.v1.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x12\x0f\n\x05hello\x18\x04 \x01(\tH\x00\x12\r\n\x03\x65nd\x18\x05 \x01(\x08H\x00\x12\x12\n\ntimeout_ms\x18\x03 \x01(\r\x12\x15\n\rtoken_columns\x18\x06 \x01(\x08\x12\x17\n\x0fstream_interval\x18\x07 \x01(\rB\t\n\x07\x63ommand\"\xb9\x01\n\x0bRequestStep\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\'\n\x08logprobs\x18\x03 \x03(\x0b\x32\x15.epd.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x05 \x01(\t\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x07 \x01(\r\"j\n\tStepBatch\x12%\n\x08requests\x18\x01 \x03(\x0b\x32\x13.epd.v1.RequestStep\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x08\x12\x19\n\x11token_request_ids\x18\x03 \x03(\t\x12\x0e\n\x06tokens\x18\x04 \x03(\x03\x32y\n\x06\x44\x65\x63ode\x12\x36\n\x06Stream\x12\x15.epd.v1.StreamCommand\x1a\x11.epd.v1.StepBatch(\x01\x30\x01\x12\x37\n\x06Health\x12\x15.epd.v1.HealthRequest\x1a\x16.epd.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,11 +35,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=52
   _globals['_GENERATEREQUEST']._serialized_end=151
   _globals['_STREAMCOMMAND']._serialized_start=154
-  _globals['_STREAMCOMMAND']._serialized_end=315
-  _globals['_REQUESTSTEP']._serialized_start=318
-  _globals['_REQUESTSTEP']._serialized_end=503
-  _globals['_STEPBATCH']._serialized_start=505
-  _globals['_STEPBATCH']._serialized_end=611
-  _globals['_DECODE']._serialized_start=613
-  _globals['_DECODE']._serialized_end=734
+  _globals['_STREAMCOMMAND']._serialized_end=340
+  _globals['_REQUESTSTEP']._serialized_start=343
+  _globals['_REQUESTSTEP']._serialized_end=528
+  _globals['_STEPBATCH']._serialized_start=530
+  _globals['_STEPBATCH']._serialized_end=636
+  _globals['_DECODE']._serialized_start=638
+  _globals['_DECODE']._serialized_end=759
 # @@protoc_insertion_point(module_scope)

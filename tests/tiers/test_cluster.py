@@ -171,12 +171,15 @@ def test_every_tier_counts_its_engines_busy_time_in_its_health_answers(deployed,
 def test_a_stream_interval_groups_the_tokens_of_real_workers_and_changes_none(deployed, driver, llm, model_dir):
     """A second router over the same workers with ``stream_interval=4``: the answer with an image is
     token for token the in-process engine's, in events of the first token alone, then 4 tokens each,
-    the last with what the finish left (the decode link woke the request's reader once a group)."""
+    the last with what the finish left; the decode worker sent a frame a group, not one a step."""
     cluster, _ = deployed
     messages = user_message("Describe every detail.", [IMG_A])
     with SyncRouter.over_workers(model_dir, encoders=cluster.encoders, prefills=cluster.prefills,
                                  decodes=cluster.decodes, stream_interval=4) as grouped:
         events = list(grouped.stream(messages, GREEDY))
+        # the decode worker sent a frame for its first token, one a group, and the finish's: not one a step
+        frames = sum(link.num_batches for link in grouped.pipeline.backend.decode_links.values())
+    assert frames <= 2 + (GREEDY.max_tokens - 1) // 4, frames
     sizes = [len(e.token_ids) for e in events if e.token_ids]
     assert [t for e in events for t in e.token_ids] == llm.chat(messages, GREEDY)[0].token_ids
     assert sizes[0] == 1 and all(n == 4 for n in sizes[1:-1]) and 1 <= sizes[-1] <= 4, sizes

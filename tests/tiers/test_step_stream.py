@@ -164,6 +164,45 @@ def test_the_engine_loop_sends_plain_tokens_as_columns_and_the_rest_as_updates()
     assert (keys, tokens) == ([], []) and updates["plain"] == ([11], None, None, 0) and len(updates) == 5
 
 
+def test_a_grouped_requests_plain_tokens_wait_in_the_sequence_until_its_group_is_complete():
+    """A request whose router groups its tokens by 4: this worker's first token goes out alone (its
+    KV import is let go of then), the next ones wait in the sequence until the request has 1 + 4k
+    output tokens, as the router counts its groups, then go out together as columns, in order; its
+    finish takes what is left. An ungrouped request beside it goes out every step."""
+    from epd.engine.engine_loop import EngineLoop, _Watcher
+    from epd.engine.sequence import Sequence, SequenceStatus
+    from epd.types import SamplingParams
+
+    handed = []
+    sink = StepSink(None, None)
+    sink.columns = True
+    sink._hand_over = lambda *args: handed.append(args)
+    loop = EngineLoop(engine=None)
+    seqs = {}
+    for name, group in (("grouped", 4), ("plain", 1)):
+        seq = seqs[name] = Sequence([1, 2, 3], SamplingParams(max_tokens=64), request_id=name)
+        seq.status = SequenceStatus.RUNNING
+        seq.append_token(100)  # the first output token, prefill's: the router has it
+        loop._watchers[seq.seq_id] = _Watcher(seq, sink.updates_for(name, group), 1)
+    out: dict[str, list[list[int]]] = {"grouped": [], "plain": []}
+    for step in range(2, 12):  # output tokens 2..11, one a step
+        for seq in seqs.values():
+            seq.append_token(100 + step)
+        if step == 11:
+            seqs["grouped"].status, seqs["grouped"].finish_reason = SequenceStatus.FINISHED, "length"
+        handed.clear()
+        loop._publish_step()
+        loop._flush_batches()
+        for pending, keys, tokens in handed:
+            for name in out:
+                got = [t for k, t in zip(keys, tokens) if k == name] + [t for rid, u in pending if rid == name
+                                                                        for t in u.token_ids]
+                if got:
+                    out[name].append(got)
+    assert out["grouped"] == [[102], [103, 104, 105], [106, 107, 108, 109], [110, 111]]
+    assert out["plain"] == [[100 + step] for step in range(2, 12)]
+
+
 def test_the_columns_leave_out_forgotten_requests_and_let_go_of_a_first_updates_import():
     from types import SimpleNamespace
 

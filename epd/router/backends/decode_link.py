@@ -144,7 +144,7 @@ class DecodeLink:
             self._open()
         channel = self.channels[request.request.request_id] = StepChannel(self._wake_every)
         self._outbox.put_nowait(decode_pb2.StreamCommand(start=request, timeout_ms=max(1, round(timeout_s * 1000)),
-                                                         token_columns=True))
+                                                         token_columns=True, stream_interval=self._wake_every))
         return channel
 
     def cancel(self, request_id: str) -> None:

@@ -57,9 +57,12 @@ class AsyncUpdates:
     (a ``queue_batch``), only the engine loop may put (it flushes the batch after each step and each
     round of calls)."""
 
-    def __init__(self, batch: UpdateBatch | None = None) -> None:
+    def __init__(self, batch: UpdateBatch | None = None, interval: int = 1) -> None:
+        """``interval``: the request's tokens after the first are put in groups of that many (the
+        router's --stream-interval; the engine loop holds them in the sequence until then)."""
         self.loop = asyncio.get_running_loop()
         self.batch = batch
+        self.interval = interval
         self._queue: asyncio.Queue[TokenUpdate] = asyncio.Queue()
         self.batch_key = self._queue  # what the batch's items carry with each update
 

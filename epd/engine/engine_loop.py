@@ -59,10 +59,10 @@ class _Watcher:
         self.batch = getattr(updates, "batch", None) if hasattr(updates, "batch_key") else None
         self.key = updates.batch_key if self.batch is not None else None
         self.add_token = self.batch.add_token if getattr(self.batch, "columns", False) else None
-        # plain tokens go out in groups of this many (its router's --stream-interval; columns only):
-        # held in the sequence itself until the group is complete, counted as the router counts them
-        # (the request's first output token alone, then groups), and never this worker's first
-        self.group = getattr(updates, "interval", 1) if self.add_token is not None else 1
+        # plain tokens go out in groups of this many (its router's --stream-interval): held in the
+        # sequence itself until the group is complete, counted as the router counts them (the
+        # request's first output token alone, then groups), and never the first this loop publishes
+        self.group = getattr(updates, "interval", 1)
         self.first = sent  # what was sent before this worker's first publish
 
 
@@ -197,20 +197,19 @@ class EngineLoop:
         running, touched = SequenceStatus.RUNNING, self._touched
         for watcher in list(self._watchers.values()):
             seq, add_token = watcher.seq, watcher.add_token
-            if add_token is not None and seq.status is running and seq.error is None and not seq.output_logprobs:
+            if seq.status is running and seq.error is None and not seq.output_logprobs:
                 tokens = seq.token_ids
                 sent = len(tokens) - seq.num_prompt_tokens
                 group = watcher.group
-                if sent == watcher.sent + 1 and (group == 1 or watcher.sent == watcher.first):
-                    add_token(watcher.key, tokens[-1])
-                    watcher.sent = sent
-                    touched.add(watcher.batch)
-                    continue
-                if group > 1 and sent > watcher.sent and watcher.sent != watcher.first:
-                    if (sent - 1) // group == (watcher.sent - 1) // group:
-                        continue  # its group is not complete: the tokens wait in the sequence
-                    for token in tokens[len(tokens) - (sent - watcher.sent):]:
-                        add_token(watcher.key, token)
+                grouped = group > 1 and sent > watcher.sent and watcher.sent != watcher.first
+                if grouped and (sent - 1) // group == (watcher.sent - 1) // group:
+                    continue  # its group is not complete: the tokens wait in the sequence
+                if add_token is not None and (grouped or sent == watcher.sent + 1):
+                    if sent == watcher.sent + 1:
+                        add_token(watcher.key, tokens[-1])
+                    else:  # a group: its tokens as columns, in order
+                        for token in tokens[len(tokens) - (sent - watcher.sent):]:
+                            add_token(watcher.key, token)
                     watcher.sent = sent
                     touched.add(watcher.batch)
                     continue

@@ -47,7 +47,7 @@ def build_pipeline(config: RouterConfig) -> RequestPipeline:
     model_dir = resolve_model(config.model)
     if config.aggregated:
         from epd.router.backends.in_process import InProcessBackend
-        backend = InProcessBackend(model_dir, config.engine)
+        backend = InProcessBackend(model_dir, config.engine, stream_interval=config.stream_interval)
     else:
         from epd.router.backends.disaggregated import DisaggregatedBackend
         backend = DisaggregatedBackend(config, model_dir)

@@ -29,7 +29,10 @@ _BUSY_THREADS = 1  # the router's asyncio event loop (HTTP, gRPC, detokenizing):
 
 
 class InProcessBackend:
-    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path, engine_config: EngineConfig | None = None, *,
+                 stream_interval: int = 1) -> None:
+        """``stream_interval``: each request's tokens after its first come in groups of that many
+        (the engine loop holds them: its event loop wakes once a group, not once a step)."""
         from epd.llm import LLM
 
         engine_config = engine_config or EngineConfig()
@@ -45,6 +48,7 @@ class InProcessBackend:
         self.llm = built["llm"]
         self.embedding_row_bytes = self.llm.mm_spec.embedding_dim * self.llm.engine_config.torch_dtype.itemsize
         self._batch: UpdateBatch | None = None  # made by start(), on the event loop that reads
+        self._stream_interval = stream_interval
 
     async def start(self) -> None:
         self._batch = queue_batch(asyncio.get_running_loop())  # a step's updates cross in one call
@@ -72,7 +76,7 @@ class InProcessBackend:
         pass
 
     async def run(self, job: Job) -> AsyncIterator[BackendOutput]:
-        updates = AsyncUpdates(self._batch)
+        updates = AsyncUpdates(self._batch, self._stream_interval)
         # the images are encoded there, on the engine thread
         added = self.loop.watch(lambda engine: self.llm.add_processed(job.prompt, job.sampling, job.request_id),
                                 updates)

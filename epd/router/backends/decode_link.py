@@ -67,19 +67,14 @@ class StepChannel:
 
     def _due(self, item: int | decode_pb2.RequestStep | BaseException) -> bool:
         """Whether the reader should hear of what came, ``item`` the last of it."""
-        if type(item) is int:
-            self._num_unread += 1
-        elif isinstance(item, BaseException) or item.finish_reason or item.error_status:
+        if _ends(item):
             return True
-        else:
-            self._num_unread += len(item.token_ids)
+        self._num_unread += 1 if type(item) is int else len(item.token_ids)
         return self._num_unread >= self._wake_every
 
     def _due_now(self) -> bool:
         """What waits here is due (read when the reader comes back before the push that woke it)."""
-        last = self._steps[-1]
-        return self._num_unread >= self._wake_every or (type(last) is not int and (
-            isinstance(last, BaseException) or bool(last.finish_reason or last.error_status)))
+        return self._num_unread >= self._wake_every or _ends(self._steps[-1])
 
     async def next(self) -> BackendOutput:
         """Everything that came since the last call, as one output (its finish, if it came);
@@ -117,6 +112,11 @@ class StepChannel:
         if not token_ids and finish is None:
             raise self._steps.popleft()
         return BackendOutput(token_ids, logprobs, finish)
+
+
+def _ends(item: int | decode_pb2.RequestStep | BaseException) -> bool:
+    """The request's last item: its finish, its error, or the stream's."""
+    return type(item) is not int and (isinstance(item, BaseException) or bool(item.finish_reason or item.error_status))
 
 
 class DecodeLink:

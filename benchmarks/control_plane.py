@@ -48,6 +48,7 @@ from pathlib import Path
 
 from common import BENCH_DIR, Server, noise_png  # noqa: F401  (also puts the checkout on sys.path)
 
+from epd.bench.local_server import banner_processes  # noqa: E402
 from epd.server.parent import cpu_seconds  # noqa: E402
 
 _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated": ("aggregated", ()),
@@ -56,7 +57,6 @@ _TOPOLOGIES = {"1d": ("epd", ()), "2d": ("epd", ("--decodes", "2")), "aggregated
                # two routers on the one HTTP port (--routers 2): how the router tier scales out
                "2d-2r": ("epd", ("--decodes", "2", "--routers", "2"))}
 _AUTH = {"header": b""}  # with --api-key: every request's Authorization line (the client processes fork)
-_PID_LINE = re.compile(r"^\s+(router|encoder|prefill|decode)\s+\S+ \(pid (\d+)\)(?: metrics (\S+))?")
 
 
 def served_model(label: str, scratch: Path) -> str:
@@ -189,14 +189,12 @@ class Cluster:
         self.pids: dict[str, int] = {}
         self.decode_metrics: list[str] = []
         counts: dict[str, int] = {}
-        for line in self.server.lines:
-            if m := _PID_LINE.match(line):
-                tier = m.group(1)
-                counts[tier] = counts.get(tier, 0) + 1
-                n = counts[tier] - 1  # routers: router, router1, ...; workers: decode0, decode1, ...
-                self.pids[f"{tier}{n}" if tier != "router" else f"router{n or ''}"] = int(m.group(2))
-                if tier == "decode" and m.group(3):
-                    self.decode_metrics.append(m.group(3))
+        for p in banner_processes(self.server.lines):
+            counts[p.tier] = counts.get(p.tier, 0) + 1
+            n = counts[p.tier] - 1  # routers: router, router1, ...; workers: decode0, decode1, ...
+            self.pids[f"{p.tier}{n}" if p.tier != "router" else f"router{n or ''}"] = p.pid
+            if p.tier == "decode" and p.metrics_url:
+                self.decode_metrics.append(p.metrics_url)
         return self
 
     def __exit__(self, *exc) -> None:

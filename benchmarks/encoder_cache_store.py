@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -30,11 +29,11 @@ from pathlib import Path
 
 from common import Server, run_bench  # noqa: F401  (also puts the checkout on sys.path)
 
+from epd.bench.local_server import banner_processes  # noqa: E402
+
 _STORE = ("--encoder-cache-store", "mooncake")
 _SETUPS = {"per-encoder caches": (), "cluster store": _STORE,
            "cluster store, prefill reads": (*_STORE, "--prefill-store-reads", "always")}
-_ENCODER = re.compile(r"^\s+encoder\s+(\S+) \(pid (\d+)\)")
-_PREFILL_METRICS = re.compile(r"^\s+prefill\s+\S+ \(pid \d+\) metrics (\S+)")
 
 
 def point(server: Server, ratio: float, seed: int, args: argparse.Namespace, out: Path) -> dict:
@@ -54,7 +53,7 @@ def _prefill_counts(server: Server) -> dict[str, float]:
     (store reads; shm imports of encoders' pushes)."""
     from epd.bench.metrics import metric_sum, parse_prometheus
 
-    (url,) = [m.group(1) for line in server.lines if (m := _PREFILL_METRICS.match(line))]
+    (url,) = [p.metrics_url for p in banner_processes(server.lines) if p.tier == "prefill"]
     parsed = parse_prometheus(urllib.request.urlopen(url, timeout=10).read().decode())
 
     def get(name: str, **labels: str) -> float:
@@ -68,7 +67,7 @@ def _prefill_counts(server: Server) -> dict[str, float]:
 
 def restart_encoders(server: Server, timeout_s: float = 120.0) -> None:
     """SIGKILL each encoder; back once epd serve restarted them and the router has them healthy."""
-    encoders = [(m.group(1), int(m.group(2))) for line in server.lines if (m := _ENCODER.match(line))]
+    encoders = [(p.address, p.pid) for p in banner_processes(server.lines) if p.tier == "encoder"]
     seen = len(server.lines)
     for _, pid in encoders:
         os.kill(pid, signal.SIGKILL)

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from epd.bench.local_server import banner_processes
 from epd.bench.metrics import metric_by_label, parse_prometheus
 from epd.bench.workload import ImageSpec, data_url, render_image
-
-_BANNER_LINE = re.compile(r"\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)(?: metrics \S+)?$")
 
 
 @dataclass(frozen=True)
@@ -224,9 +223,8 @@ def window_stats(outcomes: list[Outcome], start_s: float, end_s: float) -> dict:
 def worker_pids(lines: list[str]) -> dict[str, list[tuple[str, int]]]:
     """From ``epd serve``'s ready banner: tier (and "router") -> [(address, pid)]."""
     pids: dict[str, list[tuple[str, int]]] = {}
-    for line in lines:
-        if m := _BANNER_LINE.match(line):
-            pids.setdefault(m.group(1), []).append((m.group(2), int(m.group(3))))
+    for p in banner_processes(lines):
+        pids.setdefault(p.tier, []).append((p.address, p.pid))
     return pids
 
 

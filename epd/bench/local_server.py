@@ -8,10 +8,27 @@ import re
 import signal
 import subprocess
 import threading
+from dataclasses import dataclass
 
 from epd.server.parent import child_environment
 
 SERVE_URL = re.compile(r"OpenAI API\s+(http://\S+)/v1|EPD_READY router (http://\S+)")
+# a process in ``epd serve``'s ready banner: "  decode      127.0.0.1:5 (pid 7) metrics http://..."
+_BANNER_PROCESS = re.compile(r"^\s+(router|encoder|prefill|decode)\s+(\S+) \(pid (\d+)\)(?: metrics (\S+))?$")
+
+
+@dataclass(frozen=True)
+class BannerProcess:
+    tier: str  # router, encoder, prefill or decode
+    address: str  # a worker's host:port; a router's URL
+    pid: int
+    metrics_url: str | None  # a worker's own /metrics (routers serve theirs at their URL)
+
+
+def banner_processes(lines: list[str]) -> list[BannerProcess]:
+    """The processes ``epd serve``'s ready banner names, in its order (the routers, then the workers)."""
+    return [BannerProcess(m.group(1), m.group(2), int(m.group(3)), m.group(4))
+            for line in lines if (m := _BANNER_PROCESS.match(line.rstrip("\n")))]
 
 
 class LocalServer:

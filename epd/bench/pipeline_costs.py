@@ -37,7 +37,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from epd.bench.local_server import LocalServer
+from epd.bench.local_server import LocalServer, banner_processes
 
 _REQUESTS = 12
 _OUTPUT_TOKENS = 16
@@ -328,12 +328,9 @@ class EngineMeter:
         return 1000 * (after[0] - before[0]) / (after[1] - before[1])
 
 
-_DECODE_METRICS = re.compile(r"^\s*decode\s+\S+ \(pid \d+\) metrics (http://\S+)")
-
-
 def decode_metrics_url(lines: list[str]) -> str | None:
     """The first decode worker's metrics address in ``epd serve``'s ready lines (None: none given)."""
-    return next((m.group(1) for line in lines if (m := _DECODE_METRICS.match(line))), None)
+    return next((p.metrics_url for p in banner_processes(lines) if p.tier == "decode" and p.metrics_url), None)
 
 
 def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tuple:

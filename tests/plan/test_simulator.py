@@ -310,6 +310,14 @@ def test_the_engines_steps_timed_in_the_run_replace_the_profiles_where_they_were
              "  decode      127.0.0.1:3 (pid 9) metrics http://127.0.0.1:11/metrics",
              "  decode      127.0.0.1:4 (pid 10) metrics http://127.0.0.1:12/metrics"]
     assert decode_metrics_url(lines) == "http://127.0.0.1:11/metrics" and decode_metrics_url(lines[:2]) is None
+    from epd.bench.local_server import BannerProcess, banner_processes
+    banner = ["  router      http://127.0.0.1:8000 (pid 5)", *lines, "  prefill     127.0.0.1:2 (pid 8)"]
+    assert banner_processes(banner) == [
+        BannerProcess("router", "http://127.0.0.1:8000", 5, None),
+        BannerProcess("encoder", "127.0.0.1:1", 7, "http://127.0.0.1:9/metrics"),
+        BannerProcess("decode", "127.0.0.1:3", 9, "http://127.0.0.1:11/metrics"),
+        BannerProcess("decode", "127.0.0.1:4", 10, "http://127.0.0.1:12/metrics"),
+        BannerProcess("prefill", "127.0.0.1:2", 8, None)]
     ran = []  # a worker whose counters cannot be read: the requests still run, the profile's step stands in
     assert EngineMeter(decode_metrics_url(lines[:2])).ms_per_step(lambda: ran.append(1)) is None
     assert EngineMeter("http://127.0.0.1:9/metrics").ms_per_step(lambda: ran.append(2)) is None and ran == [1, 2]

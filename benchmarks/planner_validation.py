@@ -33,7 +33,9 @@ from pathlib import Path
 
 from common import Server, run_bench  # noqa: F401  (also puts the checkout on sys.path)
 
-_TOPOLOGIES = {"1E1P1D": ((), {}), "aggregated": (("--aggregated",), {"aggregated": True})}
+# name -> (epd serve's flags, the simulator's Topology fields)
+_TOPOLOGIES = {"1E1P1D": ((), {}), "aggregated": (("--aggregated",), {"aggregated": True}),
+               "2E1P1D": (("--encoders", "2"), {"encoders": 2})}
 _FIGURES = (("ttft", "p50"), ("ttft", "p90"), ("tpot", "p50"))
 
 
@@ -83,7 +85,8 @@ def compare(profile_paths: list[Path], measured_rounds: list[dict], args: argpar
     the median over the rounds (round k predicted from its own profile), the range over the rounds'
     measurements; and each round's own errors, its prediction against its sweeps)."""
     rows, per_round = [], [[] for _ in profile_paths]
-    for name, (_, topology_kwargs) in _TOPOLOGIES.items():
+    for name in measured_rounds[0]:
+        topology_kwargs = _TOPOLOGIES[name][1]
         predicted = [predict(path, topology_kwargs, args, cores) for path in profile_paths]
         for k, (guesses, measured) in enumerate(zip(predicted, measured_rounds)):
             per_round[k] += [(g[key] - m[key]) / m[key] for g, m in zip(guesses, measured[name]) for key in g if m[key]]
@@ -104,7 +107,7 @@ def measure_round(k: int, args: argparse.Namespace, out_dir: Path, tmp: Path) ->
     neither always runs right after the profile) -> (the profile's path, measured figures)."""
     profile_path = profile(args.model, out_dir / (f"profile-{k}.json" if args.rounds > 1 else "profile.json"),
                            args.threads)
-    names = list(_TOPOLOGIES) if k % 2 == 0 else list(reversed(_TOPOLOGIES))
+    names = args.topologies if k % 2 == 0 else list(reversed(args.topologies))
     measured = {}
     for name in names:
         flags = _TOPOLOGIES[name][0]
@@ -113,7 +116,7 @@ def measure_round(k: int, args: argparse.Namespace, out_dir: Path, tmp: Path) ->
             with Server("epd", args.model, "--no-standby", *flags, timeout_s=300) as server:
                 sweeps.append(run_bench(server.url, tmp / f"{name}-{k}-{j}", *bench_args(args)))
         measured[name] = median_figures(sweeps)
-    return profile_path, {name: measured[name] for name in _TOPOLOGIES}
+    return profile_path, {name: measured[name] for name in args.topologies}
 
 
 def load_kept(args: argparse.Namespace) -> tuple[int, list[Path], list[dict]]:
@@ -129,6 +132,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-qwen2-vl")
     ap.add_argument("--rates", default="2,4,6")
+    ap.add_argument("--topologies", default="1E1P1D,aggregated",
+                    help=f"comma-separated, of {', '.join(_TOPOLOGIES)}")
     ap.add_argument("--num-prompts", type=int, default=48)
     ap.add_argument("--image-size", default="448x448")
     ap.add_argument("--input-len", type=int, default=64)
@@ -146,6 +151,9 @@ def main() -> int:
     ap.add_argument("--from", dest="from_dir", help="a directory --keep wrote: predict against it, run nothing "
                     "(the workload options must be the ones it was measured with: they are read from it)")
     args = ap.parse_args()
+    args.topologies = args.topologies.split(",")
+    if unknown := [t for t in args.topologies if t not in _TOPOLOGIES]:
+        ap.error(f"--topologies takes {', '.join(_TOPOLOGIES)}, got {', '.join(unknown)}")
     if args.rounds < 1 or args.sweeps < 1:
         ap.error(f"--rounds and --sweeps take 1 or more, got {args.rounds} and {args.sweeps}")
     if args.from_dir:

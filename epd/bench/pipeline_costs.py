@@ -20,7 +20,9 @@ prompt, the encoder's forward, a sampled decode step), as figures a simulator ad
 - ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
   a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs);
 - ``router``, ``background``, ``client``: the CPU spent beyond all of the above, per request, per
-  image and per streamed token, from the processes' own counters (Linux): the router process's
+  image and per streamed token, from the processes' own counters (Linux), as requests that overlap
+  spend it (``_STREAMS`` text requests at once with two output lengths, image requests two at
+  once): the router process's
   (its one event loop: HTTP, the body, detokenization, SSE; requests wait for it), the other
   processes' (their gRPC and IO threads, serialization, image decoding, health checks: host work
   beside the requests, taking cores from whatever runs) and the client's (charged where the client
@@ -44,6 +46,7 @@ _OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = 4
+_CROWD_ROUNDS = 3  # rounds of _STREAMS requests at once
 _SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
 _PAIRS = 4  # pairs of image requests sent at once
 _PAIR_IDLE_S = 0.3  # before each pair of image requests sent at once
@@ -74,10 +77,11 @@ class _Client:
         """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
         return self.loop.run_until_complete(self._send(image, max_tokens))
 
-    def at_once(self, n: int, images: list[bytes] | None = None) -> list[tuple[float, float, int]]:
+    def at_once(self, n: int, images: list[bytes] | None = None,
+                max_tokens: int = _OUTPUT_TOKENS) -> list[tuple[float, float, int]]:
         """``n`` text requests sent at once, or one per image of ``images``."""
         async def all_of_them():
-            return await asyncio.gather(*(self._send(image, _OUTPUT_TOKENS) for image in images or [None] * n))
+            return await asyncio.gather(*(self._send(image, max_tokens) for image in images or [None] * n))
         return self.loop.run_until_complete(all_of_them())
 
     async def _send(self, image: bytes | None, max_tokens: int) -> tuple[float, float, int]:
@@ -104,12 +108,12 @@ def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
     return statistics.median(text), statistics.median(image)
 
 
-def _image_pair_gap_ms(client: _Client, picture) -> float:
+def _image_pair_gap_ms(client: _Client, pairs: list[list[bytes]]) -> float:
     """The median time between the first tokens of two image requests sent at once to a cluster
-    idle a little while (the second's image waits for the first's batch)."""
+    idle a little while (the second's image waits for the first's batch); ``pairs``: the images,
+    made before (a client's own work, not a request's)."""
     gaps = []
-    for _ in range(_PAIRS):
-        pair = [next(picture), next(picture)]  # made before: a client's own work
+    for pair in pairs:
         time.sleep(_PAIR_IDLE_S)
         first, second = sorted(ttft for ttft, _, _ in client.at_once(2, pair))
         gaps.append(second - first)
@@ -117,9 +121,9 @@ def _image_pair_gap_ms(client: _Client, picture) -> float:
 
 
 def _concurrent_ms_per_token(client: _Client) -> float:
-    """The median time per output token of ``_STREAMS`` text requests sent at once (three rounds)."""
+    """The median time per output token of ``_STREAMS`` text requests sent at once (``_CROWD_ROUNDS`` rounds)."""
     per_token = []
-    for _ in range(3):
+    for _ in range(_CROWD_ROUNDS):
         per_token += [s for _, s, _ in client.at_once(_STREAMS)]
     return statistics.median(per_token)
 
@@ -176,8 +180,9 @@ class Measured:
     per_token_crowded: float  # of each of _STREAMS streams at once
     after_idle: dict  # idle seconds -> (TTFT text, TTFT image) after idling that long
     # (cluster CPU ms, client CPU ms, the router's of the cluster's) per request: "text"
-    # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image); None where the
-    # host has no CPU counters
+    # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image), and of requests
+    # that overlap, where measured: "crowded" and "crowded_short" (text, those lengths, _STREAMS at
+    # once), "pairs" (image, two at once); None where the host has no CPU counters
     cpu: dict | None = None
     engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
     # time per output token of text requests alone, with _OUTPUT_TOKENS and with _SHORT_TOKENS: they
@@ -192,14 +197,15 @@ class Measured:
     engine_step_crowded: float | None = None
 
 
-def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0) -> float:
-    """The host CPU a simulator already charges one request alone: the router's work, the encoder,
-    the prefill, each decode step and the serving path's per step and per token work."""
+def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0, batch: int = 1) -> float:
+    """The host CPU a simulator already charges a request: the router's work, the encoder, the
+    prefill, and its share of each decode step and encoder batch (``batch`` requests at once) with
+    the serving path's per step and per token work."""
     steps = output_tokens - 1
     context = tokens + output_tokens / 2
-    return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens)
-            + (costs.encoder_ms(image_px ** 2, 1) + derived.get("encoder_batch_ms", 0.0) if image_px else 0.0)
-            + steps * (costs.decode_ms(1, context, sampled=True) + derived["step_ms"]))
+    encoder = costs.encoder_ms(image_px ** 2, batch) + derived.get("encoder_batch_ms", 0.0) / batch if image_px else 0.0
+    return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens) + encoder
+            + steps * (costs.decode_ms(batch, context, sampled=True) + derived["step_ms"]) / batch)
 
 
 def _router_charged_ms(costs, derived: dict, output_tokens: int, image_px: int = 0) -> float:
@@ -214,12 +220,13 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
     if not m.cpu:
         return None
     long_n, short_n = _OUTPUT_TOKENS, _SHORT_TOKENS
-    shapes = {"text": (m.tokens_text, long_n, 0), "short": (m.tokens_text, short_n, 0),
-              "image": (m.tokens_image, long_n, image_px)}
+    shapes = {"text": (m.tokens_text, long_n, 0, 1), "short": (m.tokens_text, short_n, 0, 1),
+              "image": (m.tokens_image, long_n, image_px, 1), "crowded": (m.tokens_text, long_n, 0, _STREAMS),
+              "crowded_short": (m.tokens_text, short_n, 0, _STREAMS), "pairs": (m.tokens_image, long_n, image_px, 2)}
     router, unseen = {}, {}
     for kind, (tree_ms, _, router_ms) in m.cpu.items():
-        tokens, n, px = shapes[kind]
-        everything = _charged_ms(costs, derived, tokens, n, px)
+        tokens, n, px, batch = shapes[kind]
+        everything = _charged_ms(costs, derived, tokens, n, px, batch)
         if m.engine_in_router:  # one process: what is beyond its stages runs beside its steps (torch's
             router[kind], unseen[kind] = 0.0, max(tree_ms - everything, 0.0)  # kernels let go of the lock)
             continue
@@ -228,12 +235,20 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
         # make the differences below large)
         router[kind] = max(router_ms - on_router, 0.0)
         unseen[kind] = max(tree_ms - router_ms - (everything - on_router), 0.0)
-    client = {kind: m.cpu[kind][1] for kind in shapes}
+    client = {kind: values[1] for kind, values in m.cpu.items()}
 
     def split(values: dict) -> dict:
-        token_ms = max((values["text"] - values["short"]) / (long_n - short_n), 0.0)
-        return {"request_ms": round(max(values["short"] - short_n * token_ms, 0.0), 3),
-                "image_ms": round(max(values["image"] - values["text"], 0.0), 3), "token_ms": round(token_ms, 3)}
+        if not {"crowded", "crowded_short", "pairs"} <= values.keys():  # one request at a time only
+            token_ms = max((values["text"] - values["short"]) / (long_n - short_n), 0.0)
+            return {"request_ms": round(max(values["short"] - short_n * token_ms, 0.0), 3),
+                    "image_ms": round(max(values["image"] - values["text"], 0.0), 3), "token_ms": round(token_ms, 3)}
+        # requests that overlap, as under load: their processes stay awake between events and a
+        # step's message and wake-ups serve several streams (one request alone pays both again for
+        # every token: 5 to 10 times the CPU a token here, which the profile's wake figures cover)
+        token_ms = max((values["crowded"] - values["crowded_short"]) / (long_n - short_n), 0.0)
+        request_ms = max(values["crowded_short"] - short_n * token_ms, 0.0)
+        return {"request_ms": round(request_ms, 3), "token_ms": round(token_ms, 3),
+                "image_ms": round(max(values["pairs"] - request_ms - long_n * token_ms, 0.0), 3)}
     return {"router": split(router), "background": split(unseen), "client": split(client),
             "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()}}
 
@@ -278,8 +293,17 @@ def derive(costs, m: Measured, image_px: int) -> dict:
         # that part of the image's path is the encoder's work, the rest a delay beside it
         after_forward = m.image_pair_gap - costs.encoder_ms(image_px ** 2, 1)
         derived["encoder_batch_ms"] = round(min(max(after_forward, 0.0), max(image_ms, 0.0)), 3)
-    return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3), **derived,
-            **(_background(costs, m, derived, image_px) or {}),
+    cpu = _background(costs, m, derived, image_px) or {}
+    # what a simulator charges on the way besides the stages is not a delay as well: the router's
+    # work beyond its costs (its loop does it before dispatch) and the image rows' transfer
+    router = cpu.get("router", {})
+    rows_bytes = max(m.tokens_image - m.tokens_text, 0) * (costs.shapes or {}).get("row_bytes", 0)
+    request_ms -= router.get("request_ms", 0.0)
+    image_ms -= router.get("image_ms", 0.0) + (costs.transfer_ms(costs.local_transport, rows_bytes)
+                                               if rows_bytes and not m.engine_in_router else 0.0)
+    if "encoder_batch_ms" in derived:  # the encoder's part of what is left of the image's way
+        derived["encoder_batch_ms"] = min(derived["encoder_batch_ms"], round(max(image_ms, 0.0), 3))
+    return {"request_ms": round(max(request_ms, 0.0), 3), "image_ms": round(max(image_ms, 0.0), 3), **derived, **cpu,
             "wake": [{"idle_s": gap, "text_ms": round(max(t - m.ttft_text, 0.0), 3),
                       "image_ms": round(max(i - m.ttft_image, 0.0), 3)} for gap, (t, i) in m.after_idle.items()],
             "measured": {"ttft_text_ms": round(m.ttft_text, 2), "ttft_image_ms": round(m.ttft_image, 2),
@@ -350,9 +374,20 @@ def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tu
     cpu["image"] = meter.per_request(lambda: image.append(client.one(next(pictures))), _REQUESTS)
     cpu["short"] = meter.per_request(lambda: short.append(client.one(None, _SHORT_TOKENS)), _REQUESTS)
     after_idle = {gap: _after_idle(client, gap, picture) for gap in _IDLE_GAPS_S}
-    crowded = []
-    steps["crowded"] = engine.ms_per_step(lambda: crowded.append(_concurrent_ms_per_token(client)))
-    return text, image, short, cpu, after_idle, crowded[0], _image_pair_gap_ms(client, picture), steps
+    crowded, pair_gap = [], []
+    crowd = lambda: crowded.append(_concurrent_ms_per_token(client))  # noqa: E731
+    steps["crowded"] = engine.ms_per_step(lambda: cpu.update(crowded=meter.per_request(crowd, 1)))
+    # the same requests at once with _SHORT_TOKENS each, and the image pairs: the CPU per request,
+    # per image and per token of requests that overlap (their processes awake, their events shared)
+    crowd_short = lambda: [client.at_once(_STREAMS, max_tokens=_SHORT_TOKENS) for _ in range(_CROWD_ROUNDS)]  # noqa: E731
+    cpu["crowded_short"] = meter.per_request(crowd_short, 1)
+    pairs = [[next(picture), next(picture)] for _ in range(_PAIRS)]
+    cpu["pairs"] = meter.per_request(lambda: pair_gap.append(_image_pair_gap_ms(client, pairs)), 1)
+    for kind, requests in (("crowded", _CROWD_ROUNDS * _STREAMS), ("crowded_short", _CROWD_ROUNDS * _STREAMS),
+                           ("pairs", 2 * _PAIRS)):
+        if cpu[kind] is not None:  # per request
+            cpu[kind] = tuple(ms / requests for ms in cpu[kind])
+    return text, image, short, cpu, after_idle, crowded[0], pair_gap[0], steps
 
 
 def measure(model: str, costs, image_px: int = 448) -> dict:

@@ -101,6 +101,21 @@ class StageCosts:
         shortest = min(c for _, c, _ in points)
         return _grid(list(points), batch, max(context_tokens, shortest))
 
+    def served_step_ms(self, batch: int, context_tokens: float, sampled: bool = False) -> float:
+        """A decode step in a decode worker: the profile's in-process step, scaled by how the worker's
+        own engine stepped while ``epd profile --pipeline`` ran requests through it (at batch 1 and
+        ``4``: its ``engine_ms_per_step`` figures) against the profile's steps at those batches. A
+        worker's engine also takes the KV it imports and hands each step's tokens on, which a step in
+        one process does not; a profile without those figures: its step as it is."""
+        step = self.decode_ms(batch, context_tokens, sampled)
+        measured = self._path(False).get("measured", {})
+        alone, crowded = measured.get("engine_ms_per_step"), measured.get("engine_ms_per_step_4_streams")
+        if not alone or not crowded:
+            return step
+        shortest = min(c for _, c, _ in (self.decode_sampled if sampled and self.decode_sampled else self.decode))
+        ratios = [(b, ms / self.decode_ms(b, shortest, sampled)) for b, ms in ((1, alone), (4, crowded))]
+        return step * max(interpolate(ratios, min(max(batch, 1), 4)), 1.0)
+
     def router_ms(self, pixels: float, default_ms: float) -> float:
         """The router's work on a request with ``pixels`` of images before dispatch (the profile's,
         or ``default_ms`` for a profile without router points)."""

@@ -291,7 +291,7 @@ class Decode(Worker):
                 self.running.remove(request)
                 self.load -= 1
                 self.on_finished(request)
-        self._compute(self.costs.decode_ms(len(batch), context, self.settings.sampled) + self._path_step_ms(False),
+        self._compute(self.costs.served_step_ms(len(batch), context, self.settings.sampled) + self._path_step_ms(False),
                       done)
 
 

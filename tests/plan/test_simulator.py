@@ -376,3 +376,66 @@ def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_char
     assert got["router"] == {"request_ms": 0.0, "image_ms": 0.0, "token_ms": 0.0}
     assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
                                  "token_ms": pytest.approx(2.0)}
+
+
+def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loaded_cluster():
+    """One request alone wakes idle processes for every token and pays a step's message and
+    wake-ups for one stream; requests that overlap share them and find their processes awake. What a
+    loaded cluster spends per request, image and token is what overlapping requests spend: text
+    requests four at once with 16 and with 2 tokens, image requests two at once."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)), shapes={"row_bytes": 2 ** 20 // 100})
+    # the path's step 1 and token 1 (the test above). Charged: alone text 81, short 11, image 111
+    # (the router's 17, 3, 17); four at once, text 1 + 16 + 4 + 15 x (6 + 1) / 4 = 47.25, short
+    # 1 + 2 + 4 + 1 x 7 / 4 = 8.75 (the router's 17, 3); two images at once 1 + 16 + 14 + 20 +
+    # 15 x (4 + 1) / 2 = 88.5 (the router's 17). Beyond them, per part: a request, an image and a
+    # token alone, then the same while others run
+    parts = {"router": ((5.0, 4.0, 0.5), (3.0, 2.0, 0.3)), "others": ((30.0, 25.0, 2.0), (20.0, 10.0, 0.8)),
+             "client": ((8.0, 15.0, 2.0), (6.0, 5.0, 1.0))}
+    kinds = {"text": (16, False, 0), "short": (2, False, 0), "image": (16, True, 0),
+             "crowded": (16, False, 1), "crowded_short": (2, False, 1), "pairs": (16, True, 1)}
+
+    def beyond(part: str, kind: str) -> float:
+        tokens, with_image, overlapping = kinds[kind]
+        request, image, token = parts[part][overlapping]
+        return request + image * with_image + tokens * token
+
+    charged = {"text": 81.0, "short": 11.0, "image": 111.0, "crowded": 47.25, "crowded_short": 8.75, "pairs": 88.5}
+    on_router = {"text": 17.0, "short": 3.0, "image": 17.0, "crowded": 17.0, "crowded_short": 3.0, "pairs": 17.0}
+    cpu = {kind: (charged[kind] + beyond("router", kind) + beyond("others", kind), beyond("client", kind),
+                  on_router[kind] + beyond("router", kind)) for kind in charged}
+    got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
+                             per_token_crowded=11.0, after_idle={}, cpu=cpu), 448)
+    assert got["router"] == {"request_ms": pytest.approx(3.0), "image_ms": pytest.approx(2.0),
+                             "token_ms": pytest.approx(0.3)}
+    assert got["background"] == {"request_ms": pytest.approx(20.0), "image_ms": pytest.approx(10.0),
+                                 "token_ms": pytest.approx(0.8)}
+    assert got["client"] == {"request_ms": pytest.approx(6.0), "image_ms": pytest.approx(5.0),
+                             "token_ms": pytest.approx(1.0)}
+    # the router's loop does its part before dispatch, and the image's 100 rows (1 MB) go over shared
+    # memory: the path's delays are what is left of the TTFTs (text 15 - prefill 4 - router 1 - 3,
+    # image 50 - 15 - encoder 20 - prefill 10 - router 2 - the rows' 1 ms)
+    assert got["request_ms"] == pytest.approx(10.0 - 3.0)
+    assert got["image_ms"] == pytest.approx(5.0 - 2.0 - 1.0, abs=1e-3)
+
+
+def test_a_decode_workers_step_is_the_profiles_scaled_by_how_its_engine_stepped_in_the_run():
+    """A decode worker's engine also imports KV and hands each step's tokens on: where ``epd
+    profile --pipeline`` read its engine's steps (batch 1: 6 ms, batch 4: 12 ms) against the
+    profile's in-process ones (3, 6), the simulator's steps are scaled by that (x2 at 1 and 4, in
+    between along the line, never below the profile's); without those figures, the profile's."""
+    base = costs(decode_ms=2.0, decode_ms_per_seq=1.0)  # 3 ms at batch 1, 6 at 4
+    assert base.served_step_ms(4, 100) == pytest.approx(6.0)
+    measured = {"epd": {"measured": {"engine_ms_per_step": 6.0, "engine_ms_per_step_4_streams": 12.0}}}
+    scaled = StageCosts(**{**base.__dict__, "pipeline": measured})
+    assert [scaled.served_step_ms(b, 100) for b in (1, 4, 64)] == [pytest.approx(6.0), pytest.approx(12.0),
+                                                                    pytest.approx(2 * 66.0)]
+    faster = StageCosts(**{**base.__dict__, "pipeline": {"epd": {"measured": {
+        "engine_ms_per_step": 1.5, "engine_ms_per_step_4_streams": 3.0}}}})
+    assert faster.served_step_ms(1, 100) == pytest.approx(3.0)
+    one = simulate(scaled, Topology(cores=None), [SimRequest(0, 0.0, 16, 3)], FREE).requests[0]
+    assert one.tpot_ms == pytest.approx(6.0)

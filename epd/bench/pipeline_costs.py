@@ -21,8 +21,8 @@ prompt, the encoder's forward, a sampled decode step), as figures a simulator ad
   a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs);
 - ``router``, ``background``, ``client``: the CPU spent beyond all of the above, per request, per
   image and per streamed token, from the processes' own counters (Linux), as requests that overlap
-  spend it (``_STREAMS`` text requests at once with two output lengths, image requests two at
-  once): the router process's
+  spend it (``_STREAMS`` requests at once: text with two output lengths, and with an image): the
+  router process's
   (its one event loop: HTTP, the body, detokenization, SSE; requests wait for it), the other
   processes' (their gRPC and IO threads, serialization, image decoding, health checks: host work
   beside the requests, taking cores from whatever runs) and the client's (charged where the client
@@ -40,12 +40,13 @@ import time
 from dataclasses import dataclass
 
 from epd.bench.local_server import LocalServer, banner_processes
+from epd.plan.costs import ENGINE_CROWD, engine_scale
 
 _REQUESTS = 12
 _OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
-_STREAMS = 4
+_STREAMS = ENGINE_CROWD  # requests at once (the engine's crowded steps are read at it)
 _CROWD_ROUNDS = 3  # rounds of _STREAMS requests at once
 _SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
 _PAIRS = 4  # pairs of image requests sent at once
@@ -181,8 +182,8 @@ class Measured:
     after_idle: dict  # idle seconds -> (TTFT text, TTFT image) after idling that long
     # (cluster CPU ms, client CPU ms, the router's of the cluster's) per request: "text"
     # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image), and of requests
-    # that overlap, where measured: "crowded" and "crowded_short" (text, those lengths, _STREAMS at
-    # once), "pairs" (image, two at once); None where the host has no CPU counters
+    # that overlap, where measured: "crowded", "crowded_short" and "crowded_image" (those, _STREAMS
+    # at once); None where the host has no CPU counters
     cpu: dict | None = None
     engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
     # time per output token of text requests alone, with _OUTPUT_TOKENS and with _SHORT_TOKENS: they
@@ -197,15 +198,18 @@ class Measured:
     engine_step_crowded: float | None = None
 
 
-def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0, batch: int = 1) -> float:
+def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0, batch: int = 1,
+                step_scale: float = 1.0) -> float:
     """The host CPU a simulator already charges a request: the router's work, the encoder, the
-    prefill, and its share of each decode step and encoder batch (``batch`` requests at once) with
-    the serving path's per step and per token work."""
+    prefill, and its share of each decode step (the profile's, times ``step_scale``: how a decode
+    worker's engine stepped in the run) and encoder batch (``batch`` requests at once) with the
+    serving path's per step and per token work."""
     steps = output_tokens - 1
     context = tokens + output_tokens / 2
     encoder = costs.encoder_ms(image_px ** 2, batch) + derived.get("encoder_batch_ms", 0.0) / batch if image_px else 0.0
+    step_ms = costs.decode_ms(batch, context, sampled=True) * step_scale
     return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens) + encoder
-            + steps * (costs.decode_ms(batch, context, sampled=True) + derived["step_ms"]) / batch)
+            + steps * (step_ms + derived["step_ms"]) / batch)
 
 
 def _router_charged_ms(costs, derived: dict, output_tokens: int, image_px: int = 0) -> float:
@@ -222,11 +226,14 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
     long_n, short_n = _OUTPUT_TOKENS, _SHORT_TOKENS
     shapes = {"text": (m.tokens_text, long_n, 0, 1), "short": (m.tokens_text, short_n, 0, 1),
               "image": (m.tokens_image, long_n, image_px, 1), "crowded": (m.tokens_text, long_n, 0, _STREAMS),
-              "crowded_short": (m.tokens_text, short_n, 0, _STREAMS), "pairs": (m.tokens_image, long_n, image_px, 2)}
+              "crowded_short": (m.tokens_text, short_n, 0, _STREAMS),
+              "crowded_image": (m.tokens_image, long_n, image_px, _STREAMS)}
     router, unseen = {}, {}
     for kind, (tree_ms, _, router_ms) in m.cpu.items():
         tokens, n, px, batch = shapes[kind]
-        everything = _charged_ms(costs, derived, tokens, n, px, batch)
+        scale = 1.0 if m.engine_in_router else engine_scale(costs, batch, True, m.engine_step_alone,
+                                                             m.engine_step_crowded)
+        everything = _charged_ms(costs, derived, tokens, n, px, batch, scale)
         if m.engine_in_router:  # one process: what is beyond its stages runs beside its steps (torch's
             router[kind], unseen[kind] = 0.0, max(tree_ms - everything, 0.0)  # kernels let go of the lock)
             continue
@@ -238,7 +245,7 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
     client = {kind: values[1] for kind, values in m.cpu.items()}
 
     def split(values: dict) -> dict:
-        if not {"crowded", "crowded_short", "pairs"} <= values.keys():  # one request at a time only
+        if not {"crowded", "crowded_short", "crowded_image"} <= values.keys():  # one request at a time only
             token_ms = max((values["text"] - values["short"]) / (long_n - short_n), 0.0)
             return {"request_ms": round(max(values["short"] - short_n * token_ms, 0.0), 3),
                     "image_ms": round(max(values["image"] - values["text"], 0.0), 3), "token_ms": round(token_ms, 3)}
@@ -248,7 +255,7 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
         token_ms = max((values["crowded"] - values["crowded_short"]) / (long_n - short_n), 0.0)
         request_ms = max(values["crowded_short"] - short_n * token_ms, 0.0)
         return {"request_ms": round(request_ms, 3), "token_ms": round(token_ms, 3),
-                "image_ms": round(max(values["pairs"] - request_ms - long_n * token_ms, 0.0), 3)}
+                "image_ms": round(max(values["crowded_image"] - request_ms - long_n * token_ms, 0.0), 3)}
     return {"router": split(router), "background": split(unseen), "client": split(client),
             "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()}}
 
@@ -374,20 +381,21 @@ def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tu
     cpu["image"] = meter.per_request(lambda: image.append(client.one(next(pictures))), _REQUESTS)
     cpu["short"] = meter.per_request(lambda: short.append(client.one(None, _SHORT_TOKENS)), _REQUESTS)
     after_idle = {gap: _after_idle(client, gap, picture) for gap in _IDLE_GAPS_S}
-    crowded, pair_gap = [], []
+    crowded = []
     crowd = lambda: crowded.append(_concurrent_ms_per_token(client))  # noqa: E731
     steps["crowded"] = engine.ms_per_step(lambda: cpu.update(crowded=meter.per_request(crowd, 1)))
-    # the same requests at once with _SHORT_TOKENS each, and the image pairs: the CPU per request,
+    # the same requests at once with _SHORT_TOKENS each, and with an image each: the CPU per request,
     # per image and per token of requests that overlap (their processes awake, their events shared)
     crowd_short = lambda: [client.at_once(_STREAMS, max_tokens=_SHORT_TOKENS) for _ in range(_CROWD_ROUNDS)]  # noqa: E731
     cpu["crowded_short"] = meter.per_request(crowd_short, 1)
-    pairs = [[next(picture), next(picture)] for _ in range(_PAIRS)]
-    cpu["pairs"] = meter.per_request(lambda: pair_gap.append(_image_pair_gap_ms(client, pairs)), 1)
-    for kind, requests in (("crowded", _CROWD_ROUNDS * _STREAMS), ("crowded_short", _CROWD_ROUNDS * _STREAMS),
-                           ("pairs", 2 * _PAIRS)):
+    images = [next(picture) for _ in range(_CROWD_ROUNDS * _STREAMS)]  # made before: a client's own work
+    crowd_images = lambda: [client.at_once(_STREAMS, images[k::_CROWD_ROUNDS]) for k in range(_CROWD_ROUNDS)]  # noqa: E731
+    cpu["crowded_image"] = meter.per_request(crowd_images, 1)
+    for kind in ("crowded", "crowded_short", "crowded_image"):
         if cpu[kind] is not None:  # per request
-            cpu[kind] = tuple(ms / requests for ms in cpu[kind])
-    return text, image, short, cpu, after_idle, crowded[0], pair_gap[0], steps
+            cpu[kind] = tuple(ms / (_CROWD_ROUNDS * _STREAMS) for ms in cpu[kind])
+    pairs = [[next(picture), next(picture)] for _ in range(_PAIRS)]
+    return text, image, short, cpu, after_idle, crowded[0], _image_pair_gap_ms(client, pairs), steps
 
 
 def measure(model: str, costs, image_px: int = 448) -> dict:

@@ -103,18 +103,12 @@ class StageCosts:
 
     def served_step_ms(self, batch: int, context_tokens: float, sampled: bool = False) -> float:
         """A decode step in a decode worker: the profile's in-process step, scaled by how the worker's
-        own engine stepped while ``epd profile --pipeline`` ran requests through it (at batch 1 and
-        ``4``: its ``engine_ms_per_step`` figures) against the profile's steps at those batches. A
-        worker's engine also takes the KV it imports and hands each step's tokens on, which a step in
-        one process does not; a profile without those figures: its step as it is."""
-        step = self.decode_ms(batch, context_tokens, sampled)
+        own engine stepped while ``epd profile --pipeline`` ran requests through it (its
+        ``engine_ms_per_step`` figures, ``engine_scale``); a profile without them: its step as it is."""
         measured = self._path(False).get("measured", {})
-        alone, crowded = measured.get("engine_ms_per_step"), measured.get("engine_ms_per_step_4_streams")
-        if not alone or not crowded:
-            return step
-        shortest = min(c for _, c, _ in (self.decode_sampled if sampled and self.decode_sampled else self.decode))
-        ratios = [(b, ms / self.decode_ms(b, shortest, sampled)) for b, ms in ((1, alone), (4, crowded))]
-        return step * max(interpolate(ratios, min(max(batch, 1), 4)), 1.0)
+        scale = engine_scale(self, batch, sampled, measured.get("engine_ms_per_step"),
+                             measured.get(f"engine_ms_per_step_{ENGINE_CROWD}_streams"))
+        return self.decode_ms(batch, context_tokens, sampled) * scale
 
     def router_ms(self, pixels: float, default_ms: float) -> float:
         """The router's work on a request with ``pixels`` of images before dispatch (the profile's,
@@ -177,3 +171,21 @@ class StageCosts:
             raise ValueError(f"the profile has no {transport} transfers (it has {sorted(self.transfer)})")
         mb = nbytes / 2**20
         return mb * interpolate(list(points), mb)
+
+
+ENGINE_CROWD = 4  # the streams at once whose engine steps ``epd profile --pipeline`` reads (besides one)
+
+
+def engine_scale(costs: StageCosts, batch: int, sampled: bool, alone_ms: float | None,
+                 crowded_ms: float | None) -> float:
+    """How much longer a decode worker's engine steps than the profile's in-process engine, at
+    ``batch``: its steps at batch 1 (``alone_ms``) and ``ENGINE_CROWD`` (``crowded_ms``) read while
+    requests ran through it, against the profile's at the shortest context measured, along the line
+    between them (at most ``ENGINE_CROWD``), never below 1. A worker's engine also takes the KV it
+    imports and hands each step's tokens on, which a step in one process does not. 1 without them."""
+    if not alone_ms or not crowded_ms:
+        return 1.0
+    points = costs.decode_sampled if sampled and costs.decode_sampled else costs.decode
+    shortest = min(c for _, c, _ in points)
+    ratios = [(b, ms / costs.decode_ms(b, shortest, sampled)) for b, ms in ((1, alone_ms), (ENGINE_CROWD, crowded_ms))]
+    return max(interpolate(ratios, min(max(batch, 1), ENGINE_CROWD)), 1.0)

@@ -381,8 +381,8 @@ def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_char
 def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loaded_cluster():
     """One request alone wakes idle processes for every token and pays a step's message and
     wake-ups for one stream; requests that overlap share them and find their processes awake. What a
-    loaded cluster spends per request, image and token is what overlapping requests spend: text
-    requests four at once with 16 and with 2 tokens, image requests two at once."""
+    loaded cluster spends per request, image and token is what overlapping requests spend: four
+    requests at once, text with 16 and with 2 tokens, and with an image."""
     from epd.bench.pipeline_costs import Measured, derive
 
     c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
@@ -391,21 +391,23 @@ def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loa
                    router=((0.0, 1.0), (448.0 ** 2, 1.0)), shapes={"row_bytes": 2 ** 20 // 100})
     # the path's step 1 and token 1 (the test above). Charged: alone text 81, short 11, image 111
     # (the router's 17, 3, 17); four at once, text 1 + 16 + 4 + 15 x (6 + 1) / 4 = 47.25, short
-    # 1 + 2 + 4 + 1 x 7 / 4 = 8.75 (the router's 17, 3); two images at once 1 + 16 + 14 + 20 +
-    # 15 x (4 + 1) / 2 = 88.5 (the router's 17). Beyond them, per part: a request, an image and a
-    # token alone, then the same while others run
+    # 1 + 2 + 4 + 1 x 7 / 4 = 8.75, with an image 1 + 16 + 14 + 20 + 26.25 = 77.25 (the router's 17,
+    # 3, 17). Beyond them, per part: a request, an image and a token alone, then the same while
+    # others run
     parts = {"router": ((5.0, 4.0, 0.5), (3.0, 2.0, 0.3)), "others": ((30.0, 25.0, 2.0), (20.0, 10.0, 0.8)),
              "client": ((8.0, 15.0, 2.0), (6.0, 5.0, 1.0))}
     kinds = {"text": (16, False, 0), "short": (2, False, 0), "image": (16, True, 0),
-             "crowded": (16, False, 1), "crowded_short": (2, False, 1), "pairs": (16, True, 1)}
+             "crowded": (16, False, 1), "crowded_short": (2, False, 1), "crowded_image": (16, True, 1)}
 
     def beyond(part: str, kind: str) -> float:
         tokens, with_image, overlapping = kinds[kind]
         request, image, token = parts[part][overlapping]
         return request + image * with_image + tokens * token
 
-    charged = {"text": 81.0, "short": 11.0, "image": 111.0, "crowded": 47.25, "crowded_short": 8.75, "pairs": 88.5}
-    on_router = {"text": 17.0, "short": 3.0, "image": 17.0, "crowded": 17.0, "crowded_short": 3.0, "pairs": 17.0}
+    charged = {"text": 81.0, "short": 11.0, "image": 111.0, "crowded": 47.25, "crowded_short": 8.75,
+               "crowded_image": 77.25}
+    on_router = {"text": 17.0, "short": 3.0, "image": 17.0, "crowded": 17.0, "crowded_short": 3.0,
+                 "crowded_image": 17.0}
     cpu = {kind: (charged[kind] + beyond("router", kind) + beyond("others", kind), beyond("client", kind),
                   on_router[kind] + beyond("router", kind)) for kind in charged}
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
@@ -439,3 +441,27 @@ def test_a_decode_workers_step_is_the_profiles_scaled_by_how_its_engine_stepped_
     assert faster.served_step_ms(1, 100) == pytest.approx(3.0)
     one = simulate(scaled, Topology(cores=None), [SimRequest(0, 0.0, 16, 3)], FREE).requests[0]
     assert one.tpot_ms == pytest.approx(6.0)
+
+
+def test_what_a_decode_workers_engine_spent_beyond_the_profiles_step_is_charged_once():
+    """The simulator charges a decode worker's steps as its engine stepped in the run (twice the
+    profile's here: 6 and 12 ms at batch 1 and 4 against 3 and 6), so the CPU beyond the stages
+    leaves those steps out: only what the processes spent besides them remains."""
+    from epd.bench.pipeline_costs import Measured, derive
+
+    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
+                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
+                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
+                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    # one stream 8 ms a token, four 14: the path's step 8 - 6 = 2, its token 0. Charged: text 1 + 4
+    # + 15 x (6 + 2) = 125, short 1 + 4 + 8 = 13, image 1 + 14 + 20 + 120 = 155 (the router's 1 each);
+    # beyond them the other processes 30 a request, 25 an image, 2 a token
+    charged = {"text": 125.0, "short": 13.0, "image": 155.0}
+    others = {"text": 30.0 + 16 * 2.0, "short": 30.0 + 2 * 2.0, "image": 30.0 + 25.0 + 16 * 2.0}
+    cpu = {kind: (charged[kind] + others[kind], 0.0, 1.0) for kind in charged}
+    got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=8.0,
+                             per_token_crowded=14.0, after_idle={}, cpu=cpu, engine_step_alone=6.0,
+                             engine_step_crowded=12.0), 448)
+    assert (got["step_ms"], got["token_ms"]) == (pytest.approx(2.0), pytest.approx(0.0))
+    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
+                                 "token_ms": pytest.approx(2.0)}

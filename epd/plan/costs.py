@@ -106,7 +106,8 @@ class StageCosts:
         own engine stepped while ``epd profile --pipeline`` ran requests through it (its
         ``engine_ms_per_step`` figures, ``engine_scale``); a profile without them: its step as it is."""
         measured = self._path(False).get("measured", {})
-        scale = engine_scale(self, batch, sampled, measured.get("engine_ms_per_step"),
+        # the run's requests were sampled (as a bench's are): the ratio is to the sampled steps
+        scale = engine_scale(self, batch, True, measured.get("engine_ms_per_step"),
                              measured.get(f"engine_ms_per_step_{ENGINE_CROWD}_streams"))
         return self.decode_ms(batch, context_tokens, sampled) * scale
 

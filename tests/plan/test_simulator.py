@@ -27,6 +27,16 @@ def costs(encoder_ms: float = 10.0, prefill_ms_per_token: float = 0.0, decode_ms
         transfer={"shm": ((1.0, 0.0), (2.0, 0.0))})
 
 
+def path_costs(**fields) -> StageCosts:
+    """The made-up stages the serving path's figures are derived against: a 448-pixel image 20 ms,
+    a 100-token prefill 10, a decode step 3 ms at batch 1 and 6 at 4, shared memory 1 ms a MB, the
+    router's work 1 ms a request; ``fields`` replace any of them."""
+    return StageCosts(**{"model": "made-up", "device": "cpu", "threads": 1, "encoder": ((448.0 ** 2, 1, 20.0),),
+                         "prefill_cold": ((0.0, 0.0), (100.0, 10.0)), "prefill_cached": (),
+                         "decode": ((1, 100, 3.0), (4, 100, 6.0)), "transfer": {"shm": ((1.0, 1.0),)},
+                         "router": ((0.0, 1.0), (448.0 ** 2, 1.0)), **fields})
+
+
 def poisson(n: int, rate_per_s: float, seed: int = 0, images: int = 1, output: int = 1) -> list[SimRequest]:
     rng, t, out = random.Random(seed), 0.0, []
     for i in range(n):
@@ -249,10 +259,7 @@ def test_the_serving_paths_own_costs_are_what_was_measured_less_what_the_stages_
     token less a decode step, split into per step and per token by 4 streams at once."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    c = path_costs()
     # text: 40 tokens (4 ms of prefill), image: 140 tokens (14 ms); 1 stream: 5 ms a token, 4: 11 ms
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
                              per_token_crowded=11.0, after_idle={2.0: (45.0, 60.0), 0.1: (14.0, 51.0)}), 448)
@@ -273,10 +280,7 @@ def test_the_hand_off_is_told_from_the_per_step_cost_by_two_output_lengths():
     what the simulator does not already charge as the KV's transfer (1 MB at 1 ms a MB)."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)), shapes={"kv_bytes_per_token": 2**20 // 40})
+    c = path_costs(shapes={"kv_bytes_per_token": 2**20 // 40})
     measured = dict(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=7.0,
                     per_token_crowded=12.0, after_idle={}, per_token_text=6.0, per_token_short=20.0)
     got = derive(c, Measured(**measured), 448)
@@ -295,10 +299,7 @@ def test_the_engines_steps_timed_in_the_run_replace_the_profiles_where_they_were
     a host whose speed drifts); the serve banner names where to read it."""
     from epd.bench.pipeline_costs import EngineMeter, Measured, decode_metrics_url, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    c = path_costs()
     measured = dict(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
                     per_token_crowded=11.0, after_idle={})
     # in the run the engine took 4 ms a step alone and 7 at 4 streams: alone 5 - 4 = 1 = step +
@@ -329,9 +330,7 @@ def test_what_the_encoder_spends_after_its_forward_is_told_by_two_images_at_once
     less 20 of forward less 10 of prefill) is charged to the encoder, never more than the path."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)})
+    c = path_costs(router=())
     measured = dict(ttft_text=15.0, ttft_image=60.0, tokens_text=40, tokens_image=140, per_token=5.0,
                     per_token_crowded=11.0, after_idle={})
     assert derive(c, Measured(**measured, image_pair_gap=32.0), 448)["encoder_batch_ms"] == pytest.approx(12.0)
@@ -346,10 +345,7 @@ def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_char
     per step and per token), split per request, per image and per token; the client's likewise."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    c = path_costs()
     # step 1 and token 1 (as above); charged: text 16 tokens = 1 + 4 + 15 x (3 + 1) + 16 x 1 = 81,
     # 2 tokens = 1 + 4 + 1 x 4 + 2 = 11, image 16 tokens = 1 + 14 + 20 + 60 + 16 = 111; of which
     # the router's (1 before dispatch, 1 a token): 17, 3, 17. Beyond them the router spends 5 a
@@ -385,10 +381,7 @@ def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loa
     requests at once, text with 16 and with 2 tokens, and with an image."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)), shapes={"row_bytes": 2 ** 20 // 100})
+    c = path_costs(shapes={"row_bytes": 2 ** 20 // 100})
     # the path's step 1 and token 1 (the test above). Charged: alone text 81, short 11, image 111
     # (the router's 17, 3, 17); four at once, text 1 + 16 + 4 + 15 x (6 + 1) / 4 = 47.25, short
     # 1 + 2 + 4 + 1 x 7 / 4 = 8.75, with an image 1 + 16 + 14 + 20 + 26.25 = 77.25 (the router's 17,
@@ -449,10 +442,7 @@ def test_what_a_decode_workers_engine_spent_beyond_the_profiles_step_is_charged_
     leaves those steps out: only what the processes spent besides them remains."""
     from epd.bench.pipeline_costs import Measured, derive
 
-    c = StageCosts(model="made-up", device="cpu", threads=1, encoder=((448.0 ** 2, 1, 20.0),),
-                   prefill_cold=((0.0, 0.0), (100.0, 10.0)), prefill_cached=(),
-                   decode=((1, 100, 3.0), (4, 100, 6.0)), transfer={"shm": ((1.0, 1.0),)},
-                   router=((0.0, 1.0), (448.0 ** 2, 1.0)))
+    c = path_costs()
     # one stream 8 ms a token, four 14: the path's step 8 - 6 = 2, its token 0. Charged: text 1 + 4
     # + 15 x (6 + 2) = 125, short 1 + 4 + 8 = 13, image 1 + 14 + 20 + 120 = 155 (the router's 1 each);
     # beyond them the other processes 30 a request, 25 an image, 2 a token

@@ -37,6 +37,12 @@ def path_costs(**fields) -> StageCosts:
                          "router": ((0.0, 1.0), (448.0 ** 2, 1.0)), **fields})
 
 
+def split_of(request_ms: float, image_ms: float, token_ms: float) -> dict:
+    """A part's CPU beyond the stages as ``derive`` splits it, to compare with."""
+    return {"request_ms": pytest.approx(request_ms), "image_ms": pytest.approx(image_ms),
+            "token_ms": pytest.approx(token_ms)}
+
+
 def poisson(n: int, rate_per_s: float, seed: int = 0, images: int = 1, output: int = 1) -> list[SimRequest]:
     rng, t, out = random.Random(seed), 0.0, []
     for i in range(n):
@@ -358,20 +364,16 @@ def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_char
                   client[kind], router[kind]) for kind in charged}
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
                              per_token_crowded=11.0, after_idle={}, cpu=cpu), 448)
-    assert got["router"] == {"request_ms": pytest.approx(5.0), "image_ms": pytest.approx(4.0),
-                             "token_ms": pytest.approx(0.5)}
-    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
-                                 "token_ms": pytest.approx(2.0)}
-    assert got["client"] == {"request_ms": pytest.approx(8.0), "image_ms": pytest.approx(15.0),
-                             "token_ms": pytest.approx(2.0)}
+    assert got["router"] == split_of(5.0, 4.0, 0.5)
+    assert got["background"] == split_of(30.0, 25.0, 2.0)
+    assert got["client"] == split_of(8.0, 15.0, 2.0)
     # --aggregated: the router's process runs every stage, so what is beyond them is that one
     # process's, beside its steps (torch's kernels run without the interpreter lock), not its loop's
     one = {kind: (charged[kind] + others[kind], client[kind], charged[kind] + others[kind]) for kind in charged}
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
                              per_token_crowded=11.0, after_idle={}, cpu=one, engine_in_router=True), 448)
     assert got["router"] == {"request_ms": 0.0, "image_ms": 0.0, "token_ms": 0.0}
-    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
-                                 "token_ms": pytest.approx(2.0)}
+    assert got["background"] == split_of(30.0, 25.0, 2.0)
 
 
 def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loaded_cluster():
@@ -405,12 +407,9 @@ def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loa
                   on_router[kind] + beyond("router", kind)) for kind in charged}
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
                              per_token_crowded=11.0, after_idle={}, cpu=cpu), 448)
-    assert got["router"] == {"request_ms": pytest.approx(3.0), "image_ms": pytest.approx(2.0),
-                             "token_ms": pytest.approx(0.3)}
-    assert got["background"] == {"request_ms": pytest.approx(20.0), "image_ms": pytest.approx(10.0),
-                                 "token_ms": pytest.approx(0.8)}
-    assert got["client"] == {"request_ms": pytest.approx(6.0), "image_ms": pytest.approx(5.0),
-                             "token_ms": pytest.approx(1.0)}
+    assert got["router"] == split_of(3.0, 2.0, 0.3)
+    assert got["background"] == split_of(20.0, 10.0, 0.8)
+    assert got["client"] == split_of(6.0, 5.0, 1.0)
     # the router's loop does its part before dispatch, and the image's 100 rows (1 MB) go over shared
     # memory: the path's delays are what is left of the TTFTs (text 15 - prefill 4 - router 1 - 3,
     # image 50 - 15 - encoder 20 - prefill 10 - router 2 - the rows' 1 ms)
@@ -453,5 +452,4 @@ def test_what_a_decode_workers_engine_spent_beyond_the_profiles_step_is_charged_
                              per_token_crowded=14.0, after_idle={}, cpu=cpu, engine_step_alone=6.0,
                              engine_step_crowded=12.0), 448)
     assert (got["step_ms"], got["token_ms"]) == (pytest.approx(2.0), pytest.approx(0.0))
-    assert got["background"] == {"request_ms": pytest.approx(30.0), "image_ms": pytest.approx(25.0),
-                                 "token_ms": pytest.approx(2.0)}
+    assert got["background"] == split_of(30.0, 25.0, 2.0)

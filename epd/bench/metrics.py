@@ -232,40 +232,81 @@ class MetricsSampler:
 
     def __init__(self, urls: Sequence[str], *, interval_s: float = 1.0, timeout_s: float = 5.0) -> None:
         self.urls, self.interval_s, self.timeout_s = list(urls), interval_s, timeout_s
-        self.samples: list[dict] = []
+        self._samples: list[dict] = []
+        self._bodies: list[tuple[float, list[tuple[str, str]]]] = []  # scrapes during the run, unparsed
         self.errors: list[str] = []
         self._t0 = time.perf_counter()
+        # One HTTP client for every scrape, made before the run starts (the first scrape). Why: a
+        # client made per scrape builds its TLS context each time, ~30 ms of CPU once a second on
+        # the event loop that also reads and timestamps the streams (docs/benchmarks.md: what the
+        # bench's own scrapes cost).
+        self._client = None
 
     async def scrape(self) -> dict | None:
+        """Every endpoint's metrics now, merged (None: none answered)."""
+        return self._merge(await self._fetch())
+
+    async def _fetch(self) -> list[tuple[str, str]]:
+        """(url, body) of each endpoint that answered."""
         import httpx
 
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        bodies = []
+        for url in self.urls:
+            try:
+                resp = await self._client.get(url)
+                resp.raise_for_status()
+            except Exception as exc:  # a metrics endpoint down must not stop the bench
+                self._error(url, exc)
+                continue
+            bodies.append((url, resp.text))
+        return bodies
+
+    def _merge(self, bodies: list[tuple[str, str]]) -> dict | None:
         merged: dict[str, dict] = {}
         got = False
-        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
-            for url in self.urls:
-                try:
-                    resp = await client.get(url)
-                    resp.raise_for_status()
-                    parsed = parse_prometheus(resp.text)
-                except Exception as exc:  # a metrics endpoint down or malformed must not stop the bench
-                    if len(self.errors) < 20:
-                        self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
-                    continue
-                got = True
-                for name, series in parsed.items():
-                    target = merged.setdefault(name, {})
-                    for labels, v in series.items():
-                        # the same series from two endpoints (e.g. two workers without a worker
-                        # label): keep both by tagging the endpoint
-                        if labels in target:
-                            labels = labels + (("_endpoint", url),)
-                        target[labels] = v
+        for url, text in bodies:
+            try:
+                parsed = parse_prometheus(text)
+            except Exception as exc:  # a malformed one neither
+                self._error(url, exc)
+                continue
+            got = True
+            for name, series in parsed.items():
+                target = merged.setdefault(name, {})
+                for labels, v in series.items():
+                    # the same series from two endpoints (e.g. two workers without a worker
+                    # label): keep both by tagging the endpoint
+                    if labels in target:
+                        labels = labels + (("_endpoint", url),)
+                    target[labels] = v
         return merged if got else None
+
+    def _error(self, url: str, exc: Exception) -> None:
+        if len(self.errors) < 20:
+            self.errors.append(f"{url}: {type(exc).__name__}: {exc}")
+
+    @property
+    def samples(self) -> list[dict]:
+        """The scrapes during the run: when (seconds after ``run()`` started) and the queue depths.
+        Parsed here, once the run is over, not as they come: parsing a router's metrics takes a few
+        ms of the event loop that reads and timestamps the streams."""
+        while self._bodies:
+            t_s, bodies = self._bodies.pop(0)
+            if (parsed := self._merge(bodies)) is not None:
+                self._samples.append({"t_s": t_s, "queues": queue_snapshot(parsed)})
+        return self._samples
+
+    async def aclose(self) -> None:
+        """Close the scrapes' HTTP client (its connections); a later scrape opens another."""
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
 
     async def run(self) -> None:
         self._t0 = time.perf_counter()
         while True:
             await asyncio.sleep(self.interval_s)
-            parsed = await self.scrape()
-            if parsed is not None:
-                self.samples.append({"t_s": time.perf_counter() - self._t0, "queues": queue_snapshot(parsed)})
+            bodies = await self._fetch()
+            self._bodies.append((time.perf_counter() - self._t0, bodies))

@@ -398,13 +398,18 @@ def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tu
     return text, image, short, cpu, after_idle, crowded[0], _image_pair_gap_ms(client, pairs), steps
 
 
-def measure(model: str, costs, image_px: int = 448) -> dict:
+PATHS = {"epd": (), "aggregated": ("--aggregated",)}  # a serving path -> epd serve's flags for it
+
+
+def measure(model: str, costs, image_px: int = 448, paths: tuple[str, ...] = tuple(PATHS)) -> dict:
     """{"epd": {...}, "aggregated": {...}}: each path's ``request_ms``, ``image_ms``, ``step_ms``;
-    ``costs``: this profile's ``epd.plan.costs.StageCosts`` (what the stages account for)."""
+    ``costs``: this profile's ``epd.plan.costs.StageCosts`` (what the stages account for);
+    ``paths``: which of ``PATHS`` to measure."""
     from epd.bench.workload import ImageSpec, render_image
 
     out = {}
-    for name, flags in (("epd", ()), ("aggregated", ("--aggregated",))):
+    for name in paths:
+        flags = PATHS[name]
         picture = iter(render_image(ImageSpec(image_px, image_px, seed)) for seed in range(1 << 20))
         command = [sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0",
                    "--no-standby", *flags]

@@ -80,11 +80,21 @@ class Progress:
             self.draw(force=True)
 
 
-async def run_once(driver, requests: list[RequestSpec], *, rate: float, max_concurrency: int | None = None,
-                   max_duration_s: float | None = None, grace_s: float = 10.0, sampler: MetricsSampler | None = None,
-                   settle_s: float = 0.0, progress: bool = True, label: str = "") -> RunResult:
-    """Send ``requests`` through ``driver`` (``await driver.send(spec, record, run_t0)``).
-    ``settle_s``: wait this long before each of the before / after scrapes, so gauges the router
+async def run_once(driver, requests: list[RequestSpec], *, sampler: MetricsSampler | None = None,
+                   **options) -> RunResult:
+    """Send ``requests`` through ``driver`` (``await driver.send(spec, record, run_t0)``), scraping
+    ``sampler``'s endpoints before, during and after; ``options``: ``_run_once``'s."""
+    try:
+        return await _run_once(driver, requests, sampler=sampler, **options)
+    finally:
+        if sampler is not None:  # its HTTP client lives for the run
+            await sampler.aclose()
+
+
+async def _run_once(driver, requests: list[RequestSpec], *, rate: float, max_concurrency: int | None = None,
+                    max_duration_s: float | None = None, grace_s: float = 10.0, sampler: MetricsSampler | None = None,
+                    settle_s: float = 0.0, progress: bool = True, label: str = "") -> RunResult:
+    """``settle_s``: wait this long before each of the before / after scrapes, so gauges the router
     refreshes from its periodic health checks (the cluster view) include earlier work."""
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = Progress(len(requests), label, enabled=progress)

@@ -230,6 +230,86 @@ def test_parse_prometheus():
     assert queue_snapshot(p) == {"router_queue": 0.0, "encoder_queue": 0.0, "prefill_queue": 1.0}
 
 
+class _MetricsEndpoint:
+    """A /metrics server on 127.0.0.1 (HTTP/1.1, keep-alive) that counts the connections it took
+    and how many of them are still open."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.open = 0
+        self.server = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/metrics"
+
+    async def _serve(self, reader, writer) -> None:
+        self.accepted += 1
+        self.open += 1
+        try:
+            while (await reader.readuntil(b"\r\n\r\n")):
+                body = PROM_BEFORE.encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n" % len(body)
+                             + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self.open -= 1
+            writer.close()
+
+    async def close(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+def test_the_metrics_sampler_scrapes_through_one_client_and_parses_after_the_streams(monkeypatch):
+    """A client per scrape rebuilt its TLS context each time (~30 ms of CPU on the loop that
+    timestamps the streams, once a second); one client keeps one connection for the whole run.
+    What the scrapes during the run brought is parsed once no stream is read any more."""
+    import epd.bench.metrics as metrics
+    from epd.bench.runner import run_once
+
+    in_flight, parsed_while = [0], []
+
+    class Driver:  # each request takes a while, so the sampler scrapes several times meanwhile
+        async def send(self, spec, record, t0):
+            in_flight[0] += 1
+            await asyncio.sleep(0.12)
+            in_flight[0] -= 1
+            record.status = "ok"
+
+    def parse(text):
+        parsed_while.append(in_flight[0])
+        return parse_prometheus(text)
+    monkeypatch.setattr(metrics, "parse_prometheus", parse)
+    MetricsSampler = metrics.MetricsSampler
+
+    async def main():
+        endpoint = _MetricsEndpoint()
+        url = await endpoint.start()
+        try:
+            sampler = MetricsSampler([url], interval_s=0.03)
+            requests = [RequestSpec(i, "hi", [], 4, 0.1 * i, []) for i in range(3)]
+            result = await run_once(Driver(), requests, rate=10.0, sampler=sampler, progress=False)
+            for _ in range(50):  # the server sees the client's close a moment later
+                if endpoint.open == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return endpoint, sampler, result
+        finally:
+            await endpoint.close()
+
+    endpoint, sampler, result = asyncio.run(main())
+    assert len(sampler.samples) >= 5 and not sampler.errors  # before, during (each 30 ms) and after
+    assert result.metrics_before is not None and result.metrics_after is not None
+    # one connection, and a second where the run's end cancelled a scrape in flight (its connection
+    # is dropped); a client per scrape takes one each
+    assert endpoint.accepted <= 2, f"{endpoint.accepted} connections for {len(sampler.samples) + 2} scrapes"
+    assert endpoint.open == 0  # closed with the run
+    assert len(parsed_while) == len(sampler.samples) + 2 and not any(parsed_while)
+
+
 def test_server_summary_deltas():
     before, after = parse_prometheus(PROM_BEFORE), parse_prometheus(PROM_AFTER)
     samples = [{"t_s": 1.0, "queues": {"prefill_queue": 4.0}}, {"t_s": 2.0, "queues": {"prefill_queue": 2.0}}]

@@ -20,9 +20,11 @@ prompt, the encoder's forward, a sampled decode step), as figures a simulator ad
 - ``wake``: how much longer a request's first token takes when it finds the whole cluster idle since
   a while, text and with an image (a virtual host's processes start cold: caches, descheduled CPUs);
 - ``router``, ``background``, ``client``: the CPU spent beyond all of the above, per request, per
-  image and per streamed token, from the processes' own counters (Linux), as requests that overlap
-  spend it (``_STREAMS`` requests at once: text with two output lengths, and with an image): the
-  router process's
+  image and per streamed token, from the processes' own counters (Linux), at two loads (``points``):
+  paced streams (each request sent a lone request's duration after the one before, whether or not
+  it finished: about one in flight) and ``_STREAMS`` requests at once (text with two output lengths,
+  and with an image, each way): the more requests overlap, the more of a step's message and of a
+  process's wake-ups they share. The router process's
   (its one event loop: HTTP, the body, detokenization, SSE; requests wait for it), the other
   processes' (their gRPC and IO threads, serialization, image decoding, health checks: host work
   beside the requests, taking cores from whatever runs) and the client's (charged where the client
@@ -48,6 +50,7 @@ _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = ENGINE_CROWD  # requests at once (the engine's crowded steps are read at it)
 _CROWD_ROUNDS = 3  # rounds of _STREAMS requests at once
+_PACED_REQUESTS = 32  # requests of each paced stream (text, short text, with an image)
 _SHORT_TOKENS = 2  # a second output length: tells the CPU per request from the CPU per token
 _PAIRS = 4  # pairs of image requests sent at once
 _PAIR_IDLE_S = 0.3  # before each pair of image requests sent at once
@@ -85,17 +88,45 @@ class _Client:
             return await asyncio.gather(*(self._send(image, max_tokens) for image in images or [None] * n))
         return self.loop.run_until_complete(all_of_them())
 
+    def paced(self, n: int, interval_s: float, images: list[bytes] | None = None,
+              max_tokens: int = _OUTPUT_TOKENS) -> float:
+        """``n`` text requests (or one per image of ``images``), each sent ``interval_s`` after the
+        one before whether or not it finished -> their mean decode batch: how many of them were
+        between their first and last token at once, over the time any was."""
+        async def stream():
+            sent = []
+            for image in images or [None] * n:
+                sent.append(asyncio.ensure_future(self._timed(image, max_tokens)))
+                await asyncio.sleep(interval_s)
+            return await asyncio.gather(*sent)
+        return _mean_overlap([(start + ttft / 1000, start + (ttft + (max_tokens - 1) * tpot) / 1000)
+                              for start, (ttft, tpot, _) in self.loop.run_until_complete(stream())])
+
     async def _send(self, image: bytes | None, max_tokens: int) -> tuple[float, float, int]:
+        return (await self._timed(image, max_tokens))[1]
+
+    async def _timed(self, image: bytes | None, max_tokens: int) -> tuple[float, tuple[float, float, int]]:
+        """-> (when it was sent, s; (TTFT ms, ms per output token after the first, prompt tokens))."""
         from epd.bench.client import RequestRecord
         from epd.bench.workload import RequestSpec
 
         self._index += 1
         spec = RequestSpec(self._index, self._PROMPT, [], max_tokens, 0.0, [image] if image is not None else [])
         record = RequestRecord(index=self._index, rate=0.0, scheduled_s=0.0)
-        await self.driver.send(spec, record, time.perf_counter())
+        start = time.perf_counter()
+        await self.driver.send(spec, record, start)
         if not record.ok:
             raise RuntimeError(f"a pipeline request failed: {record.error}")
-        return 1000 * record.ttft_s, 1000 * (record.tpot_s or 0.0), record.prompt_tokens or 0
+        return start, (1000 * record.ttft_s, 1000 * (record.tpot_s or 0.0), record.prompt_tokens or 0)
+
+
+def _mean_overlap(spans: list[tuple[float, float]]) -> float:
+    """How many of ``spans`` (start, end) were open at once on average over the time any was."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        covered += max(end - max(start, reach), 0.0)
+        reach = max(reach, end)
+    return sum(end - start for start, end in spans) / covered if covered > 0 else 1.0
 
 
 def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
@@ -181,10 +212,13 @@ class Measured:
     per_token_crowded: float  # of each of _STREAMS streams at once
     after_idle: dict  # idle seconds -> (TTFT text, TTFT image) after idling that long
     # (cluster CPU ms, client CPU ms, the router's of the cluster's) per request: "text"
-    # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image), and of requests
-    # that overlap, where measured: "crowded", "crowded_short" and "crowded_image" (those, _STREAMS
-    # at once); None where the host has no CPU counters
+    # (_OUTPUT_TOKENS), "short" (_SHORT_TOKENS), "image" (_OUTPUT_TOKENS, one image), and where
+    # measured, of paced streams: "paced", "paced_short" and "paced_image" (those, _PACED_REQUESTS
+    # each), and of requests at once: "crowded", "crowded_short", "crowded_image" (those, _STREAMS at
+    # once); None where the host has no CPU counters
     cpu: dict | None = None
+    # each paced stream's mean decode batch (``_Client.paced``); 1 where not given
+    paced_batch: dict | None = None
     engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
     # time per output token of text requests alone, with _OUTPUT_TOKENS and with _SHORT_TOKENS: they
     # tell the once-a-request hand-off from the per-step cost (None: per_token is taken as per step)
@@ -198,15 +232,16 @@ class Measured:
     engine_step_crowded: float | None = None
 
 
-def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0, batch: int = 1,
-                step_scale: float = 1.0) -> float:
-    """The host CPU a simulator already charges a request: the router's work, the encoder, the
-    prefill, and its share of each decode step (the profile's, times ``step_scale``: how a decode
-    worker's engine stepped in the run) and encoder batch (``batch`` requests at once) with the
-    serving path's per step and per token work."""
+def _charged_ms(costs, derived: dict, tokens: int, output_tokens: int, image_px: int = 0, batch: float = 1,
+                step_scale: float = 1.0, encoder_batch: float = 1) -> float:
+    """The host CPU a simulator already charges a request: the router's work, the encoder (its share
+    of a batch of ``encoder_batch``), the prefill, and its share of each decode step (the profile's at
+    ``batch``, times ``step_scale``: how a decode worker's engine stepped in the run) with the serving
+    path's per step and per token work."""
     steps = output_tokens - 1
     context = tokens + output_tokens / 2
-    encoder = costs.encoder_ms(image_px ** 2, batch) + derived.get("encoder_batch_ms", 0.0) / batch if image_px else 0.0
+    encoder = (costs.encoder_ms(image_px ** 2, encoder_batch) + derived.get("encoder_batch_ms", 0.0) / encoder_batch
+               if image_px else 0.0)
     step_ms = costs.decode_ms(batch, context, sampled=True) * step_scale
     return (_router_charged_ms(costs, derived, output_tokens, image_px) + costs.prefill_ms(tokens) + encoder
             + steps * (step_ms + derived["step_ms"]) / batch)
@@ -224,16 +259,20 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
     if not m.cpu:
         return None
     long_n, short_n = _OUTPUT_TOKENS, _SHORT_TOKENS
-    shapes = {"text": (m.tokens_text, long_n, 0, 1), "short": (m.tokens_text, short_n, 0, 1),
-              "image": (m.tokens_image, long_n, image_px, 1), "crowded": (m.tokens_text, long_n, 0, _STREAMS),
-              "crowded_short": (m.tokens_text, short_n, 0, _STREAMS),
-              "crowded_image": (m.tokens_image, long_n, image_px, _STREAMS)}
+    shapes = {"text": (m.tokens_text, long_n, 0), "short": (m.tokens_text, short_n, 0),
+              "image": (m.tokens_image, long_n, image_px)}
     router, unseen = {}, {}
     for kind, (tree_ms, _, router_ms) in m.cpu.items():
-        tokens, n, px, batch = shapes[kind]
+        load, _, shape = kind.partition("_")  # "paced_short": a paced stream of short text requests
+        if load not in ("paced", "crowded"):
+            load, shape = "", kind
+        tokens, n, px = shapes[shape or "text"]
+        # the decode batch: a paced stream's as it ran (its images one at a time), a crowd's all of it
+        batch = _STREAMS if load == "crowded" else (m.paced_batch or {}).get(kind, 1.0)
         scale = 1.0 if m.engine_in_router else engine_scale(costs, batch, True, m.engine_step_alone,
                                                              m.engine_step_crowded)
-        everything = _charged_ms(costs, derived, tokens, n, px, batch, scale)
+        everything = _charged_ms(costs, derived, tokens, n, px, batch, scale,
+                                 encoder_batch=_STREAMS if load == "crowded" else 1)
         if m.engine_in_router:  # one process: what is beyond its stages runs beside its steps (torch's
             router[kind], unseen[kind] = 0.0, max(tree_ms - everything, 0.0)  # kernels let go of the lock)
             continue
@@ -244,20 +283,32 @@ def _background(costs, m: Measured, derived: dict, image_px: int) -> dict | None
         unseen[kind] = max(tree_ms - router_ms - (everything - on_router), 0.0)
     client = {kind: values[1] for kind, values in m.cpu.items()}
 
+    def one_load(values: dict, load: str) -> dict:
+        """Per request, image and token, from ``load``'s text requests of two lengths and image ones."""
+        text, short, image = values[load], values[f"{load}_short"], values[f"{load}_image"]
+        token_ms = max((text - short) / (long_n - short_n), 0.0)
+        request_ms = max(short - short_n * token_ms, 0.0)
+        return {"request_ms": round(request_ms, 3), "token_ms": round(token_ms, 3),
+                "image_ms": round(max(image - request_ms - long_n * token_ms, 0.0), 3)}
+
+    in_flight = statistics.fmean((m.paced_batch or {}).values()) if m.paced_batch else 1.0
+
     def split(values: dict) -> dict:
-        if not {"crowded", "crowded_short", "crowded_image"} <= values.keys():  # one request at a time only
+        if not {"paced", "paced_short", "paced_image"} <= values.keys():  # one request at a time only
             token_ms = max((values["text"] - values["short"]) / (long_n - short_n), 0.0)
             return {"request_ms": round(max(values["short"] - short_n * token_ms, 0.0), 3),
                     "image_ms": round(max(values["image"] - values["text"], 0.0), 3), "token_ms": round(token_ms, 3)}
-        # requests that overlap, as under load: their processes stay awake between events and a
-        # step's message and wake-ups serve several streams (one request alone pays both again for
-        # every token: 5 to 10 times the CPU a token here, which the profile's wake figures cover)
-        token_ms = max((values["crowded"] - values["crowded_short"]) / (long_n - short_n), 0.0)
-        request_ms = max(values["crowded_short"] - short_n * token_ms, 0.0)
-        return {"request_ms": round(request_ms, 3), "token_ms": round(token_ms, 3),
-                "image_ms": round(max(values["crowded_image"] - request_ms - long_n * token_ms, 0.0), 3)}
+        # a paced stream, as under load: each request arrives while the one before may still run,
+        # so its processes stay awake between events (one request alone, after the one before
+        # ended, pays a step's message and the wake-ups again for every token: 5 to 10 times the CPU
+        # a token here, which the profile's wake figures cover); requests at once share them too
+        points = [{"in_flight": round(in_flight, 2), **one_load(values, "paced")}]
+        if {"crowded", "crowded_short", "crowded_image"} <= values.keys():
+            points.append({"in_flight": _STREAMS, **one_load(values, "crowded")})
+        return {**{k: v for k, v in points[0].items() if k != "in_flight"}, "points": points}
     return {"router": split(router), "background": split(unseen), "client": split(client),
-            "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()}}
+            "cpu_measured": {kind: [round(v, 2) for v in values] for kind, values in m.cpu.items()},
+            **({"paced_batch": {kind: round(b, 2) for kind, b in m.paced_batch.items()}} if m.paced_batch else {})}
 
 
 def _handoff_ms(m: Measured) -> tuple[float | None, float]:
@@ -365,9 +416,9 @@ def decode_metrics_url(lines: list[str]) -> str | None:
 
 
 def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tuple:
-    """One serving path's figures: (text runs, image runs, short text runs, CPU per request, TTFTs
-    after idling, ms per token of _STREAMS streams at once, the gap between two images at once,
-    the engine's ms a step alone and crowded)."""
+    """One serving path's figures: (text runs, image runs, short text runs, CPU per request, each
+    paced stream's mean decode batch, TTFTs after idling, ms per token of _STREAMS streams at once,
+    the gap between two images at once, the engine's ms a step alone and crowded)."""
     for _ in range(2):  # warm: the first requests of a process pay for what it loads lazily
         client.one(None)
         client.one(next(picture))
@@ -394,8 +445,19 @@ def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tu
     for kind in ("crowded", "crowded_short", "crowded_image"):
         if cpu[kind] is not None:  # per request
             cpu[kind] = tuple(ms / (_CROWD_ROUNDS * _STREAMS) for ms in cpu[kind])
+    # the CPU per request, per image and per token under load: paced streams, a request each lone
+    # image request's duration (about one in flight, arriving while the one before may still run)
+    interval_s = statistics.median(ttft + (_OUTPUT_TOKENS - 1) * tpot for ttft, tpot, _ in image) / 1000
+    batch = {}
+    images = [next(picture) for _ in range(_PACED_REQUESTS)]  # made before: a client's own work
+    for kind, stream in (("paced", lambda: client.paced(_PACED_REQUESTS, interval_s)),
+                         ("paced_short", lambda: client.paced(_PACED_REQUESTS, interval_s, max_tokens=_SHORT_TOKENS)),
+                         ("paced_image", lambda: client.paced(_PACED_REQUESTS, interval_s, images))):
+        cpu[kind] = meter.per_request(lambda s=stream, k=kind: batch.__setitem__(k, s()), 1)
+        if cpu[kind] is not None:  # per request
+            cpu[kind] = tuple(ms / _PACED_REQUESTS for ms in cpu[kind])
     pairs = [[next(picture), next(picture)] for _ in range(_PAIRS)]
-    return text, image, short, cpu, after_idle, crowded[0], _image_pair_gap_ms(client, pairs), steps
+    return text, image, short, cpu, batch, after_idle, crowded[0], _image_pair_gap_ms(client, pairs), steps
 
 
 PATHS = {"epd": (), "aggregated": ("--aggregated",)}  # a serving path -> epd serve's flags for it
@@ -417,7 +479,7 @@ def measure(model: str, costs, image_px: int = 448, paths: tuple[str, ...] = tup
             client = _Client(serve.url, model)
             try:
                 engine = EngineMeter(None if flags else decode_metrics_url(serve.lines))
-                text, image, short, cpu, after_idle, crowded_ms, pair_gap_ms, steps = _measure_path(
+                text, image, short, cpu, batch, after_idle, crowded_ms, pair_gap_ms, steps = _measure_path(
                     serve.proc.pid, client, picture, engine)
             finally:
                 client.close()
@@ -429,5 +491,5 @@ def measure(model: str, costs, image_px: int = 448, paths: tuple[str, ...] = tup
                                            per_token_text=statistics.median(s for _, s, _ in text),
                                            per_token_short=statistics.median(s for _, s, _ in short),
                                            image_pair_gap=pair_gap_ms, engine_step_alone=steps["alone"],
-                                           engine_step_crowded=steps["crowded"]), image_px)
+                                           engine_step_crowded=steps["crowded"], paced_batch=batch), image_px)
     return out

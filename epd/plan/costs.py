@@ -144,18 +144,27 @@ class StageCosts:
         ``encoder_batch_ms`` (0 without them)."""
         return self._path(aggregated).get(what, 0.0)
 
-    def cpu_beyond_ms(self, aggregated: bool, part: str, what: str) -> float:
+    def cpu_beyond_ms(self, aggregated: bool, part: str, what: str, in_flight: float = 1.0) -> float:
         """The CPU beyond every cost above (``epd profile --pipeline``'s counters) that ``part``
         spends per ``request_ms``, ``image_ms`` or ``token_ms``: "router" (its loop's, which requests
         wait for), "background" (the other processes', beside the requests) or "client"; 0 without
-        the figures."""
-        return self._path(aggregated).get(part, {}).get(what, 0.0)
+        the figures. Where it was measured at several loads (``points``: a paced stream, requests at
+        once), at ``in_flight`` requests running together, along the line between them and no
+        further than the loads measured: requests that overlap share a step's message and their
+        processes' wake-ups, so each costs less."""
+        figures = self._path(aggregated).get(part, {})
+        points = figures.get("points")
+        if not points:
+            return figures.get(what, 0.0)
+        loads = [p["in_flight"] for p in points]
+        at = min(max(in_flight, min(loads)), max(loads))
+        return interpolate([(p["in_flight"], p[what]) for p in points], at)
 
-    def host_cpu_ms(self, aggregated: bool, what: str, with_client: bool) -> float:
+    def host_cpu_ms(self, aggregated: bool, what: str, with_client: bool, in_flight: float = 1.0) -> float:
         """The CPU beside the requests per request, image or token: the processes' other than the
-        router's, with the client's own when it runs on the same host."""
+        router's, with the client's own when it runs on the same host (``in_flight``: as above)."""
         parts = ("background", "client") if with_client else ("background",)
-        return sum(self.cpu_beyond_ms(aggregated, part, what) for part in parts)
+        return sum(self.cpu_beyond_ms(aggregated, part, what, in_flight) for part in parts)
 
     @property
     def local_transport(self) -> str:

@@ -103,7 +103,11 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
 
     clock = Clock(devices)
     router = Router(clock, host, costs, settings, aggregated=topology.aggregated)
-    finished: list[SimRequest] = []
+    done: list[SimRequest] = []
+
+    def finished(request: SimRequest) -> None:  # its last token: it leaves the cluster's count
+        done.append(request)
+        router.in_flight -= 1
     demand = topology.threads if topology.cores is not None else 1.0
 
     def worker(cls, name: str, tp: int = 1, **kwargs):
@@ -111,19 +115,19 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
         return cls(name, clock, device_for(name), costs, settings, threads=demand, speedup=speedup, **kwargs)
 
     if topology.aggregated:
-        engine = worker(Aggregated, "aggregated", router=router, on_finished=finished.append)
+        engine = worker(Aggregated, "aggregated", router=router, on_finished=finished)
         router.shares_lock_with = engine
         dispatch = engine.add
         workers = [engine]
     else:
-        decodes = [worker(Decode, f"decode{i}", topology.decode_tp, router=router, on_finished=finished.append)
+        decodes = [worker(Decode, f"decode{i}", topology.decode_tp, router=router, on_finished=finished)
                    for i in range(topology.decodes)]
 
         def first_token(prefill: Prefill, request: SimRequest) -> None:
             router.tokens([request])
             request.context, request.produced = request.prompt_tokens, 1
             if request.produced >= request.output_tokens:
-                finished.append(request)
+                finished(request)
                 return
             decode = min(decodes, key=lambda d: d.load)
             # the KV's transfer, and what the hand-off costs beyond it (the profile's, measured end to end)
@@ -148,11 +152,14 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
 
     cold = costs.path_wake_ms(topology.aggregated, 0.0, False) is not None  # measured end to end: per request
 
-    request_cpu_ms = costs.host_cpu_ms(topology.aggregated, "request_ms", settings.client_on_host)
-    image_cpu_ms = costs.host_cpu_ms(topology.aggregated, "image_ms", settings.client_on_host)
-
-    def arrive(request: SimRequest, work_ms: float) -> None:
-        router.background(request_cpu_ms + len(request.images) * image_cpu_ms)
+    def arrive(request: SimRequest) -> None:
+        router.in_flight += 1
+        load, aggregated, images = router.in_flight, topology.aggregated, len(request.images)
+        work_ms = (costs.router_ms(sum(pixels for _, pixels, _ in request.images), settings.router_ms_per_request)
+                   + costs.cpu_beyond_ms(aggregated, "router", "request_ms", load)
+                   + images * costs.cpu_beyond_ms(aggregated, "router", "image_ms", load))
+        router.background(costs.host_cpu_ms(aggregated, "request_ms", settings.client_on_host, load)
+                          + images * costs.host_cpu_ms(aggregated, "image_ms", settings.client_on_host, load))
         # the hops' own time (no one's CPU), longer when the request finds the cluster cold
         path_ms = costs.path_ms(topology.aggregated, "request_ms")
         if cold:
@@ -162,15 +169,11 @@ def simulate(costs: StageCosts, topology: Topology, requests: list[SimRequest],
     for worker_ in workers:
         worker_.wakes = not cold  # without end-to-end wake figures, each process's own (the profile's "wake")
     router.wakes = not cold
-    router_request_ms = costs.cpu_beyond_ms(topology.aggregated, "router", "request_ms")
-    router_image_ms = costs.cpu_beyond_ms(topology.aggregated, "router", "image_ms")
     for request in requests:
-        work_ms = (costs.router_ms(sum(pixels for _, pixels, _ in request.images), settings.router_ms_per_request)
-                   + router_request_ms + len(request.images) * router_image_ms)
-        clock.at(request.arrival_ms, lambda r=request, w=work_ms: arrive(r, w))
+        clock.at(request.arrival_ms, lambda r=request: arrive(r))
     clock.run()
-    if len(finished) != len(requests):
-        raise RuntimeError(f"{len(requests) - len(finished)} simulated requests never finished")
+    if len(done) != len(requests):
+        raise RuntimeError(f"{len(requests) - len(done)} simulated requests never finished")
     duration_ms = max(r.token_ms[-1] for r in requests) - min(r.arrival_ms for r in requests)
     busy: dict[str, list[float]] = {}
     for w in workers:

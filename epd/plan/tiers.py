@@ -10,7 +10,9 @@
 - The CPU the processes spend beyond all that (their gRPC and HTTP threads, serialization, image
   decoding; and the client's, when it shares the host: ``SimSettings.client_on_host``) is work on
   the host that gates no request: per request and image when it arrives, per streamed token when
-  the router emits it. It takes a share of the cores from whatever runs then.
+  the router emits it, each at the count of requests in flight then (the profile measured it at two
+  loads: requests that overlap share a step's message and their processes' wake-ups). It takes a
+  share of the cores from whatever runs then.
 - Every process that starts working after idling pays the profile's wake-up cost for that long an
   idle (``StageCosts.wake_ms``: near zero on a dedicated host, tens of ms on a virtual one).
 - Encoder: items queue; an idle encoder takes every waiting item (up to ``encoder_batch_size``) as
@@ -82,10 +84,10 @@ class Router:
     def __init__(self, clock: Clock, device: Device, costs: StageCosts, settings: SimSettings,
                  threads: float = 1.0, aggregated: bool = False) -> None:
         self.clock, self.device, self.costs, self.settings, self.threads = clock, device, costs, settings, threads
+        self.aggregated = aggregated
         # a streamed token's work beside the tiers: the profile's measured figure, else the setting
-        self.ms_per_token = ((costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token)
-                             + costs.cpu_beyond_ms(aggregated, "router", "token_ms"))
-        self.background_ms_per_token = costs.host_cpu_ms(aggregated, "token_ms", settings.client_on_host)
+        self._path_ms_per_token = costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token
+        self.in_flight = 0  # requests arrived and not finished: what the CPU beyond the stages depends on
         self._jobs: deque = deque()
         self._busy = False
         self._idle_since_ms = 0.0
@@ -122,8 +124,11 @@ class Router:
         def emit() -> None:
             for request in requests:
                 request.token_ms.append(self.clock.now_ms)
-        self.handle(self.ms_per_token * len(requests), emit)
-        self.background(self.background_ms_per_token * len(requests))
+        costs, load = self.costs, self.in_flight
+        ms_per_token = self._path_ms_per_token + costs.cpu_beyond_ms(self.aggregated, "router", "token_ms", load)
+        self.handle(ms_per_token * len(requests), emit)
+        self.background(costs.host_cpu_ms(self.aggregated, "token_ms", self.settings.client_on_host, load)
+                        * len(requests))
 
     def background(self, work_ms: float) -> None:
         """CPU on the host that no request waits for (``host_cpu_ms``)."""

@@ -219,3 +219,23 @@ def test_the_profiles_pipeline_client_is_the_bench_driver_and_times_what_it_send
         assert len(client.at_once(3)) == 3
     finally:
         client.close()
+
+
+def test_the_profiles_paced_streams_send_on_time_and_say_how_many_decoded_at_once(fake):
+    """``epd profile --pipeline`` measures the CPU of a loaded cluster on paced streams: each request
+    sent an interval after the one before, not waiting for it, and the stream's mean decode batch
+    read from when each one's first and last tokens came. Requests of 6 tokens decode for 5 x 5 ms:
+    sent every 12.5 ms, four of them overlap by half (100 ms of decoding over 62.5: 1.6 at once);
+    sent every 200 ms, one at a time (1.0). Sent one after another, they would never overlap."""
+    from epd.bench.pipeline_costs import _Client, _mean_overlap
+
+    assert _mean_overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(5.0 / 4.0)
+    assert _mean_overlap([]) == 1.0
+    core, url, _ = fake
+    client = _Client(url, core.model_name)
+    try:
+        client.one(None, max_tokens=6)  # the driver's connection made
+        assert 1.3 < client.paced(4, 2.5 * ITL_S, max_tokens=6) < 2.0
+        assert client.paced(3, 0.2, max_tokens=6) == pytest.approx(1.0, abs=0.05)
+    finally:
+        client.close()

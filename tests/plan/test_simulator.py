@@ -376,45 +376,55 @@ def test_the_cpu_beyond_the_stages_is_what_the_processes_spent_less_what_is_char
     assert got["background"] == split_of(30.0, 25.0, 2.0)
 
 
-def test_requests_at_once_give_what_a_request_an_image_and_a_token_cost_on_a_loaded_cluster():
+def test_a_loaded_clusters_cpu_a_request_an_image_and_a_token_comes_from_paced_streams_and_crowds():
     """One request alone wakes idle processes for every token and pays a step's message and
-    wake-ups for one stream; requests that overlap share them and find their processes awake. What a
-    loaded cluster spends per request, image and token is what overlapping requests spend: four
-    requests at once, text with 16 and with 2 tokens, and with an image."""
+    wake-ups for one stream; under load they stay awake, and requests that overlap share both. What
+    a loaded cluster spends per request, image and token is measured at two loads: paced streams
+    (about one request in flight: each one's decode batch as it ran) and four requests at once,
+    each text with 16 and with 2 tokens, and with an image; the paced figures are the part's own."""
     from epd.bench.pipeline_costs import Measured, derive
 
     c = path_costs(shapes={"row_bytes": 2 ** 20 // 100})
     # the path's step 1 and token 1 (the test above). Charged: alone text 81, short 11, image 111
-    # (the router's 17, 3, 17); four at once, text 1 + 16 + 4 + 15 x (6 + 1) / 4 = 47.25, short
-    # 1 + 2 + 4 + 1 x 7 / 4 = 8.75, with an image 1 + 16 + 14 + 20 + 26.25 = 77.25 (the router's 17,
-    # 3, 17). Beyond them, per part: a request, an image and a token alone, then the same while
-    # others run
-    parts = {"router": ((5.0, 4.0, 0.5), (3.0, 2.0, 0.3)), "others": ((30.0, 25.0, 2.0), (20.0, 10.0, 0.8)),
-             "client": ((8.0, 15.0, 2.0), (6.0, 5.0, 1.0))}
+    # (the router's 17, 3, 17); paced, decode batches 2, 1, 2 (a step 4 ms at batch 2, images one at
+    # a time): text 17 + 4 + 15 x (4 + 1) / 2 = 58.5, short 11, with an image 17 + 14 + 20 + 37.5 =
+    # 88.5; four at once, text 17 + 4 + 15 x (6 + 1) / 4 = 47.25, short 3 + 4 + 1 x 7 / 4 = 8.75, with
+    # an image 17 + 14 + 20 + 26.25 = 77.25. Beyond them, per part: a request, an image and a token
+    # alone, paced and at once
+    parts = {"router": ((5.0, 4.0, 0.5), (4.0, 3.0, 0.4), (3.0, 2.0, 0.3)),
+             "others": ((30.0, 25.0, 2.0), (24.0, 16.0, 1.2), (20.0, 10.0, 0.8)),
+             "client": ((8.0, 15.0, 2.0), (7.0, 9.0, 1.5), (6.0, 5.0, 1.0))}
     kinds = {"text": (16, False, 0), "short": (2, False, 0), "image": (16, True, 0),
-             "crowded": (16, False, 1), "crowded_short": (2, False, 1), "crowded_image": (16, True, 1)}
+             "paced": (16, False, 1), "paced_short": (2, False, 1), "paced_image": (16, True, 1),
+             "crowded": (16, False, 2), "crowded_short": (2, False, 2), "crowded_image": (16, True, 2)}
 
     def beyond(part: str, kind: str) -> float:
-        tokens, with_image, overlapping = kinds[kind]
-        request, image, token = parts[part][overlapping]
+        tokens, with_image, load = kinds[kind]
+        request, image, token = parts[part][load]
         return request + image * with_image + tokens * token
 
-    charged = {"text": 81.0, "short": 11.0, "image": 111.0, "crowded": 47.25, "crowded_short": 8.75,
-               "crowded_image": 77.25}
-    on_router = {"text": 17.0, "short": 3.0, "image": 17.0, "crowded": 17.0, "crowded_short": 3.0,
-                 "crowded_image": 17.0}
+    charged = {"text": 81.0, "short": 11.0, "image": 111.0, "paced": 58.5, "paced_short": 11.0,
+               "paced_image": 88.5, "crowded": 47.25, "crowded_short": 8.75, "crowded_image": 77.25}
+    on_router = {kind: 3.0 if kind.endswith("short") else 17.0 for kind in charged}
     cpu = {kind: (charged[kind] + beyond("router", kind) + beyond("others", kind), beyond("client", kind),
                   on_router[kind] + beyond("router", kind)) for kind in charged}
     got = derive(c, Measured(ttft_text=15.0, ttft_image=50.0, tokens_text=40, tokens_image=140, per_token=5.0,
-                             per_token_crowded=11.0, after_idle={}, cpu=cpu), 448)
-    assert got["router"] == split_of(3.0, 2.0, 0.3)
-    assert got["background"] == split_of(20.0, 10.0, 0.8)
-    assert got["client"] == split_of(6.0, 5.0, 1.0)
+                             per_token_crowded=11.0, after_idle={}, cpu=cpu,
+                             paced_batch={"paced": 2.0, "paced_short": 1.0, "paced_image": 2.0}), 448)
+    for part, name in (("router", "router"), ("others", "background"), ("client", "client")):
+        (_, paced, at_once) = parts[part]
+        assert {k: v for k, v in got[name].items() if k != "points"} == split_of(*paced)
+        assert got[name]["points"] == [{"in_flight": 1.67, **split_of(*paced)}, {"in_flight": 4, **split_of(*at_once)}]
     # the router's loop does its part before dispatch, and the image's 100 rows (1 MB) go over shared
-    # memory: the path's delays are what is left of the TTFTs (text 15 - prefill 4 - router 1 - 3,
-    # image 50 - 15 - encoder 20 - prefill 10 - router 2 - the rows' 1 ms)
-    assert got["request_ms"] == pytest.approx(10.0 - 3.0)
-    assert got["image_ms"] == pytest.approx(5.0 - 2.0 - 1.0, abs=1e-3)
+    # memory: the path's delays are what is left of the TTFTs (text 15 - prefill 4 - router 1 - 4,
+    # image 50 - 15 - encoder 20 - prefill 10 - router 3 - the rows' 1 ms)
+    assert got["request_ms"] == pytest.approx(10.0 - 4.0)
+    assert got["image_ms"] == pytest.approx(5.0 - 3.0 - 1.0, abs=1e-3)
+    # the simulator reads a part's figures at the load it runs: along the line between the two,
+    # no further than the loads measured
+    loaded = StageCosts(**{**c.__dict__, "pipeline": {"epd": got}})
+    assert [loaded.cpu_beyond_ms(False, "background", "request_ms", n) for n in (0, 1.67, 2.835, 4, 64)] == [
+        pytest.approx(24.0), pytest.approx(24.0), pytest.approx(22.0), pytest.approx(20.0), pytest.approx(20.0)]
 
 
 def test_a_decode_workers_step_is_the_profiles_scaled_by_how_its_engine_stepped_in_the_run():
@@ -453,3 +463,30 @@ def test_what_a_decode_workers_engine_spent_beyond_the_profiles_step_is_charged_
                              engine_step_crowded=12.0), 448)
     assert (got["step_ms"], got["token_ms"]) == (pytest.approx(2.0), pytest.approx(0.0))
     assert got["background"] == split_of(30.0, 25.0, 2.0)
+
+
+def test_the_host_cpu_beside_the_requests_is_charged_at_the_count_in_flight(monkeypatch):
+    """The CPU beyond the stages was measured at two loads (paced: 8 ms a request; four at once: 2),
+    so a request that arrives while others run is charged along the line between them: four
+    arriving together are charged 8, 6, 4 and 2 ms; the same four a second apart 8 each."""
+    from epd.plan import engine
+
+    charged = []
+    start = engine.Device.start
+
+    def counting(self, work_ms, demand, owner, on_done):
+        if owner == "background":
+            charged.append(work_ms)
+        return start(self, work_ms, demand, owner, on_done)
+    monkeypatch.setattr(engine.Device, "start", counting)
+    points = [{"in_flight": 1.0, "request_ms": 8.0, "image_ms": 0.0, "token_ms": 0.0},
+              {"in_flight": 4, "request_ms": 2.0, "image_ms": 0.0, "token_ms": 0.0}]
+    loaded = StageCosts(**{**costs(encoder_ms=0.0, prefill_ms_per_token=0.5).__dict__,
+                           "pipeline": {"epd": {"background": {**points[0], "points": points}}}})
+    together = [SimRequest(i, 0.0, 16, 1) for i in range(4)]
+    simulate(loaded, Topology(cores=None), together, FREE)
+    assert charged == [pytest.approx(ms) for ms in (8.0, 6.0, 4.0, 2.0)]
+    charged.clear()
+    apart = [SimRequest(i, 1000.0 * i, 16, 1) for i in range(4)]
+    simulate(loaded, Topology(cores=None), apart, FREE)
+    assert charged == [pytest.approx(8.0)] * 4

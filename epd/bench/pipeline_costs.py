@@ -33,7 +33,6 @@ prompt, the encoder's forward, a sampled decode step), as figures a simulator ad
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import statistics
@@ -42,10 +41,11 @@ import time
 from dataclasses import dataclass
 
 from epd.bench.local_server import LocalServer, banner_processes
+from epd.bench.pipeline_client import OUTPUT_TOKENS as _OUTPUT_TOKENS
+from epd.bench.pipeline_client import PipelineClient
 from epd.plan.costs import ENGINE_CROWD, engine_scale
 
 _REQUESTS = 12
-_OUTPUT_TOKENS = 16
 _IDLE_GAPS_S = (0.1, 0.5, 2.0)
 _WAKE_REQUESTS = 4
 _STREAMS = ENGINE_CROWD  # requests at once (the engine's crowded steps are read at it)
@@ -57,79 +57,7 @@ _PAIR_IDLE_S = 0.3  # before each pair of image requests sent at once
 _IDLE_S = 2.0  # how long the idle cluster's own CPU is counted (subtracted from every figure)
 
 
-class _Client:
-    """``epd bench``'s own client (its OpenAI driver, on an event loop of its own), so what is
-    measured here is what a bench run's requests cost, its client's work included. Requests as the
-    bench makes them: no temperature (the API's default 1: sampled), ``max_tokens`` with
-    ``ignore_eos``, token ids in the stream."""
-
-    _PROMPT = "Describe what you see in a few words, please, and be brief."
-
-    def __init__(self, url: str, model: str) -> None:
-        from epd.bench.client import OpenAIDriver
-
-        self.loop = asyncio.new_event_loop()
-        self.driver = OpenAIDriver(url, model=model)
-        self._index = 0
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.driver.aclose())
-        self.loop.run_until_complete(self.loop.shutdown_asyncgens())  # streams left at their [DONE]
-        self.loop.close()
-
-    def one(self, image: bytes | None, max_tokens: int = _OUTPUT_TOKENS) -> tuple[float, float, int]:
-        """-> (TTFT ms, ms per output token after the first, prompt tokens) of one streamed request."""
-        return self.loop.run_until_complete(self._send(image, max_tokens))
-
-    def at_once(self, n: int, images: list[bytes] | None = None,
-                max_tokens: int = _OUTPUT_TOKENS) -> list[tuple[float, float, int]]:
-        """``n`` text requests sent at once, or one per image of ``images``."""
-        async def all_of_them():
-            return await asyncio.gather(*(self._send(image, max_tokens) for image in images or [None] * n))
-        return self.loop.run_until_complete(all_of_them())
-
-    def paced(self, n: int, interval_s: float, images: list[bytes] | None = None,
-              max_tokens: int = _OUTPUT_TOKENS) -> float:
-        """``n`` text requests (or one per image of ``images``), each sent ``interval_s`` after the
-        one before whether or not it finished -> their mean decode batch: how many of them were
-        between their first and last token at once, over the time any was."""
-        async def stream():
-            sent = []
-            for image in images or [None] * n:
-                sent.append(asyncio.ensure_future(self._timed(image, max_tokens)))
-                await asyncio.sleep(interval_s)
-            return await asyncio.gather(*sent)
-        return _mean_overlap([(start + ttft / 1000, start + (ttft + (max_tokens - 1) * tpot) / 1000)
-                              for start, (ttft, tpot, _) in self.loop.run_until_complete(stream())])
-
-    async def _send(self, image: bytes | None, max_tokens: int) -> tuple[float, float, int]:
-        return (await self._timed(image, max_tokens))[1]
-
-    async def _timed(self, image: bytes | None, max_tokens: int) -> tuple[float, tuple[float, float, int]]:
-        """-> (when it was sent, s; (TTFT ms, ms per output token after the first, prompt tokens))."""
-        from epd.bench.client import RequestRecord
-        from epd.bench.workload import RequestSpec
-
-        self._index += 1
-        spec = RequestSpec(self._index, self._PROMPT, [], max_tokens, 0.0, [image] if image is not None else [])
-        record = RequestRecord(index=self._index, rate=0.0, scheduled_s=0.0)
-        start = time.perf_counter()
-        await self.driver.send(spec, record, start)
-        if not record.ok:
-            raise RuntimeError(f"a pipeline request failed: {record.error}")
-        return start, (1000 * record.ttft_s, 1000 * (record.tpot_s or 0.0), record.prompt_tokens or 0)
-
-
-def _mean_overlap(spans: list[tuple[float, float]]) -> float:
-    """How many of ``spans`` (start, end) were open at once on average over the time any was."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(spans):
-        covered += max(end - max(start, reach), 0.0)
-        reach = max(reach, end)
-    return sum(end - start for start, end in spans) / covered if covered > 0 else 1.0
-
-
-def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
+def _after_idle(client: PipelineClient, gap_s: float, picture) -> tuple[float, float]:
     """Median TTFT (text, image) of requests each sent after the cluster idled ``gap_s``."""
     text, image = [], []
     for _ in range(_WAKE_REQUESTS):
@@ -140,7 +68,7 @@ def _after_idle(client: _Client, gap_s: float, picture) -> tuple[float, float]:
     return statistics.median(text), statistics.median(image)
 
 
-def _image_pair_gap_ms(client: _Client, pairs: list[list[bytes]]) -> float:
+def _image_pair_gap_ms(client: PipelineClient, pairs: list[list[bytes]]) -> float:
     """The median time between the first tokens of two image requests sent at once to a cluster
     idle a little while (the second's image waits for the first's batch); ``pairs``: the images,
     made before (a client's own work, not a request's)."""
@@ -152,7 +80,7 @@ def _image_pair_gap_ms(client: _Client, pairs: list[list[bytes]]) -> float:
     return statistics.median(gaps)
 
 
-def _concurrent_ms_per_token(client: _Client) -> float:
+def _concurrent_ms_per_token(client: PipelineClient) -> float:
     """The median time per output token of ``_STREAMS`` text requests sent at once (``_CROWD_ROUNDS`` rounds)."""
     per_token = []
     for _ in range(_CROWD_ROUNDS):
@@ -217,7 +145,7 @@ class Measured:
     # each), and of requests at once: "crowded", "crowded_short", "crowded_image" (those, _STREAMS at
     # once); None where the host has no CPU counters
     cpu: dict | None = None
-    # each paced stream's mean decode batch (``_Client.paced``); 1 where not given
+    # each paced stream's mean decode batch (``PipelineClient.paced``); 1 where not given
     paced_batch: dict | None = None
     engine_in_router: bool = False  # --aggregated: the router's process runs every stage too
     # time per output token of text requests alone, with _OUTPUT_TOKENS and with _SHORT_TOKENS: they
@@ -415,7 +343,7 @@ def decode_metrics_url(lines: list[str]) -> str | None:
     return next((p.metrics_url for p in banner_processes(lines) if p.tier == "decode" and p.metrics_url), None)
 
 
-def _measure_path(pid: int, client: _Client, picture, engine: EngineMeter) -> tuple:
+def _measure_path(pid: int, client: PipelineClient, picture, engine: EngineMeter) -> tuple:
     """One serving path's figures: (text runs, image runs, short text runs, CPU per request, each
     paced stream's mean decode batch, TTFTs after idling, ms per token of _STREAMS streams at once,
     the gap between two images at once, the engine's ms a step alone and crowded)."""
@@ -476,7 +404,7 @@ def measure(model: str, costs, image_px: int = 448, paths: tuple[str, ...] = tup
         command = [sys.executable, "-m", "epd", "serve", "--model", model, "--port", "0", "--grpc-port", "0",
                    "--no-standby", *flags]
         with LocalServer(command, name=f"epd serve {' '.join(flags)}") as serve:
-            client = _Client(serve.url, model)
+            client = PipelineClient(serve.url, model)
             try:
                 engine = EngineMeter(None if flags else decode_metrics_url(serve.lines))
                 text, image, short, cpu, batch, after_idle, crowded_ms, pair_gap_ms, steps = _measure_path(

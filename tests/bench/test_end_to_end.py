@@ -207,10 +207,10 @@ def test_the_profiles_pipeline_client_is_the_bench_driver_and_times_what_it_send
     """``epd profile --pipeline`` sends its requests through ``epd bench``'s own driver, as a bench
     run does (no temperature: the API's default, sampled), and reads TTFT and time per token the
     way the bench does."""
-    from epd.bench.pipeline_costs import _Client
+    from epd.bench.pipeline_client import PipelineClient
 
     core, url, _ = fake
-    client = _Client(url, core.model_name)
+    client = PipelineClient(url, core.model_name)
     try:
         ttft_ms, per_token_ms, prompt_tokens = client.one(None, max_tokens=6)
         assert FIRST_DELAY_S * 1000 <= ttft_ms < FIRST_DELAY_S * 1000 + 200
@@ -227,12 +227,12 @@ def test_the_profiles_paced_streams_send_on_time_and_say_how_many_decoded_at_onc
     read from when each one's first and last tokens came. Requests of 6 tokens decode for 5 x 5 ms:
     sent every 12.5 ms, four of them overlap by half (100 ms of decoding over 62.5: 1.6 at once);
     sent every 200 ms, one at a time (1.0). Sent one after another, they would never overlap."""
-    from epd.bench.pipeline_costs import _Client, _mean_overlap
+    from epd.bench.pipeline_client import PipelineClient, mean_overlap
 
-    assert _mean_overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(5.0 / 4.0)
-    assert _mean_overlap([]) == 1.0
+    assert mean_overlap([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0)]) == pytest.approx(5.0 / 4.0)
+    assert mean_overlap([]) == 1.0
     core, url, _ = fake
-    client = _Client(url, core.model_name)
+    client = PipelineClient(url, core.model_name)
     try:
         client.one(None, max_tokens=6)  # the driver's connection made
         assert 1.3 < client.paced(4, 2.5 * ITL_S, max_tokens=6) < 2.0

@@ -88,6 +88,7 @@ class Router:
         # a streamed token's work beside the tiers: the profile's measured figure, else the setting
         self._path_ms_per_token = costs.path_ms(aggregated, "token_ms") or settings.router_ms_per_token
         self.in_flight = 0  # requests arrived and not finished: what the CPU beyond the stages depends on
+        self._token_ms_at: dict[int, tuple[float, float]] = {}
         self._jobs: deque = deque()
         self._busy = False
         self._idle_since_ms = 0.0
@@ -124,11 +125,19 @@ class Router:
         def emit() -> None:
             for request in requests:
                 request.token_ms.append(self.clock.now_ms)
-        costs, load = self.costs, self.in_flight
-        ms_per_token = self._path_ms_per_token + costs.cpu_beyond_ms(self.aggregated, "router", "token_ms", load)
-        self.handle(ms_per_token * len(requests), emit)
-        self.background(costs.host_cpu_ms(self.aggregated, "token_ms", self.settings.client_on_host, load)
-                        * len(requests))
+        on_loop_ms, beside_ms = self._token_ms(self.in_flight)
+        self.handle(on_loop_ms * len(requests), emit)
+        self.background(beside_ms * len(requests))
+
+    def _token_ms(self, in_flight: int) -> tuple[float, float]:
+        """A streamed token's work (on the router's loop, beside it) at ``in_flight`` requests: read
+        once a count, since every simulated step asks."""
+        if in_flight not in self._token_ms_at:
+            costs, aggregated = self.costs, self.aggregated
+            self._token_ms_at[in_flight] = (
+                self._path_ms_per_token + costs.cpu_beyond_ms(aggregated, "router", "token_ms", in_flight),
+                costs.host_cpu_ms(aggregated, "token_ms", self.settings.client_on_host, in_flight))
+        return self._token_ms_at[in_flight]
 
     def background(self, work_ms: float) -> None:
         """CPU on the host that no request waits for (``host_cpu_ms``)."""
